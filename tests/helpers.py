@@ -1,0 +1,95 @@
+"""Shared pieces of the registry-wide tests: cases, inputs and the error measure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import variants
+from variants import AttentionVariant, Workload
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call shape and mask combination."""
+
+    id: str
+    b: int = 2
+    h: int = 3
+    nq: int = 24
+    nk: int = 24
+    d: int = 8
+    dv: int = 8
+    causal: bool = False
+    padding: bool = False
+    mask: bool = False
+
+
+CASES = [
+    Case("plain"),
+    Case("causal", causal=True),
+    Case("padding", padding=True),
+    Case("causal_padding", causal=True, padding=True),
+    Case("attn_mask", mask=True),
+    Case("cross", nq=16, nk=24, dv=6),
+    Case("cross_padding", nq=12, nk=24, padding=True),
+]
+
+
+def variant_params() -> list[tuple[str, dict]]:
+    """(name, knobs) for every registered variant and each of its example knob sets."""
+    return [(n, dict(kn)) for n in variants.available() for kn in variants.get(n).example_knobs]
+
+
+def param_id(p: tuple[str, dict]) -> str:
+    name, knobs = p
+    return name + "".join(f"-{k}={v}" for k, v in knobs.items())
+
+
+def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(case.b, case.h, case.nq, case.d, generator=g, dtype=torch.float64)
+    k = torch.randn(case.b, case.h, case.nk, case.d, generator=g, dtype=torch.float64)
+    v = torch.randn(case.b, case.h, case.nk, case.dv, generator=g, dtype=torch.float64)
+    q, k, v = (t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
+    kpm = None
+    if case.padding:
+        kpm = torch.ones(case.b, case.nk, dtype=torch.bool)
+        kpm[-1, case.nk - 5 :] = False  # the last sequence has 5 padded keys
+    am = None
+    if case.mask:
+        am = torch.rand(case.b, case.h, case.nq, case.nk, generator=g) > 0.3
+    return q, k, v, dict(causal=case.causal, key_padding_mask=kpm, attn_mask=am)
+
+
+def build(name: str, knobs: dict, case: Case) -> AttentionVariant:
+    torch.manual_seed(1)  # learned variants get the same parameters in every test
+    return variants.build(name, heads=case.h, head_dim=case.d, **knobs)
+
+
+def workload(case: Case, dtype=torch.float32, backward=False) -> Workload:
+    return Workload(
+        batch=case.b, heads=case.h, nq=case.nq, nk=case.nk, head_dim=case.d, v_head_dim=case.dv,
+        device="cpu", dtype=dtype, causal=case.causal, key_padding=case.padding,
+        attn_mask=case.mask, backward=backward,
+    )
+
+
+def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
+    """What the class-level facts alone say about ``w`` (the tests' independent expectation)."""
+    return (
+        w.device in cls.devices
+        and w.dtype in cls.dtypes
+        and (not w.causal or (cls.supports_causal and w.nq == w.nk))
+        and (not w.key_padding or cls.supports_key_padding)
+        and (not w.attn_mask or cls.supports_attn_mask)
+        and (w.nq == w.nk or cls.supports_cross)
+        and (not w.backward or w.device in cls.backward_devices)
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error divided by the reference output's scale (its max abs value)."""
+    scale = ref.abs().max().clamp_min(1e-12)
+    return float((out.double() - ref).abs().max() / scale)

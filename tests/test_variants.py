@@ -1,0 +1,182 @@
+"""Registry-wide correctness tests: every registered variant is checked against the float64 oracle.
+
+A new variant (built-in or third-party) is covered with no edit here; its ``example_knobs`` give it a
+non-trivial pattern at these small sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import variants
+from variants import Unsupported, full_attention_reference, oracle
+
+from .helpers import CASES, build, flags_allow, make_inputs, param_id, rel_err, variant_params, workload
+
+PARAMS = variant_params()
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_forward_matches_oracle_fp32(vp, case):
+    name, knobs = vp
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case)
+    w = workload(case)
+    if not flags_allow(type(attn), w):
+        with pytest.raises(Unsupported):
+            attn(q, k, v, **kw)
+        return
+    out = attn(q, k, v, **kw)
+    assert out.shape == (case.b, case.h, case.nq, case.dv)
+    assert out.dtype == q.dtype
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c.id)
+def test_low_precision_error_within_2x_sdpa_math(vp, dtype, case):
+    name, knobs = vp
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case, dtype=dtype)
+    if not flags_allow(type(attn), workload(case, dtype)):
+        with pytest.raises(Unsupported):
+            attn(q, k, v, **kw)
+        return
+    err = rel_err(attn(q, k, v, **kw), oracle(attn, q, k, v, **kw))
+    math = variants.build("sdpa", backend="math")
+    math_err = rel_err(math(q, k, v, **kw), full_attention_reference(q, k, v, **kw))
+    # one unit of rounding of the output is the floor: below it both errors are noise
+    floor = torch.finfo(dtype).eps
+    assert err <= max(2 * math_err, floor), f"{name} {dtype}: {err:.3g} vs sdpa-math {math_err:.3g}"
+
+
+def _grads(attn, q, k, v, kw, fn):
+    out = fn(q, k, v)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    params = [p for p in attn.parameters() if p.requires_grad]
+    return torch.autograd.grad(out, [q, k, v, *params], g.to(out.dtype), allow_unused=True)
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4], CASES[5]], ids=lambda c: c.id)
+def test_gradients_match_oracle_fp32(vp, case):
+    name, knobs = vp
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case, requires_grad=True)
+    if not flags_allow(type(attn), workload(case, backward=True)):
+        with pytest.raises(Unsupported):
+            attn(q, k, v, **kw).sum().backward()
+        return
+    got = _grads(attn, q, k, v, kw, lambda a, b, c: attn(a, b, c, **kw))
+    want = _grads(attn, q, k, v, kw, lambda a, b, c: oracle(attn, a, b, c, **kw))
+    for gg, ww in zip(got, want, strict=True):
+        assert (gg is None) == (ww is None)
+        if gg is not None:
+            assert rel_err(gg, ww) <= 1e-4
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_gradcheck_float64(vp):
+    name, knobs = vp
+    from .helpers import Case
+
+    case = Case("tiny", b=1, h=2, nq=12, nk=12, d=3, dv=2, causal=True, padding=True)
+    attn = build(name, knobs, case).double()
+    q, k, v, kw = make_inputs(case, dtype=torch.float64, requires_grad=True)
+    if not flags_allow(type(attn), workload(case, torch.float64, backward=True)):
+        pytest.skip(f"{name}: no float64 backward on cpu by its declared capabilities")
+    assert torch.autograd.gradcheck(lambda a, b, c: attn(a, b, c, **kw), (q, k, v), atol=1e-6)
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_fully_masked_rows_are_zero_with_finite_grads(vp):
+    name, knobs = vp
+    from .helpers import Case
+
+    case = Case("empty", padding=True)
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case, requires_grad=True)
+    kw["key_padding_mask"][0] = False  # batch element 0 has no real key at all
+    cls = type(attn)
+    if not flags_allow(cls, workload(case, backward=True)):
+        with pytest.raises(Unsupported):
+            attn(q, k, v, **kw)
+        return
+    out = attn(q, k, v, **kw)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isfinite(out).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_fully_masked_rows_from_attn_mask(vp):
+    name, knobs = vp
+    case = CASES[4]
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case)
+    kw["attn_mask"][:, :, 3] = False  # query 3 sees nothing in every batch and head
+    if not flags_allow(type(attn), workload(case)):
+        pytest.skip(f"{name} declares no arbitrary-mask support (checked in test_forward)")
+    out = attn(q, k, v, **kw)
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_causal_does_not_leak_the_future(vp):
+    name, knobs = vp
+    case = CASES[1]
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case)
+    if not flags_allow(type(attn), workload(case)):
+        pytest.skip(f"{name} declares no causal support (checked in test_forward)")
+    t = 13
+    out = attn(q, k, v, **kw)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, t:] += 3.0
+    v2[:, :, t:] -= 5.0
+    out2 = attn(q, k2, v2, **kw)
+    assert torch.equal(out[:, :, :t], out2[:, :, :t])
+    assert not torch.equal(out[:, :, t:], out2[:, :, t:])  # the change is visible where it may be
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_pattern_and_flops_are_consistent(vp):
+    name, knobs = vp
+    attn = build(name, knobs, CASES[0])
+    for nq, nk, causal in [(24, 24, False), (24, 24, True), (16, 24, False)]:
+        pat = attn.pattern(nq, nk, causal)
+        assert pat.shape == (nq, nk) and pat.dtype == torch.bool
+        if causal:
+            assert not pat.triu(1).any(), "a causal pattern has no pair above the diagonal"
+    w = workload(CASES[0])
+    # the analytic count must agree with the pattern it describes
+    assert attn.num_pairs(24, 24, False) == int(attn.pattern(24, 24, False).sum()) or not attn.exact
+    assert attn.flops(w, "fwd_bwd") == int(attn.flops(w) * 3.5)
+
+
+def test_unknown_variant_lists_known_names():
+    with pytest.raises(variants.UnknownVariant) as e:
+        variants.get("nope")
+    for n in variants.available():
+        assert n in str(e.value)
+
+
+def test_unknown_knob_is_a_clear_error():
+    with pytest.raises(TypeError, match="no knob"):
+        variants.build("naive", window=3)
+
+
+def test_causal_with_cross_is_unsupported_everywhere():
+    case = CASES[5]
+    for name, knobs in PARAMS:
+        attn = build(name, knobs, case)
+        q, k, v, _ = make_inputs(case)
+        with pytest.raises(Unsupported):
+            attn(q, k, v, causal=True)

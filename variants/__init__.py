@@ -1,0 +1,27 @@
+"""Attention variants behind one interface, and the registry that names them.
+
+>>> import variants
+>>> variants.available()            # every registered name
+>>> attn = variants.build("local_window", window=64)
+>>> out = attn(q, k, v, causal=True)  # q, k, v: (B, H, N, D)
+"""
+
+from . import chunked, naive, sdpa  # noqa: F401  (importing registers the built-in variants)
+from .base import AttentionVariant, Unsupported, Workload
+from .reference import full_attention_reference, oracle, reference_attention
+from .registry import ENTRY_POINT_GROUP, UnknownVariant, available, build, get, register
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "AttentionVariant",
+    "UnknownVariant",
+    "Unsupported",
+    "Workload",
+    "available",
+    "build",
+    "full_attention_reference",
+    "get",
+    "oracle",
+    "reference_attention",
+    "register",
+]

@@ -1,0 +1,102 @@
+"""Name -> variant class registry, filled by ``@register`` and by third-party entry points.
+
+Third-party packages add variants without editing this repo by declaring, in their own
+``pyproject.toml``::
+
+    [project.entry-points."attnbench.variants"]
+    my_attention = "my_package.my_module"          # a module whose import runs @register
+    # or  my_attention = "my_package.my_module:MyAttention"   # a class; registered under the key
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import warnings
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from .base import AttentionVariant
+
+ENTRY_POINT_GROUP = "attnbench.variants"
+
+_REGISTRY: dict[str, type[AttentionVariant]] = {}
+_entry_points_loaded = False
+
+
+class UnknownVariant(KeyError):
+    """Asked for a name nobody registered; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+def register(name: str) -> Callable[[type[AttentionVariant]], type[AttentionVariant]]:
+    """Class decorator: register an :class:`AttentionVariant` subclass under ``name``."""
+
+    def deco(cls: type[AttentionVariant]) -> type[AttentionVariant]:
+        if not (isinstance(cls, type) and issubclass(cls, AttentionVariant)):
+            raise TypeError(f"@register('{name}') needs an AttentionVariant subclass, got {cls!r}")
+        old = _REGISTRY.get(name)
+        if old is not None and old.__qualname__ != cls.__qualname__:
+            raise ValueError(f"variant name '{name}' is already taken by {old.__module__}.{old.__qualname__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def unregister(name: str) -> None:
+    """Remove ``name`` (for tests that register a throw-away variant)."""
+    _REGISTRY.pop(name, None)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+        except Exception as exc:  # a broken plugin must not take the suite down
+            warnings.warn(f"could not load attention variant plugin '{ep.name}' ({ep.value}): {exc}")
+            continue
+        if isinstance(obj, type) and issubclass(obj, AttentionVariant) and ep.name not in _REGISTRY:
+            register(ep.name)(obj)
+
+
+def available(pattern: str = "*") -> list[str]:
+    """Sorted registered names matching the glob ``pattern`` (entry points included)."""
+    _load_entry_points()
+    return sorted(n for n in _REGISTRY if fnmatch.fnmatchcase(n, pattern))
+
+
+def get(name: str) -> type[AttentionVariant]:
+    """The class registered as ``name``; :class:`UnknownVariant` lists the known names."""
+    _load_entry_points()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(available())
+        raise UnknownVariant(f"unknown attention variant '{name}'; known variants: {known}") from None
+
+
+def build(name: str, **knobs: object) -> AttentionVariant:
+    """Instantiate variant ``name`` with its knobs.
+
+    Knobs the constructor does not take are dropped only if they are the shape hints ``heads`` and
+    ``head_dim`` (which learned variants need); any other unknown knob is an error.
+    """
+    cls = get(name)
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for hint in ("heads", "head_dim"):
+        if hint in knobs and hint not in params and not takes_any:
+            knobs.pop(hint)
+    unknown = [k for k in knobs if k not in params and not takes_any]
+    if unknown:
+        accepted = [p for p in params if p != "self"]
+        raise TypeError(f"variant '{name}' has no knob(s) {unknown}; it takes {accepted}")
+    return cls(**knobs)

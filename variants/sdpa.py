@@ -1,0 +1,126 @@
+"""``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a pinned backend.
+
+``backend='auto'`` lets PyTorch choose; any other value pins one backend with
+``torch.nn.attention.sdpa_kernel`` and a backend that cannot run is :class:`Unsupported`, never a
+silent fallback. After a call, :attr:`SDPAAttention.backend_ran` names the kernel that actually ran.
+Time ``O(B H Nq Nk D)``; memory ``O(B H Nq Nk)`` for math, ``O(B H N D)`` for the fused kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .base import AttentionVariant, Unsupported, Workload
+from .masks import combined_mask, empty_rows
+from .registry import register
+
+BACKENDS = {
+    "math": SDPBackend.MATH,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+
+# aten op name -> backend it belongs to, for reporting what ran under 'auto'
+_KERNEL_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "flash",
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+
+
+class _KernelSpy(TorchDispatchMode):
+    """Records which fused SDPA kernel (if any) the dispatcher ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in _KERNEL_OPS and self.seen is None:
+            self.seen = _KERNEL_OPS[name]
+        return func(*args, **(kwargs or {}))
+
+
+@register("sdpa")
+class SDPAAttention(AttentionVariant):
+    """PyTorch's fused attention entry point; ``backend`` in auto, math, flash, efficient, cudnn."""
+
+    def __init__(self, backend: str = "auto") -> None:
+        super().__init__()
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"sdpa backend must be one of auto, {', '.join(BACKENDS)}; got '{backend}'")
+        self.backend = backend
+        self.backend_ran: str | None = None
+
+    def knobs(self) -> dict[str, object]:
+        return {"backend": self.backend}
+
+    def check(self, w: Workload) -> None:
+        super().check(w)
+        b = self.backend
+        if b in ("flash", "efficient", "cudnn") and w.device == "cpu":
+            # on the CPU only 'flash' exists (a fused CPU kernel); the others are CUDA-only
+            if b != "flash":
+                raise Unsupported(f"sdpa backend '{b}' is CUDA-only; device is cpu")
+        if b == "flash" and (w.key_padding or w.attn_mask):
+            raise Unsupported("sdpa backend 'flash' does not take a mask (only causal)")
+        if b == "flash" and w.device == "cuda" and w.dtype not in (torch.float16, torch.bfloat16):
+            raise Unsupported("sdpa backend 'flash' on CUDA needs fp16 or bf16")
+        if b == "flash" and w.head_dim != w.v_head_dim:
+            raise Unsupported("sdpa backend 'flash' needs equal q/k and v head sizes")
+        if b == "cudnn" and w.dtype not in (torch.float16, torch.bfloat16):
+            raise Unsupported("sdpa backend 'cudnn' needs fp16 or bf16")
+        if b == "efficient" and w.dtype == torch.float64:
+            raise Unsupported("sdpa backend 'efficient' does not support float64")
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        mask = None
+        if key_padding_mask is not None or attn_mask is not None:
+            mask = combined_mask(
+                q.shape[0], q.shape[2], k.shape[2], causal=causal,
+                key_padding_mask=key_padding_mask, attn_mask=attn_mask, device=q.device,
+            )  # (B|1, H|1, Nq, Nk)
+        empty = empty_rows(mask)
+        if empty is not None:
+            # SDPA returns NaN on rows that see no key: let them see key 0, then zero them out,
+            # which also zeroes their gradient (DESIGN: empty rows give zeros, never NaN).
+            first = torch.zeros_like(mask)
+            first[..., 0] = True
+            mask = mask | (empty & first)
+        use_causal = causal and mask is None
+        spy = _KernelSpy() if self.backend_ran is None or self.backend == "auto" else None
+        try:
+            with self._backend_context():
+                if spy is not None:
+                    with spy:
+                        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=use_causal)
+                else:
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=use_causal)
+        except RuntimeError as exc:
+            if self.backend != "auto" and "No available kernel" in str(exc):
+                raise Unsupported(
+                    f"sdpa backend '{self.backend}' cannot run this input: {str(exc).splitlines()[0]}"
+                ) from None
+            raise
+        if spy is not None:
+            self.backend_ran = spy.seen or "math"
+        if empty is not None:
+            out = out.masked_fill(empty, 0.0)
+        return out
+
+    def _backend_context(self):
+        if self.backend == "auto":
+            return sdpa_kernel(list(BACKENDS.values()))
+        return sdpa_kernel(BACKENDS[self.backend])
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d["backend_ran"] = self.backend_ran
+        return d
