@@ -70,9 +70,18 @@ def build(name: str, knobs: dict, case: Case) -> AttentionVariant:
 
 def workload(case: Case, dtype=torch.float32, backward=False) -> Workload:
     return Workload(
-        batch=case.b, heads=case.h, nq=case.nq, nk=case.nk, head_dim=case.d, v_head_dim=case.dv,
-        device="cpu", dtype=dtype, causal=case.causal, key_padding=case.padding,
-        attn_mask=case.mask, backward=backward,
+        batch=case.b,
+        heads=case.h,
+        nq=case.nq,
+        nk=case.nk,
+        head_dim=case.d,
+        v_head_dim=case.dv,
+        device="cpu",
+        dtype=dtype,
+        causal=case.causal,
+        key_padding=case.padding,
+        attn_mask=case.mask,
+        backward=backward,
     )
 
 

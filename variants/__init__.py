@@ -6,7 +6,16 @@
 >>> out = attn(q, k, v, causal=True)  # q, k, v: (B, H, N, D)
 """
 
-from . import chunked, naive, sdpa  # noqa: F401  (importing registers the built-in variants)
+from importlib import import_module
+
+# importing a module runs its @register; one module per built-in variant
+BUILTIN_MODULES = (
+    "naive",
+    "sdpa",
+    "chunked",
+)
+for _m in BUILTIN_MODULES:
+    import_module(f"{__name__}.{_m}")
 from .base import AttentionVariant, Unsupported, Workload
 from .reference import full_attention_reference, oracle, reference_attention
 from .registry import ENTRY_POINT_GROUP, UnknownVariant, available, build, get, register

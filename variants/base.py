@@ -61,8 +61,7 @@ class Workload:
             raise ValueError(f"v {tuple(v.shape)} does not match k {tuple(k.shape)} in B, H or N")
         if key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, k.shape[2]):
             raise ValueError(
-                f"key_padding_mask must be (B, Nk) = {(b, k.shape[2])}, "
-                f"got {tuple(key_padding_mask.shape)}"
+                f"key_padding_mask must be (B, Nk) = {(b, k.shape[2])}, got {tuple(key_padding_mask.shape)}"
             )
         if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
             raise ValueError("key_padding_mask must be boolean (True = real key)")
@@ -80,8 +79,7 @@ class Workload:
             causal=causal,
             key_padding=key_padding_mask is not None,
             attn_mask=attn_mask is not None,
-            backward=torch.is_grad_enabled()
-            and any(t.requires_grad for t in (q, k, v)),
+            backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         )
 
 
@@ -149,9 +147,7 @@ class AttentionVariant(nn.Module):
         """Attend ``q (B,H,Nq,D)`` to ``k (B,H,Nk,D)``, ``v (B,H,Nk,Dv)``; returns ``(B,H,Nq,Dv)``."""
         w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
         self.check(w)
-        return self._attend(
-            q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask
-        )
+        return self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
 
     def _attend(
         self,

@@ -70,7 +70,9 @@ class ChunkedAttention(AttentionVariant):
     def __init__(self, query_chunk: int = 1024, key_chunk: int = 1024) -> None:
         super().__init__()
         if query_chunk < 1 or key_chunk < 1:
-            raise ValueError(f"chunk sizes must be >= 1, got query_chunk={query_chunk}, key_chunk={key_chunk}")
+            raise ValueError(
+                f"chunk sizes must be >= 1, got query_chunk={query_chunk}, key_chunk={key_chunk}"
+            )
         self.query_chunk = query_chunk
         self.key_chunk = key_chunk
 

@@ -84,8 +84,13 @@ class SDPAAttention(AttentionVariant):
         mask = None
         if key_padding_mask is not None or attn_mask is not None:
             mask = combined_mask(
-                q.shape[0], q.shape[2], k.shape[2], causal=causal,
-                key_padding_mask=key_padding_mask, attn_mask=attn_mask, device=q.device,
+                q.shape[0],
+                q.shape[2],
+                k.shape[2],
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                attn_mask=attn_mask,
+                device=q.device,
             )  # (B|1, H|1, Nq, Nk)
         empty = empty_rows(mask)
         if empty is not None:
