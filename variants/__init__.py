@@ -8,6 +8,10 @@
 
 from importlib import import_module
 
+from .base import AttentionVariant, Unsupported, Workload
+from .reference import full_attention_reference, oracle, reference_attention
+from .registry import ENTRY_POINT_GROUP, UnknownVariant, available, build, get, register
+
 # importing a module runs its @register; one module per built-in variant
 BUILTIN_MODULES = (
     "naive",
@@ -16,9 +20,6 @@ BUILTIN_MODULES = (
 )
 for _m in BUILTIN_MODULES:
     import_module(f"{__name__}.{_m}")
-from .base import AttentionVariant, Unsupported, Workload
-from .reference import full_attention_reference, oracle, reference_attention
-from .registry import ENTRY_POINT_GROUP, UnknownVariant, available, build, get, register
 
 __all__ = [
     "ENTRY_POINT_GROUP",

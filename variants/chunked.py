@@ -26,7 +26,7 @@ def _query_chunk(
     k_chunk: int,
     causal: bool,
 ) -> torch.Tensor:
-    """Attention of ``q (B,H,cq,D)`` (rows ``q_start...``) over all of ``k``/``v``; returns ``(B,H,cq,Dv)``."""
+    """Attention of ``q (B,H,cq,D)`` (rows from ``q_start``) over all ``k``, ``v``: ``(B,H,cq,Dv)``."""
     b, h, cq, _ = q.shape
     nk = k.shape[2]
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
