@@ -17,6 +17,10 @@ BUILTIN_MODULES = (
     "naive",
     "sdpa",
     "chunked",
+    "local_window",
+    "sparse",
+    "axial",
+    "additive",
 )
 for _m in BUILTIN_MODULES:
     import_module(f"{__name__}.{_m}")

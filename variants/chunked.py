@@ -67,7 +67,7 @@ class ChunkedAttention(AttentionVariant):
 
     example_knobs = ({"query_chunk": 5, "key_chunk": 7},)
 
-    def __init__(self, query_chunk: int = 1024, key_chunk: int = 1024) -> None:
+    def __init__(self, query_chunk: int = 512, key_chunk: int = 512) -> None:
         super().__init__()
         if query_chunk < 1 or key_chunk < 1:
             raise ValueError(

@@ -31,6 +31,13 @@ def reference_attention(
     return p @ v.double()
 
 
+def _rows_of(mask: torch.Tensor | None, rows: torch.Tensor | None, nq: int) -> torch.Tensor | None:
+    """``mask`` restricted to query ``rows`` (when it has a query dimension)."""
+    if mask is None or rows is None or mask.dim() < 2 or mask.shape[-2] != nq:
+        return mask
+    return mask[..., rows, :]
+
+
 def oracle(
     variant: AttentionVariant,
     q: torch.Tensor,
@@ -40,23 +47,27 @@ def oracle(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
 
-    A variant that is not a restricted softmax (``axial``: rows then columns) defines
-    ``oracle_forward`` built from :func:`reference_attention`.
+    ``rows`` (1-D indices) limits the result to those query rows, ``(B, H, len(rows), Dv)``, so long
+    sequences can be checked in ``O(rows * Nk)``. A variant that is not a restricted softmax
+    (``axial``: rows then columns) defines ``oracle_forward`` built from :func:`reference_attention`.
     """
     custom = getattr(variant, "oracle_forward", None)
     if custom is not None:
-        return custom(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        out = custom(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        return out if rows is None else out[:, :, rows]
     nq, nk = q.shape[2], k.shape[2]
-    allowed = variant.pattern(nq, nk, causal).to(q.device)[None, None]  # (1, 1, Nq, Nk)
-    extra = combined_mask(
-        q.shape[0], nq, nk, key_padding_mask=key_padding_mask, attn_mask=attn_mask, device=q.device
-    )
-    if extra is not None:
-        allowed = allowed & extra
-    return reference_attention(q, k, v, allowed=allowed, scores=variant.reference_scores(q, k))
+    allowed = variant.pattern(nq, nk, causal).to(q.device)  # (Nq, Nk)
+    allowed = _rows_of(allowed, rows, nq)[None, None]  # (1, 1, R, Nk)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, R, Nk)
+    if attn_mask is not None:
+        allowed = allowed & _rows_of(attn_mask.to(q.device), rows, nq)
+    q_rows = q if rows is None else q[:, :, rows]
+    return reference_attention(q_rows, k, v, allowed=allowed, scores=variant.reference_scores(q_rows, k))
 
 
 def full_attention_reference(
@@ -67,15 +78,18 @@ def full_attention_reference(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float64 full (exact) softmax attention with the call's masks: what approximations deviate from."""
+    """Float64 full softmax attention with the call's masks (what approximations deviate from).
+
+    ``rows`` limits the result to those query rows, as in :func:`oracle`.
+    """
+    nq, nk = q.shape[2], k.shape[2]
     allowed = combined_mask(
-        q.shape[0],
-        q.shape[2],
-        k.shape[2],
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        attn_mask=attn_mask,
-        device=q.device,
+        q.shape[0], nq, nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
     )
-    return reference_attention(q, k, v, allowed=allowed)
+    allowed = _rows_of(allowed, rows, nq)
+    if attn_mask is not None:
+        am = _rows_of(attn_mask.to(q.device), rows, nq)
+        allowed = am if allowed is None else allowed & am
+    return reference_attention(q if rows is None else q[:, :, rows], k, v, allowed=allowed)

@@ -61,7 +61,9 @@ def _load_entry_points() -> None:
         try:
             obj = ep.load()
         except Exception as exc:  # a broken plugin must not take the suite down
-            warnings.warn(f"could not load attention variant plugin '{ep.name}' ({ep.value}): {exc}", stacklevel=2)
+            warnings.warn(
+                f"could not load attention variant plugin '{ep.name}' ({ep.value}): {exc}", stacklevel=2
+            )
             continue
         if isinstance(obj, type) and issubclass(obj, AttentionVariant) and ep.name not in _REGISTRY:
             register(ep.name)(obj)

@@ -1,0 +1,93 @@
+"""Numerical error of a variant against the float64 oracle (its own pattern) and full attention.
+
+Errors are max and mean absolute error plus the reference's scale (max absolute value), so a reader
+can judge them relative to the output. For long sequences only a subset of query rows is checked:
+the oracle is O(Nq * Nk) float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from variants import AttentionVariant, full_attention_reference, oracle
+
+# relative error (max abs error / output scale) above which a result is called wrong
+TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.bfloat16: 5e-2,
+    torch.float16: 1e-2,
+}
+
+
+def error_stats(out: torch.Tensor, ref: torch.Tensor, prefix: str) -> dict[str, float]:
+    """``{prefix}_max_err``, ``_mean_err``, ``_scale`` and ``_rel_err`` of ``out`` against ``ref``."""
+    diff = (out.double() - ref.double()).abs()
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    mx = float(diff.max()) if diff.numel() else 0.0
+    return {
+        f"{prefix}_max_err": mx,
+        f"{prefix}_mean_err": float(diff.mean()) if diff.numel() else 0.0,
+        f"{prefix}_scale": scale,
+        f"{prefix}_rel_err": mx / scale if scale > 0 else mx,
+    }
+
+
+def check_rows(nq: int, limit: int) -> torch.Tensor | None:
+    """Evenly spaced query rows to check (first and last included), or None for all of them."""
+    if nq <= limit:
+        return None
+    return torch.linspace(0, nq - 1, limit).round().long().unique()
+
+
+def output_accuracy(
+    variant: AttentionVariant,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    kw: dict[str, object],
+    max_rows: int = 256,
+) -> dict[str, object]:
+    """Error of ``out`` (the variant's output on q, k, v) against the oracle, on up to ``max_rows`` rows.
+
+    For approximate variants also the deviation from full attention on the same inputs.
+    """
+    rows = check_rows(q.shape[2], max_rows)
+    with torch.no_grad():
+        q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+        ref = oracle(variant, q64, k64, v64, rows=rows, **kw)
+        got = out.detach() if rows is None else out.detach()[:, :, rows.to(out.device)]
+        stats: dict[str, object] = error_stats(got, ref, "out")
+        stats["checked_rows"] = int(q.shape[2] if rows is None else rows.numel())
+        if not variant.exact:
+            full = full_attention_reference(q64, k64, v64, rows=rows, **kw)
+            stats.update(error_stats(got, full, "dev_full"))
+    return stats
+
+
+def gradient_accuracy(
+    variant: AttentionVariant,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grads: tuple[torch.Tensor, ...],
+    grad_out: torch.Tensor,
+    kw: dict[str, object],
+) -> dict[str, object]:
+    """Error of the variant's gradients w.r.t. q, k, v against the oracle's (full oracle: small sizes)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = oracle(variant, q64, k64, v64, **kw)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
+    stats: dict[str, object] = {}
+    worst = 0.0
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        s = error_stats(g, r, f"grad_{name}")
+        stats.update(s)
+        worst = max(worst, s[f"grad_{name}_rel_err"])
+    stats["grad_rel_err"] = worst
+    return stats
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCE.get(dtype, 1e-4)

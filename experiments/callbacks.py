@@ -1,0 +1,55 @@
+"""Hydra callbacks: a progress bar over the sweep and the report at its end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+def manifest_records(sweep_dir: Path) -> list[Path]:
+    """Record paths listed in a sweep's manifest (skipped jobs point at their older record)."""
+    path = sweep_dir / "manifest.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(Path(json.loads(line)["record"]))
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return out
+
+
+class SweepCallback(Callback):
+    """Progress over a multirun (terminal only) and, at its end, the report of its records."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from tqdm import tqdm
+
+        # tqdm draws only on a terminal: no bar in logs or CI
+        self.bar = tqdm(desc="sweep", unit="job", disable=not sys.stderr.isatty(), leave=False)
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        sweep_dir = Path(config.hydra.sweep.dir)
+        records = manifest_records(sweep_dir)
+        print(f"\nsweep finished: {len(records)} job(s); records listed in {sweep_dir / 'manifest.jsonl'}")
+        if config.get("report", True) and records:
+            try:
+                from .report import report_paths
+            except ImportError:
+                return
+            report_paths(records, out_dir=sweep_dir / "report")

@@ -1,0 +1,104 @@
+"""What machine and software a record was measured on, so records from many machines can merge."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+@functools.cache
+def code_version() -> str:
+    """Hash of the measuring and measured code (variants/ and experiments/ sources).
+
+    A record is reused on resume only if it was made by the same code, whether or not git is there.
+    """
+    h = hashlib.sha256()
+    for pkg in ("variants", "experiments"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            h.update(f.relative_to(ROOT).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def gpu_info() -> dict[str, object]:
+    """Name, memory and driver of GPU 0, or an empty dict without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    props = torch.cuda.get_device_properties(0)
+    info: dict[str, object] = {
+        "gpu_name": props.name,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "gpu_capability": f"{props.major}.{props.minor}",
+    }
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )
+        info["gpu_driver"] = out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        info["gpu_driver"] = None
+    return info
+
+
+@functools.cache
+def _static_environment() -> dict[str, object]:
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "xformers": _version("xformers"),
+        "hydra": _version("hydra-core"),
+        "git_commit": _git("rev-parse", "--short=12", "HEAD"),
+        "git_dirty": None if dirty is None else bool(dirty),
+        "code_version": code_version(),
+    }
+
+
+def environment() -> dict[str, object]:
+    """The machine and library versions, plus the current thread count and GPU."""
+    env = dict(_static_environment())
+    env["threads"] = torch.get_num_threads()
+    env.update(gpu_info())
+    return env

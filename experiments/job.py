@@ -1,0 +1,201 @@
+"""One measurement job: build the variant and inputs, check correctness, time it, measure memory.
+
+``measure(cfg)`` never raises: whatever happens becomes a status (DESIGN.md: ok, unsupported,
+unavailable, oom, nan, error; the parent adds killed and timeout). ``cfg`` is the resolved job
+config as a plain dict (see conf/config.yaml for the fields).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from variants import AttentionVariant, Unsupported, Workload
+
+from .accuracy import gradient_accuracy, output_accuracy, tolerance
+from .inputs import DTYPES, make_inputs
+from .memory import peak_bytes
+from .timing import Timing, time_call, time_cuda_graph
+
+# above this many float64 bytes, the gradient check (which needs the whole oracle) is skipped
+GRAD_ORACLE_BYTES = 256 * 2**20
+# above this, even the row-subset output check is skipped (only ``oracle_forward`` variants get there)
+FULL_ORACLE_BYTES = 2 * 2**30
+
+
+class Unavailable(Exception):
+    """The device or a library the job needs is not there."""
+
+
+def build_variant(variant_cfg: dict[str, Any]) -> AttentionVariant:
+    """Instantiate the variant from its ``_target_`` config (the Hydra way, so third parties plug in)."""
+    from hydra.utils import instantiate
+
+    obj = instantiate(variant_cfg, _convert_="all")
+    if not isinstance(obj, AttentionVariant):
+        raise TypeError(f"variant._target_ {variant_cfg.get('_target_')} is not an AttentionVariant")
+    return obj
+
+
+def _timing_fields(prefix: str, t: Timing | None) -> dict[str, float | int | None]:
+    if t is None:
+        return {}
+    return {
+        f"{prefix}_median_s": t.median_s,
+        f"{prefix}_iqr_s": t.iqr_s,
+        f"{prefix}_q1_s": t.q1_s,
+        f"{prefix}_q3_s": t.q3_s,
+        f"{prefix}_reps": t.reps,
+    }
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    """(status, one-line reason) for an exception raised inside a job."""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, Unsupported):
+        return "unsupported", msg
+    if isinstance(exc, Unavailable):
+        return "unavailable", msg
+    if isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, (RuntimeError, MemoryError))
+        and any(s in str(exc) for s in ("can't allocate memory", "out of memory", "Cannot allocate"))
+    ) or isinstance(exc, MemoryError):
+        return "oom", msg
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and type(exc).__name__ == "InstantiationException":
+        return classify(cause)
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return "error", last.splitlines()[0]
+
+
+def measure(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one job; returns ``{"status", "reason", "variant", "figures"}``. Never raises."""
+    result: dict[str, Any] = {"status": "ok", "reason": None, "variant": None, "figures": {}}
+    t0 = time.perf_counter()
+    try:
+        _measure(cfg, result)
+    except BaseException as exc:  # the whole point: turn anything into a status
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        result["status"], result["reason"] = classify(exc)
+        if result["status"] == "error":
+            result["traceback"] = traceback.format_exc(limit=8)
+    result["measure_s"] = time.perf_counter() - t0  # harness overhead = job wall time - this
+    return result
+
+
+def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
+    device = cfg["device"]
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Unavailable("device=cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    if device not in ("cpu", "cuda"):
+        raise Unavailable(f"device '{device}' is not supported by this suite (use cpu or cuda)")
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+    dtype = DTYPES[cfg["dtype"]]
+    torch.manual_seed(cfg["seed"])
+    variant = build_variant(cfg["variant"]).to(device=device)
+    if any(True for _ in variant.parameters()):
+        variant = variant.to(dtype=dtype)
+    result["variant"] = variant.describe()
+    nq = cfg["seq_len"]
+    nk = cfg.get("kv_len") or nq
+    dv = cfg.get("v_head_dim") or cfg["head_dim"]
+    backward = cfg["mode"] == "fwd_bwd"
+    w = Workload(
+        batch=cfg["batch"], heads=cfg["heads"], nq=nq, nk=nk, head_dim=cfg["head_dim"],
+        v_head_dim=dv, device=device, dtype=dtype, causal=cfg["causal"],
+        key_padding=cfg["padding"] > 0, attn_mask=False, backward=backward,
+    )
+    variant.check(w)  # Unsupported before any work
+    inp = make_inputs(
+        w.batch, w.heads, nq, nk, w.head_dim, dv, dtype=dtype, device=device,
+        padding=cfg["padding"], seed=cfg["seed"], requires_grad=backward,
+    )
+    q, k, v = inp.tensors()
+    kw = inp.kwargs(cfg["causal"])
+    fig = result["figures"]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    # first call: includes compilation for compiled variants, so it is timed on its own
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(backward):
+        out = variant(q, k, v, **kw)
+    sync()
+    fig["first_call_s"] = time.perf_counter() - t0
+    if variant.compiled:
+        fig["compile_s"] = fig["first_call_s"]
+    result["variant"] = variant.describe()  # now it knows which backend/operator ran
+    if not torch.isfinite(out).all():
+        result["status"], result["reason"] = "nan", "output has NaN or Inf"
+        return
+
+    # correctness first: figures of a wrong result are marked invalid
+    oracle_bytes = w.batch * w.heads * nq * nk * 8
+    if getattr(variant, "oracle_forward", None) is not None and oracle_bytes > FULL_ORACLE_BYTES:
+        fig["accuracy_skipped"] = "float64 oracle too large for this length"
+        valid = True
+    else:
+        fig.update(output_accuracy(variant, q, k, v, out, kw, max_rows=cfg.get("accuracy_rows", 256)))
+        valid = fig["out_rel_err"] <= tolerance(dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(cfg["seed"] + 1))
+    grad_out = grad_out.to(device=device, dtype=out.dtype)
+    params = [p for p in variant.parameters() if p.requires_grad]
+    inputs = [q, k, v] if backward else []
+    if backward:
+        grads = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+        if not all(torch.isfinite(g).all() for g in grads):
+            result["status"], result["reason"] = "nan", "gradient has NaN or Inf"
+            return
+        if oracle_bytes <= GRAD_ORACLE_BYTES:
+            fig.update(gradient_accuracy(variant, q, k, v, grads, grad_out, kw))
+            valid = valid and fig["grad_rel_err"] <= 10 * tolerance(dtype)
+    fig["valid"] = bool(valid)
+    if not valid:
+        result["reason"] = "correctness check failed: speed and memory figures are invalid"
+
+    # timing
+    min_t = cfg.get("min_run_time", 1.0)
+
+    def fwd() -> torch.Tensor:
+        return variant(q, k, v, **kw)
+
+    def fwd_nograd() -> None:
+        with torch.no_grad():
+            fwd()
+        sync()
+
+    def fwd_bwd() -> None:
+        o = fwd()
+        torch.autograd.grad(o, inputs + params, grad_out, allow_unused=True)
+        sync()
+
+    def bwd() -> None:  # backward alone, through a graph kept from one forward
+        torch.autograd.grad(out, inputs + params, grad_out, retain_graph=True, allow_unused=True)
+        sync()
+
+    if backward:
+        fig.update(_timing_fields("fwd", time_call(lambda: (fwd(), sync()), device, min_t)))
+        fig.update(_timing_fields("bwd", time_call(bwd, device, min_t)))
+        fig.update(_timing_fields("fwd_bwd", time_call(fwd_bwd, device, min_t)))
+        measured, mode_fn = fig["fwd_bwd_median_s"], fwd_bwd
+    else:
+        fig.update(_timing_fields("fwd", time_call(fwd_nograd, device, min_t)))
+        if device == "cuda" and cfg.get("cuda_graph", True):
+            fig.update(_timing_fields("fwd_graph", time_cuda_graph(fwd_nograd, min_t)))
+        measured, mode_fn = fig["fwd_median_s"], fwd_nograd
+
+    # throughput from the variant's own count of useful pairs
+    flops = variant.flops(w, cfg["mode"])
+    fig["flops"] = flops
+    fig["gflops_per_s"] = flops / measured / 1e9
+    fig["tokens_per_s"] = w.batch * nq / measured
+
+    # peak memory above the inputs (and the kept graph, for bwd) during one call of the mode
+    del out
+    fig["peak_bytes"] = peak_bytes(mode_fn, device)
+    fig["peak_mib"] = fig["peak_bytes"] / 2**20
+    fig["threads"] = torch.get_num_threads()

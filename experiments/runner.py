@@ -1,0 +1,153 @@
+"""One Hydra job: validate, skip if already measured, measure (isolated), write the record."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import get_class, to_absolute_path
+from omegaconf import DictConfig, OmegaConf
+
+from .environment import code_version, environment
+from .records import SCHEMA_VERSION, config_hash, find_existing, write_record
+from .schema import register_schema, validate
+
+log = logging.getLogger("attnbench")
+
+MANIFEST = "manifest.jsonl"
+
+
+def register_hydra_pieces() -> None:
+    """Schema in the ConfigStore and the ``${sweep_uid:}`` resolver (idempotent)."""
+    register_schema()
+    if not OmegaConf.has_resolver("sweep_uid"):
+        # one id per sweep, shared with launcher workers through the environment
+        OmegaConf.register_new_resolver(
+            "sweep_uid", lambda: os.environ.setdefault("ATTNBENCH_SWEEP_UID", uuid.uuid4().hex[:6])
+        )
+
+
+def job_label(cfg: dict[str, Any], name: str) -> str:
+    """Short human label of a job, e.g. ``naive N=1024 fwd float32 cpu``."""
+    parts = [name, f"N={cfg['seq_len']}"]
+    if cfg.get("kv_len"):
+        parts.append(f"Nk={cfg['kv_len']}")
+    knobs = {k: v for k, v in cfg["variant"].items() if k not in ("_target_", "heads", "head_dim")}
+    parts += [f"{k}={v}" for k, v in knobs.items()]
+    parts += [cfg["mode"], cfg["dtype"], cfg["device"]]
+    if cfg["causal"]:
+        parts.append("causal")
+    if cfg["padding"]:
+        parts.append(f"pad={cfg['padding']}")
+    return " ".join(str(p) for p in parts)
+
+
+def summary_line(rec: dict[str, Any]) -> str:
+    """One line per finished job for the terminal."""
+    f = rec["figures"]
+    head = f"[{rec['label']}] {rec['status']}"
+    if rec["status"] != "ok":
+        return f"{head}: {rec['reason']}"
+    key = "fwd_bwd" if rec["config"]["mode"] == "fwd_bwd" else "fwd"
+    bits = [f"{key} {f[f'{key}_median_s'] * 1e3:.3g} ms (IQR {f[f'{key}_iqr_s'] * 1e3:.2g})"]
+    bits.append(f"peak {f['peak_mib']:.3g} MiB")
+    if "out_rel_err" in f:
+        bits.append(f"rel err {f['out_rel_err']:.1e}")
+    if not f.get("valid", True):
+        bits.append("INVALID (correctness check failed)")
+    return f"{head}: " + ", ".join(bits)
+
+
+def _fail(msg: str) -> None:
+    """A config error: one line, no traceback; ends a single run with exit code 1."""
+    print(f"error: {msg}", file=sys.stderr)
+    log.error(msg)
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        raise SystemExit(1)
+
+
+def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
+    """Measure the job described by ``dcfg``; returns its record (None if the config is invalid)."""
+    t_job = time.perf_counter()
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        cfg: dict[str, Any] = OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True)
+    except Exception as exc:  # e.g. an interpolation that does not resolve
+        _fail(f"config does not resolve: {exc}")
+        return None
+    try:
+        validate(cfg)
+        cls = get_class(cfg["variant"]["_target_"])
+        # build once here: a bad knob (window=-1) is a one-line error before any child is spawned
+        from .job import build_variant
+
+        build_variant(cfg["variant"])
+    except Exception as exc:
+        cause = exc.__cause__ or exc
+        _fail(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+        return None
+    name = getattr(cls, "name", "") or cls.__name__
+    label = job_label(cfg, name)
+    chash = config_hash(cfg)
+    hc = HydraConfig.get()
+    sweep_dir = Path(hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.runtime.output_dir)
+    records_dir = Path(to_absolute_path(cfg["records_dir"]))
+    env = environment()
+
+    existing = find_existing(records_dir, chash, code_version(), env["host"]) if cfg["resume"] else None
+    if existing is not None:
+        log.info("[%s] already measured: %s (resume=false to measure again)", label, existing)
+        print(f"[{label}] skipped: already measured ({existing.name})")
+        _manifest(sweep_dir, chash, existing, "skipped")
+        return json.loads(existing.read_text())
+
+    if cfg["isolate"]:
+        from .isolation import run_isolated
+
+        result = run_isolated(cfg, cfg["timeout_s"])
+    else:
+        from .isolation import run_inline
+
+        result = run_inline(cfg)
+    record = {
+        "schema_version": SCHEMA_VERSION,
+        "variant_name": name,
+        "label": label,
+        "config": cfg,
+        "config_hash": chash,
+        "status": result["status"],
+        "reason": result["reason"],
+        "variant": result.get("variant"),
+        "figures": result.get("figures", {}),
+        "env": env,
+        "sweep_dir": str(sweep_dir),
+        "started_at": started,
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "child_wall_s": result.get("wall_s"),
+        "measure_s": result.get("measure_s"),
+    }
+    if "traceback" in result:
+        record["traceback"] = result["traceback"]
+    record["job_wall_s"] = time.perf_counter() - t_job
+    path = write_record(record, records_dir)
+    _manifest(sweep_dir, chash, path, record["status"])
+    print(summary_line(record))
+    log.info("record: %s", path)
+    return record
+
+
+def _manifest(sweep_dir: Path, chash: str, path: Path, status: str) -> None:
+    """Append this job's record path to the sweep's manifest (one short line: an atomic append)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"config_hash": chash, "record": str(path), "status": status}) + "\n"
+    with open(sweep_dir / MANIFEST, "a") as f:
+        f.write(line)

@@ -1,0 +1,93 @@
+"""Timing one callable: median and inter-quartile range over many repetitions.
+
+CPU: ``torch.utils.benchmark.Timer.blocked_autorange`` (warm-up, blocks of runs sized from a
+first estimate, thread count pinned to the current one). CUDA: CUDA events around each repetition,
+with the L2 cache flushed in between, and optionally a CUDA-graph replay figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.utils.benchmark as tbench
+
+
+@dataclass
+class Timing:
+    """Seconds per call: median and quartiles over ``reps`` repetitions (blocks on CPU)."""
+
+    median_s: float
+    q1_s: float
+    q3_s: float
+    reps: int
+
+    @property
+    def iqr_s(self) -> float:
+        return self.q3_s - self.q1_s
+
+
+def time_cpu(fn: Callable[[], object], min_run_time: float = 1.0, threads: int | None = None) -> Timing:
+    """Time ``fn`` on the CPU with ``Timer.blocked_autorange`` (it warms up first)."""
+    timer = tbench.Timer(
+        stmt="fn()", globals={"fn": fn}, num_threads=threads or torch.get_num_threads()
+    )
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    times = sorted(m.times)  # per-call seconds, one per block
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return Timing(median_s=m.median, q1_s=q1, q3_s=q3, reps=len(times) * m.number_per_run)
+
+
+def time_cuda(
+    fn: Callable[[], object], min_run_time: float = 1.0, warmup: int = 5, flush_mib: int = 256
+) -> Timing:
+    """Time ``fn`` on CUDA with events, flushing L2 by writing ``flush_mib`` MiB between runs."""
+    flush = torch.empty(flush_mib * 2**20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    # estimate one call to decide how many repetitions fill min_run_time
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    one = max(start.elapsed_time(end) / 1e3, 1e-6)
+    reps = int(min(1000, max(10, min_run_time / one)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends, strict=True):
+        flush.zero_()  # evict what the last call left in L2
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True))
+    q1, med, q3 = statistics.quantiles(times, n=4)
+    return Timing(median_s=med, q1_s=q1, q3_s=q3, reps=reps)
+
+
+def time_cuda_graph(fn: Callable[[], object], min_run_time: float = 1.0) -> Timing | None:
+    """Time replays of ``fn`` captured in a CUDA graph (no launch overhead); None if it cannot be captured."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # capture is not possible for every op (e.g. CPU syncs); the figure is optional
+        return None
+    return time_cuda(graph.replay, min_run_time=min_run_time)
+
+
+def time_call(fn: Callable[[], object], device: str, min_run_time: float = 1.0) -> Timing:
+    """Median/IQR seconds per call of ``fn`` on ``device``."""
+    if device == "cuda":
+        return time_cuda(fn, min_run_time=min_run_time)
+    return time_cpu(fn, min_run_time=min_run_time)

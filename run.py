@@ -1,0 +1,20 @@
+"""Entry point: ``python run.py -m variant=naive,sdpa seq_len=512,1024 device=cpu``.
+
+Thin glue: Hydra composes the config, :func:`experiments.runner.run_job` measures one job.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from experiments.runner import register_hydra_pieces, run_job
+
+register_hydra_pieces()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_job(cfg)
+
+
+if __name__ == "__main__":
+    main()

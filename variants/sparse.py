@@ -1,0 +1,224 @@
+"""``sparse``: block-sparse attention with window, global and random blocks (BigBird: Zaheer et al.,
+2020, "Big Bird: Transformers for Longer Sequences"; the window + global part is Longformer's,
+Beltagy et al., 2020).
+
+The sequence is cut into blocks of ``block`` tokens; ``nb = ceil(N / block)``. Query block ``i`` sees
+key blocks
+
+- ``i - window_blocks .. i + window_blocks`` (the sliding window, clipped at the ends),
+- ``0 .. global_blocks - 1`` (global blocks: every query sees them),
+- ``random_blocks`` other key blocks drawn without replacement, with a fixed seed, from the blocks
+  not already in its window or global set (fewer when not that many are left);
+
+and the queries of the global blocks see every key. The layout depends only on ``(N, knobs)``.
+Causal masking is intersected with it at token level (a random block in the future is then simply
+empty). ``pattern()`` is the token-level form of the layout.
+
+Only the blocks in the layout are computed: a table gives each query block a fixed number of key
+blocks (window + global + random slots; a slot that repeats a block or falls off the end is masked
+out), those key/value blocks are gathered and every query block is scored against its own in one
+batched matmul. The few global query blocks are computed densely against all keys. ``N`` is padded
+to a multiple of ``block`` internally: padded keys are masked, padded queries dropped.
+
+Shapes: ``q (B, H, N, D)``, ``k (B, H, N, D)``, ``v (B, H, N, Dv)`` -> ``(B, H, N, Dv)``; self-attention
+only, with causal and key padding masks, no arbitrary ``attn_mask``. With ``S = 2 window_blocks + 1
++ global_blocks + random_blocks`` slots, time ``O(B H N (S + global_blocks) block D)`` and memory
+``O(B H N (S + global_blocks) block)``: linear in ``N`` at a fixed pattern. Low-precision inputs are
+accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionVariant
+from .masks import safe_softmax
+from .registry import register
+
+
+def block_layout(
+    nb: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key-block table of a BigBird layout over ``nb`` blocks.
+
+    Returns ``(index, valid)``, both ``(nb, S)`` with ``S = 2 wb + 1 + g + r`` slots per query block
+    (``wb``, ``g``, ``r`` the knobs clipped to what ``nb`` blocks allow): slots ``[0, 2wb]`` are the
+    window (offsets ``-wb .. wb``), then ``g`` global slots, then ``r`` random slots. ``valid`` is
+    False for a slot off the end or repeating an earlier one; its ``index`` is then a harmless 0.
+    Global query rows are not marked here (they see everything). Cost ``O(nb * S)``.
+    """
+    wb = min(window_blocks, nb - 1)
+    g = min(global_blocks, nb)
+    r = min(random_blocks, max(0, nb - g))
+    rng = random.Random(seed)  # one stream, rows in order: the same (nb, knobs) give the same table
+    index = torch.zeros(nb, 2 * wb + 1 + g + r, dtype=torch.long)
+    valid = torch.zeros(nb, 2 * wb + 1 + g + r, dtype=torch.bool)
+    for i in range(nb):
+        row = list(range(i - wb, i + wb + 1))  # window slots, may fall off either end
+        ok = [0 <= c < nb for c in row]
+        row += list(range(g))  # global slots; those already in the window are duplicates
+        ok += [abs(i - c) > wb for c in range(g)]
+        # random candidates: blocks g..nb-1 minus the window [lo, hi], numbered 0..count-1
+        lo, hi = max(i - wb, g), min(i + wb, nb - 1)
+        hole = max(0, hi - lo + 1)
+        count = nb - g - hole
+        picks = sorted(rng.sample(range(count), min(r, count)))
+        chosen = [g + x + (hole if g + x >= lo else 0) for x in picks]  # skip over the window
+        row += chosen + [0] * (r - len(chosen))
+        ok += [True] * len(chosen) + [False] * (r - len(chosen))
+        index[i] = torch.tensor([c if o else 0 for c, o in zip(row, ok, strict=True)])
+        valid[i] = torch.tensor(ok)
+    return index, valid
+
+
+@register("sparse")
+class BlockSparseAttention(AttentionVariant):
+    """BigBird block-sparse attention: window, global and random key blocks per query block."""
+
+    exact = False  # an approximation of full attention; its oracle is the softmax over the layout
+    supports_attn_mask = False
+    supports_cross = False
+    example_knobs = (
+        {"block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1},
+        {"block": 5, "window_blocks": 0, "global_blocks": 1, "random_blocks": 2, "seed": 3},
+    )
+
+    def __init__(
+        self,
+        block: int = 64,
+        window_blocks: int = 1,
+        global_blocks: int = 1,
+        random_blocks: int = 1,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        if min(window_blocks, global_blocks, random_blocks) < 0:
+            raise ValueError(
+                "window_blocks, global_blocks and random_blocks must be >= 0, got "
+                f"{window_blocks}, {global_blocks}, {random_blocks}"
+            )
+        self.block = block
+        self.window_blocks = window_blocks
+        self.global_blocks = global_blocks
+        self.random_blocks = random_blocks
+        self.seed = seed
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def knobs(self) -> dict[str, object]:
+        return {
+            "block": self.block,
+            "window_blocks": self.window_blocks,
+            "global_blocks": self.global_blocks,
+            "random_blocks": self.random_blocks,
+            "seed": self.seed,
+        }
+
+    def layout(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index, valid)`` key-block table ``(nb, S)`` for length ``n`` (see :func:`block_layout`)."""
+        nb = -(-n // self.block)
+        if nb not in self._tables:  # built once per length: it is a Python loop over the blocks
+            self._tables[nb] = block_layout(
+                nb, self.window_blocks, self.global_blocks, self.random_blocks, self.seed
+            )
+        return self._tables[nb]
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        bsz, h, n, d = q.shape
+        dv = v.shape[-1]
+        b = self.block
+        index, valid = self.layout(n)
+        nb, slots = index.shape
+        n_pad = nb * b
+        g = min(self.global_blocks, nb)
+        ng = min(g * b, n)  # global query tokens
+        dev = q.device
+        index, valid = index.to(dev), valid.to(dev)
+
+        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        # scale q before the matmul: in low precision q k^T could overflow first
+        qs = q.to(work) * d**-0.5  # (B, H, N, D)
+        kw, vw = k.to(work), v.to(work)
+        kpm = key_padding_mask.to(dev) if key_padding_mask is not None else None
+        outs = []
+
+        # global query blocks: dense against every key (g * block rows, so linear in N)
+        if ng > 0:
+            scores = qs[:, :, :ng] @ kw.transpose(-2, -1)  # (B, H, ng, N)
+            allowed = None
+            if causal:
+                allowed = torch.ones(ng, n, dtype=torch.bool, device=dev).tril()  # (ng, N)
+            if kpm is not None:
+                pad = kpm[:, None, None, :]  # (B, 1, 1, N)
+                allowed = pad if allowed is None else allowed & pad
+            outs.append(safe_softmax(scores, allowed) @ vw)  # (B, H, ng, Dv)
+
+        # the other query blocks: each against its own gathered key blocks
+        if ng < n:
+            nr = nb - g  # number of non-global query blocks
+            qb = F.pad(qs, (0, 0, 0, n_pad - n)).view(bsz, h, nb, b, d)[:, :, g:]  # (B, H, nr, b, D)
+            kb = F.pad(kw, (0, 0, 0, n_pad - n)).view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
+            vb = F.pad(vw, (0, 0, 0, n_pad - n)).view(bsz, h, nb, b, dv)  # (B, H, nb, b, Dv)
+            idx = index[g:]  # (nr, S)
+            kg = kb[:, :, idx].reshape(bsz, h, nr, slots * b, d)  # (B, H, nr, S*b, D)
+            vg = vb[:, :, idx].reshape(bsz, h, nr, slots * b, dv)  # (B, H, nr, S*b, Dv)
+            scores = qb @ kg.transpose(-2, -1)  # (B, H, nr, b, S*b)
+
+            # token index of every gathered key; a slot is usable if valid and the key is real
+            key_tok = (idx[:, :, None] * b + torch.arange(b, device=dev)).reshape(nr, slots * b)  # (nr, S*b)
+            ok = valid[g:].repeat_interleave(b, dim=1) & (key_tok < n)  # (nr, S*b)
+            if kpm is not None:
+                kpm_pad = F.pad(kpm, (0, n_pad - n))  # (B, Np)
+                ok = ok & kpm_pad[:, key_tok]  # (B, nr, S*b)
+            allowed = ok[..., None, :]  # (nr, 1, S*b) or (B, nr, 1, S*b)
+            if causal:
+                q_tok = torch.arange(g * b, n_pad, device=dev).view(nr, b, 1)  # (nr, b, 1)
+                allowed = allowed & (key_tok[:, None, :] <= q_tok)  # (B?, nr, b, S*b)
+            if allowed.dim() == 4:
+                allowed = allowed[:, None]  # (B, 1, nr, b|1, S*b)
+            p = safe_softmax(scores, allowed)  # (B, H, nr, b, S*b); rows with no key are zeros
+            out = (p @ vg).reshape(bsz, h, nr * b, dv)  # (B, H, nr*b, Dv)
+            outs.append(out[:, :, : n - ng])  # padded queries dropped
+        return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, N, Dv)
+
+    def block_pattern(self, n: int) -> torch.Tensor:
+        """Boolean ``(nb, nb)``: which key blocks each query block sees (global rows included)."""
+        index, valid = self.layout(n)
+        nb = index.shape[0]
+        blocks = torch.zeros(nb, nb, dtype=torch.bool)
+        blocks[torch.arange(nb)[:, None].expand_as(index)[valid], index[valid]] = True
+        blocks[: min(self.global_blocks, nb)] = True
+        return blocks
+
+    def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
+        n = max(nq, nk)  # the layout is defined for self-attention; a rectangle is cut from it
+        blocks = self.block_pattern(n)
+        tokens = blocks.repeat_interleave(self.block, 0).repeat_interleave(self.block, 1)
+        allowed = tokens[:nq, :nk].clone()
+        return allowed.tril() if causal else allowed
+
+    def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
+        if nq != nk:
+            return int(self.pattern(nq, nk, causal).sum())
+        n, b = nq, self.block
+        index, valid = self.layout(n)
+        nb = index.shape[0]
+        g = min(self.global_blocks, nb)
+        ng = min(g * b, n)
+        # global query rows see every key (or every earlier one)
+        total = ng * (ng + 1) // 2 if causal else ng * n
+        # other rows: sum over their valid slots of (query rows) x (key columns) of the block pair
+        rows = torch.arange(nb)[:, None].expand_as(index)
+        sel = valid & (rows >= g)
+        qi, kj = rows[sel], index[sel]
+        qlen = (n - qi * b).clamp(max=b)
+        klen = (n - kj * b).clamp(max=b)
+        if causal:
+            per = torch.where(kj < qi, qlen * klen, torch.where(kj == qi, qlen * (qlen + 1) // 2, 0))
+        else:
+            per = qlen * klen
+        return total + int(per.sum())
