@@ -59,10 +59,14 @@ def classify(exc: BaseException) -> tuple[str, str]:
         return "unsupported", msg
     if isinstance(exc, Unavailable):
         return "unavailable", msg
-    if isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, (RuntimeError, MemoryError))
-        and any(s in str(exc) for s in ("can't allocate memory", "out of memory", "Cannot allocate"))
-    ) or isinstance(exc, MemoryError):
+    if (
+        isinstance(exc, torch.OutOfMemoryError)
+        or (
+            isinstance(exc, (RuntimeError, MemoryError))
+            and any(s in str(exc) for s in ("can't allocate memory", "out of memory", "Cannot allocate"))
+        )
+        or isinstance(exc, MemoryError)
+    ):
         return "oom", msg
     cause = exc.__cause__ or exc.__context__
     if cause is not None and type(exc).__name__ == "InstantiationException":
@@ -87,33 +91,71 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
-    device = cfg["device"]
+def workload(cfg: dict[str, Any]) -> Workload:
+    """The :class:`Workload` a job config describes."""
+    nq = cfg["seq_len"]
+    return Workload(
+        batch=cfg["batch"],
+        heads=cfg["heads"],
+        nq=nq,
+        nk=cfg.get("kv_len") or nq,
+        head_dim=cfg["head_dim"],
+        v_head_dim=cfg.get("v_head_dim") or cfg["head_dim"],
+        device=cfg["device"],
+        dtype=DTYPES[cfg["dtype"]],
+        causal=cfg["causal"],
+        key_padding=cfg["padding"] > 0,
+        attn_mask=False,
+        backward=cfg["mode"] == "fwd_bwd",
+    )
+
+
+def _check_device(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise Unavailable("device=cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
     if device not in ("cpu", "cuda"):
         raise Unavailable(f"device '{device}' is not supported by this suite (use cpu or cuda)")
+
+
+def precheck(cfg: dict[str, Any], variant: AttentionVariant) -> dict[str, Any] | None:
+    """A finished result if the job cannot run at all (unavailable / unsupported), else None.
+
+    Cheap, so the parent does it before spawning a child.
+    """
+    try:
+        _check_device(cfg["device"])
+        variant.check(workload(cfg))
+    except (Unavailable, Unsupported) as exc:
+        status, reason = classify(exc)
+        return {"status": status, "reason": reason, "variant": variant.describe(), "figures": {}}
+    return None
+
+
+def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
+    device = cfg["device"]
+    _check_device(device)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
-    dtype = DTYPES[cfg["dtype"]]
+    w = workload(cfg)
+    dtype, nq, nk, dv, backward = w.dtype, w.nq, w.nk, w.v_head_dim, w.backward
     torch.manual_seed(cfg["seed"])
     variant = build_variant(cfg["variant"]).to(device=device)
     if any(True for _ in variant.parameters()):
         variant = variant.to(dtype=dtype)
     result["variant"] = variant.describe()
-    nq = cfg["seq_len"]
-    nk = cfg.get("kv_len") or nq
-    dv = cfg.get("v_head_dim") or cfg["head_dim"]
-    backward = cfg["mode"] == "fwd_bwd"
-    w = Workload(
-        batch=cfg["batch"], heads=cfg["heads"], nq=nq, nk=nk, head_dim=cfg["head_dim"],
-        v_head_dim=dv, device=device, dtype=dtype, causal=cfg["causal"],
-        key_padding=cfg["padding"] > 0, attn_mask=False, backward=backward,
-    )
     variant.check(w)  # Unsupported before any work
     inp = make_inputs(
-        w.batch, w.heads, nq, nk, w.head_dim, dv, dtype=dtype, device=device,
-        padding=cfg["padding"], seed=cfg["seed"], requires_grad=backward,
+        w.batch,
+        w.heads,
+        nq,
+        nk,
+        w.head_dim,
+        dv,
+        dtype=dtype,
+        device=device,
+        padding=cfg["padding"],
+        seed=cfg["seed"],
+        requires_grad=backward,
     )
     q, k, v = inp.tensors()
     kw = inp.kwargs(cfg["causal"])

@@ -69,8 +69,7 @@ def summary_line(rec: dict[str, Any]) -> str:
 
 def _fail(msg: str) -> None:
     """A config error: one line, no traceback; ends a single run with exit code 1."""
-    print(f"error: {msg}", file=sys.stderr)
-    log.error(msg)
+    print(f"error: {msg}", file=sys.stderr, flush=True)
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         raise SystemExit(1)
 
@@ -90,10 +89,12 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         # build once here: a bad knob (window=-1) is a one-line error before any child is spawned
         from .job import build_variant
 
-        build_variant(cfg["variant"])
+        variant = build_variant(cfg["variant"])
     except Exception as exc:
         cause = exc.__cause__ or exc
-        _fail(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        kind = "" if isinstance(cause, ValueError) else f"{type(cause).__name__}: "
+        _fail(f"{kind}{text}")
         return None
     name = getattr(cls, "name", "") or cls.__name__
     label = job_label(cfg, name)
@@ -110,7 +111,12 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         _manifest(sweep_dir, chash, existing, "skipped")
         return json.loads(existing.read_text())
 
-    if cfg["isolate"]:
+    from .job import precheck
+
+    result = precheck(cfg, variant)  # unsupported / unavailable without spawning a child
+    if result is not None:
+        pass
+    elif cfg["isolate"]:
         from .isolation import run_isolated
 
         result = run_isolated(cfg, cfg["timeout_s"])

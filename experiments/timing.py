@@ -31,9 +31,7 @@ class Timing:
 
 def time_cpu(fn: Callable[[], object], min_run_time: float = 1.0, threads: int | None = None) -> Timing:
     """Time ``fn`` on the CPU with ``Timer.blocked_autorange`` (it warms up first)."""
-    timer = tbench.Timer(
-        stmt="fn()", globals={"fn": fn}, num_threads=threads or torch.get_num_threads()
-    )
+    timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads or torch.get_num_threads())
     m = timer.blocked_autorange(min_run_time=min_run_time)
     times = sorted(m.times)  # per-call seconds, one per block
     q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3

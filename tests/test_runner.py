@@ -1,0 +1,219 @@
+"""The runner: config composition and schema, statuses of every failure, records, resume, sweeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+import variants
+from experiments.isolation import run_isolated
+from experiments.job import build_variant, measure, precheck
+from experiments.records import read_records
+from experiments.runner import register_hydra_pieces
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+register_hydra_pieces()
+
+
+def job_cfg(**over) -> dict:
+    """A plain job config (what run.py hands a job), composed by Hydra with ``over`` applied."""
+    overrides = [f"{k}={v}" for k, v in over.items()]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+SMALL = dict(seq_len=64, heads=2, head_dim=16, min_run_time=0.02)
+
+
+def test_registry_and_variant_configs_name_the_same_set():
+    # every conf/variant file builds a registered class and every registered name has a file
+    names = set()
+    for f in sorted((CONF / "variant").glob("*.yaml")):
+        cfg = job_cfg(variant=f.stem)
+        from hydra.utils import get_class
+
+        names.add(get_class(cfg["variant"]["_target_"]).name)
+        assert get_class(cfg["variant"]["_target_"]).name == f.stem
+    assert names == set(variants.available())
+
+
+@pytest.mark.parametrize("exp", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_every_experiment_composes_into_a_sweep(exp):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={exp}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert params and "variant" in params or "seq_len" in params
+
+
+def test_required_experiments_exist():
+    have = {p.stem for p in (CONF / "experiment").glob("*.yaml")}
+    assert {"quick", "scaling", "dtypes", "causal", "cross", "gpu"} <= have
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [("seq_len=abc", "seq_len"), ("dtype=fp8", "dtype"), ("mode=both", "mode"), ("device=tpu", "device")],
+)
+def test_schema_rejects_bad_types_naming_the_field(override, field):
+    with pytest.raises((ConfigCompositionException, ValidationError)) as e:
+        job_cfg(**dict([override.split("=")]))
+    assert field in str(e.value) or field in str(e.value.__cause__)
+
+
+def test_unknown_variant_lists_known_ones():
+    with pytest.raises(Exception) as e:
+        job_cfg(variant="nope")
+    for name in ("naive", "sdpa", "chunked"):
+        assert name in str(e.value)
+
+
+def test_ok_job_has_every_figure_and_a_correct_flop_count():
+    res = measure(job_cfg(variant="naive", **SMALL))
+    assert res["status"] == "ok", res
+    f = res["figures"]
+    assert f["valid"] is True and f["out_rel_err"] < 1e-5
+    assert f["flops"] == 1 * 2 * 64 * 64 * (2 * 16 + 2 * 16)  # analytic: B*H*Nq*Nk*(2D+2Dv)
+    assert f["fwd_median_s"] > 0 and f["fwd_q1_s"] <= f["fwd_median_s"] <= f["fwd_q3_s"]
+    # naive holds scores and probabilities: at least two (H, N, N) fp32 matrices
+    assert f["peak_bytes"] >= 2 * 2 * 64 * 64 * 4
+
+
+def test_fwd_bwd_job_times_backward_alone_and_checks_gradients():
+    res = measure(job_cfg(variant="chunked", mode="fwd_bwd", causal="true", **SMALL))
+    f = res["figures"]
+    assert res["status"] == "ok", res
+    for key in ("fwd_median_s", "bwd_median_s", "fwd_bwd_median_s", "grad_rel_err"):
+        assert key in f
+    assert f["grad_rel_err"] < 1e-4
+    assert f["flops"] == int(1 * 2 * (64 * 65 // 2) * 64 * 3.5)  # causal pairs, backward 2.5x
+
+
+def test_wrong_result_marks_figures_invalid():
+    cfg = job_cfg(variant="naive", **SMALL)
+    cfg["variant"]["_target_"] = "tests.faulty.WrongAttention"
+    res = measure(cfg)
+    assert res["status"] == "ok" and res["figures"]["valid"] is False
+    assert "invalid" in res["reason"]
+
+
+@pytest.mark.parametrize(
+    "target,status",
+    [("tests.faulty.NaNAttention", "nan"), ("tests.faulty.CrashingAttention", "error")],
+)
+def test_failures_become_statuses(target, status):
+    cfg = job_cfg(variant="naive", **SMALL)
+    cfg["variant"]["_target_"] = target
+    res = measure(cfg)
+    assert res["status"] == status
+    if status == "error":
+        assert "deliberate failure" in res["reason"]
+
+
+def test_out_of_memory_is_a_status():
+    # naive at N=2^17 wants 2^34 scores per head: the allocator refuses, the job records 'oom'
+    res = measure(job_cfg(variant="naive", seq_len=2**17, heads=1, head_dim=8))
+    assert res["status"] == "oom", res
+
+
+def test_cuda_without_gpu_is_unavailable():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cfg = job_cfg(variant="naive", device="cuda", **SMALL)
+    res = precheck(cfg, variants.build("naive"))
+    assert res["status"] == "unavailable" and "cuda" in res["reason"].lower()
+    assert measure(cfg)["status"] == "unavailable"
+
+
+def test_dtype_a_variant_lacks_is_unsupported():
+    cases = [
+        (n, d)
+        for n in variants.available()
+        for d in ("float16", "bfloat16", "float64")
+        if getattr(torch, d) not in variants.get(n).dtypes
+    ]
+    if not cases:
+        pytest.skip("every registered variant supports every dtype")
+    name, dtype = cases[0]
+    cfg = job_cfg(variant=name, dtype=dtype, **SMALL)
+    res = precheck(cfg, build_variant(cfg["variant"]))
+    assert res["status"] == "unsupported" and dtype in res["reason"]
+
+
+def test_hang_becomes_timeout_and_kill_becomes_killed():
+    cfg = job_cfg(variant="naive", **SMALL)
+    cfg["variant"]["_target_"] = "tests.faulty.HangingAttention"
+    res = run_isolated(cfg, timeout_s=8)
+    assert res["status"] == "timeout"
+    cfg["variant"]["_target_"] = "tests.faulty.SelfKillingAttention"
+    res = run_isolated(cfg, timeout_s=60)
+    assert res["status"] == "killed" and "SIGKILL" in res["reason"]
+
+
+def run_sweep(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "run.py",
+        "-m",
+        *args,
+        f"records_dir={tmp_path / 'records'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "report=false",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_real_sweep_survives_failures_and_resumes(tmp_path):
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    targets = "variant._target_=variants.naive.NaiveAttention,tests.faulty.CrashingAttention,tests.faulty.NaNAttention"
+    p = run_sweep(tmp_path, "variant=naive", targets, *small, "seq_len=32,64")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "sweep finished: 6 job(s)" in p.stdout  # on_multirun_end ran after the failing jobs
+    recs = read_records(tmp_path / "records")
+    assert sorted(r["status"] for r in recs) == ["error", "error", "nan", "nan", "ok", "ok"]
+    assert not list((tmp_path / "records").glob(".tmp-*"))
+    # interrupt: lose two records, run the same sweep again: only those two are measured
+    for r in [r for r in recs if r["status"] != "ok"][:2]:
+        Path(r["_path"]).unlink()
+    p = run_sweep(tmp_path, "variant=naive", targets, *small, "seq_len=32,64")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("skipped: already measured") == 4
+    assert len(read_records(tmp_path / "records")) == 6
+    manifest = (tmp_path / "sweep" / "manifest.jsonl").read_text().splitlines()
+    assert len(manifest) == 12 and all(json.loads(line)["record"] for line in manifest)
+
+
+def test_bad_value_is_one_line_error_before_work(tmp_path):
+    cmd = [sys.executable, "run.py", "seq_len=0", f"records_dir={tmp_path}"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert p.stderr.strip() == "error: seq_len must be > 0, got 0"
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_joblib_launcher_runs_a_sweep(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    p = run_sweep(
+        tmp_path,
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "variant=naive,chunked",
+        "isolate=false",
+        *[f"{k}={v}" for k, v in SMALL.items()],
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = read_records(tmp_path / "records")
+    assert sorted(r["variant_name"] for r in recs) == ["chunked", "naive"]
+    assert all(r["status"] == "ok" for r in recs)
