@@ -187,6 +187,7 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     grad_out = grad_out.to(device=device, dtype=out.dtype)
     params = [p for p in variant.parameters() if p.requires_grad]
     inputs = [q, k, v] if backward else []
+    grads = None
     if backward:
         grads = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
         if not all(torch.isfinite(g).all() for g in grads):
@@ -237,7 +238,7 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     fig["tokens_per_s"] = w.batch * nq / measured
 
     # peak memory above the inputs (and the kept graph, for bwd) during one call of the mode
-    del out
+    out = grads = None  # free the kept graph and gradients: they are not part of the next call
     fig["peak_bytes"] = peak_bytes(mode_fn, device)
     fig["peak_mib"] = fig["peak_bytes"] / 2**20
     fig["threads"] = torch.get_num_threads()

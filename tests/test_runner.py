@@ -177,7 +177,10 @@ def run_sweep(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_real_sweep_survives_failures_and_resumes(tmp_path):
     small = [f"{k}={v}" for k, v in SMALL.items()]
-    targets = "variant._target_=variants.naive.NaiveAttention,tests.faulty.CrashingAttention,tests.faulty.NaNAttention"
+    targets = (
+        "variant._target_=variants.naive.NaiveAttention,"
+        "tests.faulty.CrashingAttention,tests.faulty.NaNAttention"
+    )
     p = run_sweep(tmp_path, "variant=naive", targets, *small, "seq_len=32,64")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "sweep finished: 6 job(s)" in p.stdout  # on_multirun_end ran after the failing jobs
