@@ -55,6 +55,7 @@ class BenchConfig:
     records_dir: str = "outputs/records"
     report: bool = True  # print tables and write plots at the end of a multirun
     extra: dict[str, Any] = field(default_factory=dict)  # free-form tags copied into the record
+    task: Any = None  # a task from conf/task/: train a small model instead of timing the kernel
 
 
 def register_schema() -> None:
