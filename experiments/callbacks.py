@@ -25,6 +25,32 @@ def manifest_records(sweep_dir: Path) -> list[Path]:
     return out
 
 
+def count_jobs(config: DictConfig) -> int | None:
+    """Number of jobs the basic sweeper will launch, from the sweep overrides; None if unknown."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    try:
+        params = config.hydra.sweeper.get("params") or {}
+        overrides = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+        counts: dict[str, int] = {}
+        for o in OverridesParser.create().parse_overrides(overrides):
+            v = o.value()
+            if isinstance(v, Glob):  # only config groups take glob(): count the group's files
+                group = Path(__file__).resolve().parent.parent / "conf" / o.key_or_group
+                counts[o.key_or_group] = len(v.filter([p.stem for p in group.glob("*.yaml")]))
+            elif o.is_sweep_override():
+                counts[o.key_or_group] = len(list(o.sweep_string_iterator()))
+            else:
+                counts[o.key_or_group] = 1  # a plain value on the command line replaces a sweep
+    except Exception:  # the bar is a convenience: never fail a sweep over it
+        return None
+    total = 1
+    for n in counts.values():
+        total *= n
+    return total
+
+
 class SweepCallback(Callback):
     """Progress over a multirun (terminal only) and, at its end, the report of its records."""
 
@@ -35,7 +61,9 @@ class SweepCallback(Callback):
         from tqdm import tqdm
 
         # tqdm draws only on a terminal: no bar in logs or CI
-        self.bar = tqdm(desc="sweep", unit="job", disable=not sys.stderr.isatty(), leave=False)
+        self.bar = tqdm(
+            total=count_jobs(config), desc="sweep", unit="job", disable=not sys.stderr.isatty()
+        )
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if self.bar is not None:
