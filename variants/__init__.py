@@ -21,6 +21,8 @@ BUILTIN_MODULES = (
     "sparse",
     "axial",
     "additive",
+    "flex",
+    "xformers_attn",
 )
 for _m in BUILTIN_MODULES:
     import_module(f"{__name__}.{_m}")

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionVariant, Unsupported, Workload
-from .masks import combined_mask, safe_softmax
+from .local_window import softmax_blocked_, zero_empty_rows
+from .masks import combined_mask
 from .reference import reference_attention
 from .registry import register
 
@@ -34,14 +35,14 @@ def _axis_attention(
     ``kpm`` is ``(B, L, M)`` (True = real key) or None. Returns ``(B, H, L, M, Dv)``.
     """
     m = q.shape[-2]
-    scores = q @ k.transpose(-2, -1)  # (B, H, L, M, M)
-    allowed = None
+    blocked = None  # True = may not attend
     if causal:
-        allowed = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()  # (M, M)
+        blocked = torch.ones(m, m, dtype=torch.bool, device=q.device).triu(1)  # (M, M)
     if kpm is not None:
-        pad = kpm[:, None, :, None, :]  # (B, 1, L, 1, M)
-        allowed = pad if allowed is None else allowed & pad
-    return safe_softmax(scores, allowed) @ v  # (B, H, L, M, Dv)
+        pad = ~kpm[:, None, :, None, :]  # (B, 1, L, 1, M)
+        blocked = pad if blocked is None else blocked | pad  # (B, 1, L, M|1, M)
+    p = softmax_blocked_(q @ k.transpose(-2, -1), blocked)  # (B, H, L, M, M)
+    return zero_empty_rows(p @ v, blocked)  # (B, H, L, M, Dv)
 
 
 @register("axial")

@@ -21,8 +21,32 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant
-from .masks import safe_softmax
 from .registry import register
+
+
+def softmax_blocked_(scores: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``scores`` with the ``blocked`` entries (True) left out.
+
+    Same result as :func:`variants.masks.safe_softmax` on every row that has an allowed key, in about
+    a third of its passes over memory: ``scores`` is overwritten in place (pass a fresh tensor, such as
+    a matmul output, which autograd does not keep) and the fused ``torch.softmax`` does the rest.
+    Blocked entries get the dtype's minimum rather than -inf, so a row with no allowed key comes out
+    as a finite uniform average instead of NaN: the caller must zero those rows **at its output**
+    (see :func:`zero_empty_rows`), which is cheaper than touching the probabilities again and gives
+    them zero gradients.
+    """
+    if blocked is not None:
+        scores = scores.masked_fill_(blocked, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1)
+
+
+def zero_empty_rows(out: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """``out (..., M, Dv)`` with exact zeros (and zero gradients) where ``blocked (..., M, K)`` blocks a
+    whole row: the "no visible key -> zeros" rule after :func:`softmax_blocked_`."""
+    if blocked is None:
+        return out
+    empty = blocked.all(dim=-1, keepdim=True)  # (..., M, 1)
+    return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
 def band_pairs(nq: int, nk: int, window: int, causal: bool) -> int:
@@ -31,8 +55,8 @@ def band_pairs(nq: int, nk: int, window: int, causal: bool) -> int:
     Summed diagonal by diagonal (``d = i - j``): diagonal ``d`` holds ``min(nq, nk + d) - max(0, d)``
     pairs, so the cost is ``O(window)``, not ``O(nq * nk)``.
     """
-    lo = -min(window, nk - 1)  # diagonals beyond the matrix are empty
-    hi = 0 if causal else min(window, nq - 1)
+    lo = 0 if causal else -min(window, nk - 1)  # causal keeps d >= 0; diagonals past the edge are empty
+    hi = min(window, nq - 1)
     return sum(max(0, min(nq, nk + d) - max(0, d)) for d in range(lo, hi + 1))
 
 
@@ -74,33 +98,36 @@ class LocalWindowAttention(AttentionVariant):
 
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         # scale q before the matmul: in low precision q k^T could overflow first
-        qs = F.pad(q.to(work) * d**-0.5, (0, 0, 0, n_pad - n))  # (B, H, Np, D)
+        qs = q.to(work) * d**-0.5  # (B, H, N, D)
+        if n_pad > n:  # (F.pad copies even when there is nothing to pad)
+            qs = F.pad(qs, (0, 0, 0, n_pad - n))  # (B, H, Np, D)
         qb = qs.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
         kp = F.pad(k.to(work), (0, 0, w, right))  # (B, H, w + Np + right, D)
         vp = F.pad(v.to(work), (0, 0, w, right))  # (B, H, w + Np + right, Dv)
-        # span m of block c holds padded positions [c*b, c*b + span), i.e. tokens c*b - w + t
+        # the span of block c holds padded positions [c*b, c*b + span), i.e. tokens c*b - w + t
         ku = kp.unfold(2, span, b)  # (B, H, nb, D, span): already K^T per block
         vu = vp.unfold(2, span, b).transpose(-2, -1)  # (B, H, nb, span, Dv)
-        scores = qb @ ku  # (B, H, nb, b, span)
 
         # query r of a block vs span slot t: i - j = r + w - t, independent of the block, so the
-        # band is one (b, span) matrix shared by all blocks
+        # band is one (b, span) matrix shared by all blocks (True = blocked, to mask in place)
         r = torch.arange(b, device=q.device)[:, None]  # (b, 1)
         t = torch.arange(span, device=q.device)[None, :]  # (1, span)
-        band = (t >= r) & (t <= r + w) if causal else (t >= r) & (t <= r + 2 * w)  # (b, span)
-        # which span slots are real keys (not the padding added above), per block
-        real = torch.zeros(w + n_pad + right, dtype=torch.bool, device=q.device)
-        real[w : w + n] = True
+        outside = (t < r) | (t > r + (w if causal else 2 * w))  # (b, span)
+        # which span slots are not real keys (the padding added above, or key padding), per block
+        absent = torch.ones(w + n_pad + right, dtype=torch.bool, device=q.device)  # (Lp,)
+        absent[w : w + n] = False
         if key_padding_mask is not None:
-            real = real & F.pad(key_padding_mask.to(q.device), (w, n_pad - n + right))  # (B, Lp)
-        real = real.unfold(-1, span, b)  # (nb, span) or (B, nb, span)
-        if real.dim() == 3:
-            allowed = band & real[:, None, :, None, :]  # (B, 1, nb, b, span)
+            absent = absent | ~F.pad(key_padding_mask.to(q.device), (w, n_pad - n + right))  # (B, Lp)
+        absent = absent.unfold(-1, span, b)  # (nb, span) or (B, nb, span)
+        if absent.dim() == 3:
+            blocked = outside | absent[:, None, :, None, :]  # (B, 1, nb, b, span)
         else:
-            allowed = band & real[:, None, :]  # (nb, b, span)
+            blocked = outside | absent[:, None, :]  # (nb, b, span)
 
-        p = safe_softmax(scores, allowed)  # (B, H, nb, b, span); rows with no key are zeros
-        out = (p @ vu).reshape(bsz, h, n_pad, v.shape[-1])  # (B, H, Np, Dv)
+        # the scores are not kept: softmax overwrites them, and only p is needed afterwards
+        p = softmax_blocked_(qb @ ku, blocked)  # (B, H, nb, b, span)
+        out = zero_empty_rows(p @ vu, blocked)  # (B, H, nb, b, Dv)
+        out = out.reshape(bsz, h, n_pad, v.shape[-1])  # (B, H, Np, Dv)
         return out[:, :, :n].to(q.dtype)  # padded queries dropped
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:

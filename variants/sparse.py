@@ -12,7 +12,8 @@ key blocks
 
 and the queries of the global blocks see every key. The layout depends only on ``(N, knobs)``.
 Causal masking is intersected with it at token level (a random block in the future is then simply
-empty). ``pattern()`` is the token-level form of the layout.
+empty; the window blocks after the diagonal are not computed at all). ``pattern()`` is the
+token-level form of the layout.
 
 Only the blocks in the layout are computed: a table gives each query block a fixed number of key
 blocks (window + global + random slots; a slot that repeats a block or falls off the end is masked
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant
-from .masks import safe_softmax
+from .local_window import softmax_blocked_, zero_empty_rows
 from .registry import register
 
 
@@ -132,7 +133,12 @@ class BlockSparseAttention(AttentionVariant):
         dv = v.shape[-1]
         b = self.block
         index, valid = self.layout(n)
-        nb, slots = index.shape
+        nb = index.shape[0]
+        if causal:  # the window slots after the diagonal block (offsets 1..wb) are entirely future
+            wb = min(self.window_blocks, nb - 1)
+            keep = [c for c in range(index.shape[1]) if not wb < c <= 2 * wb]
+            index, valid = index[:, keep], valid[:, keep]  # (nb, S - wb)
+        slots = index.shape[1]
         n_pad = nb * b
         g = min(self.global_blocks, nb)
         ng = min(g * b, n)  # global query tokens
@@ -148,40 +154,44 @@ class BlockSparseAttention(AttentionVariant):
 
         # global query blocks: dense against every key (g * block rows, so linear in N)
         if ng > 0:
-            scores = qs[:, :, :ng] @ kw.transpose(-2, -1)  # (B, H, ng, N)
-            allowed = None
+            blocked = None  # True = may not attend
             if causal:
-                allowed = torch.ones(ng, n, dtype=torch.bool, device=dev).tril()  # (ng, N)
+                blocked = torch.ones(ng, n, dtype=torch.bool, device=dev).triu(1)  # (ng, N)
             if kpm is not None:
-                pad = kpm[:, None, None, :]  # (B, 1, 1, N)
-                allowed = pad if allowed is None else allowed & pad
-            outs.append(safe_softmax(scores, allowed) @ vw)  # (B, H, ng, Dv)
+                pad = ~kpm[:, None, None, :]  # (B, 1, 1, N)
+                blocked = pad if blocked is None else blocked | pad  # (B, 1, ng|1, N)
+            p = softmax_blocked_(qs[:, :, :ng] @ kw.transpose(-2, -1), blocked)  # (B, H, ng, N)
+            outs.append(zero_empty_rows(p @ vw, blocked))  # (B, H, ng, Dv)
 
         # the other query blocks: each against its own gathered key blocks
         if ng < n:
             nr = nb - g  # number of non-global query blocks
-            qb = F.pad(qs, (0, 0, 0, n_pad - n)).view(bsz, h, nb, b, d)[:, :, g:]  # (B, H, nr, b, D)
-            kb = F.pad(kw, (0, 0, 0, n_pad - n)).view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
-            vb = F.pad(vw, (0, 0, 0, n_pad - n)).view(bsz, h, nb, b, dv)  # (B, H, nb, b, Dv)
+            if n_pad > n:  # (F.pad copies even when there is nothing to pad)
+                qs, kw, vw = (F.pad(x, (0, 0, 0, n_pad - n)) for x in (qs, kw, vw))  # (B, H, Np, *)
+            qb = qs.view(bsz, h, nb, b, d)[:, :, g:]  # (B, H, nr, b, D)
+            kb = kw.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
+            vb = vw.view(bsz, h, nb, b, dv)  # (B, H, nb, b, Dv)
             idx = index[g:]  # (nr, S)
-            kg = kb[:, :, idx].reshape(bsz, h, nr, slots * b, d)  # (B, H, nr, S*b, D)
-            vg = vb[:, :, idx].reshape(bsz, h, nr, slots * b, dv)  # (B, H, nr, S*b, Dv)
-            scores = qb @ kg.transpose(-2, -1)  # (B, H, nr, b, S*b)
+            # index_select copies whole blocks; it is faster than advanced indexing here
+            kg = kb.index_select(2, idx.reshape(-1)).view(bsz, h, nr, slots * b, d)  # (B, H, nr, S*b, D)
+            vg = vb.index_select(2, idx.reshape(-1)).view(bsz, h, nr, slots * b, dv)  # (B, H, nr, S*b, Dv)
 
-            # token index of every gathered key; a slot is usable if valid and the key is real
+            # token index of every gathered key; a slot is unusable if invalid or past the end
             key_tok = (idx[:, :, None] * b + torch.arange(b, device=dev)).reshape(nr, slots * b)  # (nr, S*b)
-            ok = valid[g:].repeat_interleave(b, dim=1) & (key_tok < n)  # (nr, S*b)
+            bad = ~valid[g:].repeat_interleave(b, dim=1) | (key_tok >= n)  # (nr, S*b)
             if kpm is not None:
-                kpm_pad = F.pad(kpm, (0, n_pad - n))  # (B, Np)
-                ok = ok & kpm_pad[:, key_tok]  # (B, nr, S*b)
-            allowed = ok[..., None, :]  # (nr, 1, S*b) or (B, nr, 1, S*b)
+                kpm_pad = F.pad(kpm, (0, n_pad - n))  # (B, Np); padded keys are False
+                bad = bad | ~kpm_pad[:, key_tok]  # (B, nr, S*b)
+            blocked = bad[..., None, :]  # (nr, 1, S*b) or (B, nr, 1, S*b)
             if causal:
                 q_tok = torch.arange(g * b, n_pad, device=dev).view(nr, b, 1)  # (nr, b, 1)
-                allowed = allowed & (key_tok[:, None, :] <= q_tok)  # (B?, nr, b, S*b)
-            if allowed.dim() == 4:
-                allowed = allowed[:, None]  # (B, 1, nr, b|1, S*b)
-            p = safe_softmax(scores, allowed)  # (B, H, nr, b, S*b); rows with no key are zeros
-            out = (p @ vg).reshape(bsz, h, nr * b, dv)  # (B, H, nr*b, Dv)
+                blocked = blocked | (key_tok[:, None, :] > q_tok)  # (nr, b, S*b) or (B, nr, b, S*b)
+            if blocked.dim() == 4:
+                blocked = blocked[:, None]  # (B, 1, nr, b|1, S*b)
+            # the scores are not kept: softmax overwrites them, and only p is needed afterwards
+            p = softmax_blocked_(qb @ kg.transpose(-2, -1), blocked)  # (B, H, nr, b, S*b)
+            out = zero_empty_rows(p @ vg, blocked)  # (B, H, nr, b, Dv)
+            out = out.reshape(bsz, h, nr * b, dv)  # (B, H, nr*b, Dv)
             outs.append(out[:, :, : n - ng])  # padded queries dropped
         return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, N, Dv)
 

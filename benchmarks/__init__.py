@@ -1,0 +1,1 @@
+"""Regression benchmarks (pytest-benchmark) and their gates; run with ``python -m pytest benchmarks``."""

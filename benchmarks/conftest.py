@@ -1,0 +1,87 @@
+"""pytest wiring of the regression benchmarks: the ``--update-baseline`` option and machine information.
+
+Run (from the repository root; ``testpaths`` keeps this folder out of the plain unit-test run)::
+
+    python -m pytest -q benchmarks -p no:cacheprovider --benchmark-enable
+    python -m pytest -q benchmarks -p no:cacheprovider --benchmark-enable --benchmark-json=bench.json
+
+Refresh the committed baseline after an intended change (see ``gates.REFRESH_COMMAND``)::
+
+    python -m pytest benchmarks -p no:cacheprovider --benchmark-enable --update-baseline
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks import gates
+
+_ENTRIES = pytest.StashKey[dict[str, dict[str, Any]]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-baseline",
+        action="store_true",
+        default=False,
+        help="measure every case and rewrite benchmarks/baseline.json instead of comparing with it",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_ENTRIES] = {}
+
+
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict[str, Any]) -> None:
+    """Add torch version, thread counts, CPU model and GPU to pytest-benchmark's JSON ``machine_info``."""
+    machine_info.update(gates.machine_info())
+
+
+@pytest.fixture(scope="session")
+def updating(request: pytest.FixtureRequest) -> bool:
+    """True when this run refreshes the baseline rather than gating on it."""
+    return bool(request.config.getoption("--update-baseline"))
+
+
+@pytest.fixture(scope="session")
+def baseline() -> dict[str, Any]:
+    """The committed baseline document (``entries`` empty when the file does not exist yet)."""
+    return gates.load_baseline()
+
+
+@pytest.fixture(scope="session")
+def recorded(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    """Entries measured in this run, by key; written to the baseline at the end of an update run."""
+    return request.config.stash[_ENTRIES]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """In an update run, write the baseline: this run's entries plus old ones for cases not run now.
+
+    Keeping unmeasured entries lets ``-k`` refresh one variant; entries of cases that no longer exist
+    (a variant removed, knobs changed) are dropped. Nothing is written if a case errored.
+    """
+    config = session.config
+    if not config.getoption("--update-baseline", default=False):
+        return
+    new = config.stash.get(_ENTRIES, {})
+    if not new:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if session.testsfailed:
+        if reporter is not None:
+            reporter.write_line(f"baseline NOT written: {session.testsfailed} case(s) failed", red=True)
+        return
+    keys = {c.key for c in gates.cases()}
+    old = gates.load_baseline()
+    same_config = old.get("config") == gates.config()
+    kept = {k: v for k, v in old.get("entries", {}).items() if k in keys and same_config}
+    kept.update(new)
+    gates.write_baseline(kept)
+    if reporter is not None:
+        reporter.write_line(
+            f"baseline written: {gates.BASELINE_PATH} ({len(new)} measured, {len(kept) - len(new)} kept)",
+            green=True,
+        )

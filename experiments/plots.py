@@ -1,0 +1,426 @@
+"""Plots of the store (seaborn, PNG): time, memory and GFLOP/s against N, scaling exponents, the
+accuracy heatmap; and two that need no records: each variant's attention pattern and its attention
+weights on one structured input.
+
+Only jobs that ran and passed their correctness check are drawn as numbers; the accuracy heatmap
+writes the status in cells that have no error figure.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed, safe inside Hydra callbacks and CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib.colors import PowerNorm  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
+
+from .store import is_false  # noqa: E402
+from .tables import GROUP_BASE, group_keys, groups, mode_times, pivot_cells, scaling_fits, sci, usable  # noqa: E402
+
+DPI = 110
+MODE_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _facet_rows(df: pd.DataFrame) -> pd.Series:
+    """Facet row label: device · dtype, plus any other workload field that varies (causal=True, ...)."""
+    keys = group_keys(df)
+    extra = [k for k in keys if k not in GROUP_BASE]
+    parts = [df["device"].astype(str), df["dtype"].astype(str)]
+    parts += [k.removeprefix("env_") + "=" + df[k].astype(str) for k in extra]
+    label = parts[0]
+    for p in parts[1:]:
+        label = label + " · " + p
+    return label
+
+
+def _palette(names: list[str]) -> dict[str, tuple]:
+    colors = sns.color_palette("tab10" if len(names) <= 10 else "tab20", len(names))
+    return dict(zip(names, colors, strict=True))
+
+
+def _markers(names: list[str]) -> dict[str, str]:
+    shapes = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"]
+    return {n: shapes[i % len(shapes)] for i, n in enumerate(names)}
+
+
+def _n_axis(ax: plt.Axes, ns: list[int]) -> None:
+    """Log-2 x axis with a tick at each measured N, labelled as plain token counts."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(ns))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(round(x))}"))
+    if len(ns) > 4:  # long labels (16384) collide when many lengths share a narrow facet
+        ax.tick_params(axis="x", labelrotation=45)
+
+
+def _spans_decades(values: pd.Series) -> bool:
+    v = values[values > 0]
+    return len(v) > 1 and v.max() / v.min() >= 10
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _plot_vs_n(
+    df: pd.DataFrame, y: str, ylabel: str, title: str, path: Path, band: tuple[str, str] | None
+) -> Path | None:
+    """Line per variant of ``y`` against N, faceted by device/dtype (rows) and mode (columns)."""
+    data = df.dropna(subset=[y])
+    data = data[data[y] > 0]
+    if data.empty:
+        return None
+    data = data.assign(_row=_facet_rows(data), _col=data["mode"].map(lambda m: MODE_TITLES.get(m, m)))
+    names = sorted(data["variant"].unique())
+    colors, markers = _palette(names), _markers(names)
+    rows, cols = sorted(data["_row"].unique()), sorted(data["_col"].unique(), key=lambda c: c != "forward")
+    fig, axes = plt.subplots(
+        len(rows),
+        len(cols),
+        figsize=(5.2 * len(cols) + 2.4, 3.9 * len(rows) + 0.6),
+        squeeze=False,
+        sharey=True,
+        layout="constrained",
+    )
+    for i, r in enumerate(rows):
+        for j, c in enumerate(cols):
+            ax = axes[i][j]
+            sub = data[(data["_row"] == r) & (data["_col"] == c)]
+            for name, pts in sub.groupby("variant"):
+                pts = pts.sort_values("seq_len")
+                ax.plot(
+                    pts["seq_len"], pts[y], marker=markers[name], color=colors[name], label=name, lw=1.6, ms=5
+                )
+                if band is not None:
+                    ax.fill_between(
+                        pts["seq_len"], pts[band[0]], pts[band[1]], color=colors[name], alpha=0.2, lw=0
+                    )
+            ns = sorted(int(n) for n in data["seq_len"].unique())
+            _n_axis(ax, ns)
+            if _spans_decades(data[y]):
+                ax.set_yscale("log")
+            ax.set_title(f"{r} | {c}", fontsize=10)
+            ax.set_xlabel("sequence length N (tokens)" if i == len(rows) - 1 else "")
+            ax.set_ylabel(ylabel if j == 0 else "")
+            ax.grid(True, which="major", alpha=0.3)
+            if sub.empty:
+                ax.text(0.5, 0.5, "no usable jobs", transform=ax.transAxes, ha="center", color="gray")
+    handles = [plt.Line2D([], [], color=colors[n], marker=markers[n], label=n) for n in names]
+    fig.legend(handles=handles, title="variant", loc="outside right center", frameon=False)
+    fig.suptitle(title, fontsize=12)
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------- record plots
+def _usable_rows(df: pd.DataFrame) -> pd.DataFrame:
+    t = mode_times(df)
+    out = df.assign(
+        time_ms=t["time_s"] * 1e3,
+        q1_ms=t["q1_s"] * 1e3,
+        q3_ms=t["q3_s"] * 1e3,
+        peak=pd.to_numeric(df.get("peak_mib"), errors="coerce"),
+        gflops=pd.to_numeric(df.get("gflops_per_s"), errors="coerce"),
+    )
+    return out[usable(out)]
+
+
+def plot_time(df: pd.DataFrame, out_dir: Path) -> Path | None:
+    """``time_vs_n.png``: median time of each mode against N (log-log), band = interquartile range."""
+    return _plot_vs_n(
+        _usable_rows(df),
+        "time_ms",
+        "median time (ms)",
+        "Time vs sequence length (median; band = interquartile range)",
+        out_dir / "time_vs_n.png",
+        band=("q1_ms", "q3_ms"),
+    )
+
+
+def plot_memory(df: pd.DataFrame, out_dir: Path) -> Path | None:
+    """``memory_vs_n.png``: peak memory above the inputs against N (log-log)."""
+    return _plot_vs_n(
+        _usable_rows(df),
+        "peak",
+        "peak memory (MiB)",
+        "Peak memory vs sequence length (above the inputs)",
+        out_dir / "memory_vs_n.png",
+        band=None,
+    )
+
+
+def plot_gflops(df: pd.DataFrame, out_dir: Path) -> Path | None:
+    """``gflops_vs_n.png``: throughput in useful GFLOP/s against N."""
+    return _plot_vs_n(
+        _usable_rows(df),
+        "gflops",
+        "GFLOP/s (useful pairs)",
+        "Throughput vs sequence length (FLOPs of useful (query, key) pairs)",
+        out_dir / "gflops_vs_n.png",
+        band=None,
+    )
+
+
+def plot_scaling(df: pd.DataFrame, out_dir: Path) -> Path | None:
+    """``scaling_exponents.png``: fitted exponent of time and memory against N, one bar per variant."""
+    fits = scaling_fits(df)
+    if fits.empty:
+        return None
+    long = pd.concat(
+        [
+            fits.assign(quantity=q, exponent=fits[f"{q}_exponent"], r2=fits[f"{q}_r2"])
+            for q in ("time", "memory")
+        ]
+    ).dropna(subset=["exponent"])
+    if long.empty:
+        return None
+    long = long.assign(_row=_facet_rows(long), _col=long["mode"].map(lambda m: MODE_TITLES.get(m, m)))
+    names = sorted(long["variant"].unique())
+    g = sns.catplot(
+        data=long,
+        kind="bar",
+        x="exponent",
+        y="variant",
+        hue="quantity",
+        row="_row",
+        col="_col",
+        order=names,
+        hue_order=["time", "memory"],
+        palette={"time": "#4C72B0", "memory": "#DD8452"},
+        height=max(2.6, 0.42 * len(names) + 1.2),
+        aspect=1.5,
+        sharex=True,
+        margin_titles=False,
+    )
+    for ax in g.axes.flat:
+        for ref, style in ((1, ":"), (2, "--")):
+            ax.axvline(ref, color="gray", ls=style, lw=1, zorder=0)  # behind the bars and their labels
+        ax.grid(True, axis="x", alpha=0.3)
+    g.set_axis_labels("fitted exponent k (y ∝ N^k)", "")
+    g.set_titles("{row_name} | {col_name}")
+    for ax in g.axes.flat:
+        for bars in ax.containers:
+            ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
+        ax.set_xlim(0, max(2.3, float(long["exponent"].max()) * 1.15))
+    g.legend.set_title("exponent of")
+    # above the facet titles; bbox_inches="tight" on saving keeps it in the picture
+    g.figure.suptitle("Scaling exponents: log-log fit against N (1 = linear, 2 = quadratic)", y=1.06)
+    return _save(g.figure, out_dir / "scaling_exponents.png")
+
+
+def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
+    """``accuracy_heatmap.png``: log10 relative error against the float64 oracle (and, for approximate
+    variants, against full attention), variant x N, one panel per group; cells without a figure show
+    the job's status."""
+    if "out_rel_err" not in df:
+        return None
+    keys = group_keys(df)
+    panels = []
+    for title, sub in groups(df, keys):
+        panels.append((title, "vs float64 oracle", sub, "out_rel_err"))
+        approx = sub[sub["exact"].map(is_false).astype(bool)]
+        if "dev_full_rel_err" in sub and len(approx):
+            panels.append((title, "deviation from full attention", approx, "dev_full_rel_err"))
+    panels = [p for p in panels if (p[2]["status"] == "ok").any()]
+    if not panels:
+        return None
+
+    def text(col: str):  # noqa: ANN202
+        def cell(row: pd.Series) -> str:
+            if row["status"] != "ok":
+                return str(row["status"])
+            v = pd.to_numeric(row.get(col), errors="coerce")
+            return "n/a" if pd.isna(v) else (f"FAIL\n{sci(v)}" if is_false(row["valid"]) else sci(v))
+
+        return cell
+
+    errs = pd.concat([pd.to_numeric(p[2][p[3]], errors="coerce") for p in panels])
+    errs = errs[errs > 0]
+    vmin, vmax = (np.log10(errs.min()), np.log10(errs.max())) if len(errs) else (-8, 0)
+    if vmax - vmin < 1:
+        vmin, vmax = vmin - 0.5, vmax + 0.5
+    heights = [max(1.6, 0.45 * p[2]["variant"].nunique() + 0.9) for p in panels]
+    width = max(5.5, 1.15 * max(p[2]["seq_len"].nunique() for p in panels) + 3.5)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(width, sum(heights)),
+        squeeze=False,
+        height_ratios=heights,
+        layout="constrained",
+    )
+    for ax, (title, what, sub, col) in zip(axes[:, 0], panels, strict=True):
+        annot = pivot_cells(sub, text(col))
+        vals = sub.assign(_v=np.log10(pd.to_numeric(sub[col], errors="coerce").where(sub["status"] == "ok")))
+        vals = vals.pivot_table(index="variant", columns="seq_len", values="_v", aggfunc="last")
+        vals = vals.reindex(index=annot.index, columns=[int(c[2:]) for c in annot.columns])
+        ax.set_facecolor("#e6e6e6")  # cells without an error figure: gray, with the status written in
+        shown = np.where(vals.notna().to_numpy(), annot.to_numpy(), "")
+        sns.heatmap(
+            vals,
+            annot=shown,
+            fmt="",
+            cmap="rocket_r",
+            vmin=vmin,
+            vmax=vmax,
+            ax=ax,
+            cbar_kws={"label": "log10 relative error"},
+            annot_kws={"fontsize": 8},
+            linewidths=0.5,
+            linecolor="white",
+        )
+        for (i, j), txt in np.ndenumerate(annot.to_numpy()):
+            if pd.isna(vals.iat[i, j]):  # seaborn leaves empty cells unannotated: say why they are empty
+                ax.text(j + 0.5, i + 0.5, txt, ha="center", va="center", fontsize=8, color="#555555")
+        ax.set_title(f"{title}: {what}", fontsize=10)
+        ax.set_xlabel("sequence length N (tokens)")
+        ax.set_ylabel("")
+        ax.set_xticklabels([str(c) for c in vals.columns], rotation=0)
+    fig.suptitle("Accuracy: max |out − ref| / max |ref|", fontsize=12)
+    return _save(fig, out_dir / "accuracy_heatmap.png")
+
+
+# ------------------------------------------------------------------------------------- structure plots
+def _example_variants() -> list[tuple[str, object | Exception]]:
+    """``(title, variant or the exception building it)`` for every registered name, first example knobs."""
+    import variants
+
+    out: list[tuple[str, object | Exception]] = []
+    for name in variants.available():
+        knobs = dict(variants.get(name).example_knobs[0]) if variants.get(name).example_knobs else {}
+        shown = {k: v for k, v in knobs.items() if k != "compile"}
+        title = name + (f"({', '.join(f'{k}={v}' for k, v in shown.items())})" if shown else "")
+        try:
+            out.append((title, variants.build(name, heads=1, head_dim=16, **knobs)))
+        except Exception as exc:  # a variant that cannot be built here still gets its panel, with why
+            out.append((title, exc))
+    return out
+
+
+def _grid(n_panels: int, size: float = 2.9) -> tuple[plt.Figure, np.ndarray]:
+    cols = min(4, n_panels)
+    rows = -(-n_panels // cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(size * cols + 1.2, size * rows + 1.0), squeeze=False, layout="constrained"
+    )
+    for ax in axes.flat[n_panels:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def _matrix_axes(ax: plt.Axes, title: str, n: int) -> None:
+    ax.set_title("\n".join(w for line in title.split("\n") for w in textwrap.wrap(line, 34)), fontsize=9)
+    ax.set_xlabel("key j", fontsize=8)
+    ax.set_ylabel("query i", fontsize=8)
+    ticks = list(range(0, n, 16))
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
+    ax.tick_params(labelsize=7)
+
+
+def plot_patterns(out_dir: Path, n: int = 48) -> Path:
+    """``patterns.png``: which key each query may attend to (dark = allowed), per registered variant."""
+    panels = _example_variants()
+    fig, axes = _grid(len(panels))
+    for ax, (title, var) in zip(axes.flat, panels, strict=False):  # the grid may have spare cells
+        try:
+            if isinstance(var, Exception):
+                raise var
+            pat = var.pattern(n, n).numpy()
+            ax.imshow(pat, cmap="Greys", vmin=0, vmax=1.25, interpolation="nearest")
+            title += f"\n{pat.mean():.0%} of pairs"
+        except Exception as exc:
+            ax.text(0.5, 0.5, textwrap.fill(f"no pattern: {exc}", 30), ha="center", va="center", fontsize=7)
+        _matrix_axes(ax, title, n)
+    fig.suptitle(
+        f"Attention patterns at N = {n} (dark: query i may attend to key j; example knobs)", fontsize=11
+    )
+    return _save(fig, out_dir / "patterns.png")
+
+
+def structured_input(n: int = 48, d: int = 16, seed: int = 0) -> tuple[object, str]:
+    """``x (1, 1, n, d)`` float64 random tokens with a repeated phrase and a repeated token, and a
+    description of where the copies are.
+
+    Used as q = k: each token attends most to itself and to its copies, so the copied phrase shows as
+    a short off-diagonal line wherever the variant's pattern lets the copies see each other.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64)
+    a, b, length = n // 12, n // 2 + n // 12, n // 8  # tokens a..a+length-1 copied to b..
+    x[0, 0, b : b + length] = x[0, 0, a : a + length].clone()
+    x[0, 0, n - 3] = x[0, 0, n // 3].clone()
+    # sharper than unit scale: a token's score with itself (|x|^2 / sqrt(d)) then dominates its row
+    where = f"tokens {a}-{a + length - 1} repeated at {b}-{b + length - 1}, token {n // 3} at {n - 3}"
+    return x * 1.8, where
+
+
+def attention_weights(variant: object, x: object) -> np.ndarray:
+    """``(n, n)`` effective attention weights of ``variant`` on q = k = ``x`` by the float64 oracle.
+
+    The oracle is linear in v, so with v = identity its output *is* the weight matrix; this also
+    covers variants that define ``oracle_forward`` (axial: the two stages compose).
+    """
+    import torch
+
+    import variants
+
+    n = x.shape[2]
+    eye = torch.eye(n, dtype=torch.float64)[None, None]  # (1, 1, N, N): value j = one-hot j
+    with torch.no_grad():
+        return variants.oracle(variant, x, x, eye)[0, 0].numpy()
+
+
+def plot_weights(out_dir: Path, n: int = 48) -> Path:
+    """``attention_weights.png``: each variant's attention weights on one structured input."""
+    x, where = structured_input(n)
+    panels = _example_variants()
+    fig, axes = _grid(len(panels))
+    image = None
+    for ax, (title, var) in zip(axes.flat, panels, strict=False):  # the grid may have spare cells
+        try:
+            if isinstance(var, Exception):
+                raise var
+            image = ax.imshow(attention_weights(var, x), cmap="viridis", norm=PowerNorm(0.4, 0, 1))
+        except Exception as exc:
+            ax.text(0.5, 0.5, textwrap.fill(f"no weights: {exc}", 30), ha="center", va="center", fontsize=7)
+        _matrix_axes(ax, title, n)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight (power scale)")
+    fig.suptitle(f"Attention weights (float64 oracle) at N = {n}; q = k random, {where}", fontsize=11)
+    return _save(fig, out_dir / "attention_weights.png")
+
+
+def write_all(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Every plot into ``out_dir``. A plot without data is skipped with a note; one that fails says so
+    and the others are still drawn (a report at the end of a long sweep must not be lost to one plot)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    jobs = [(fn, (df, out)) for fn in (plot_time, plot_memory, plot_gflops, plot_scaling, plot_accuracy)]
+    jobs += [(plot_patterns, (out,)), (plot_weights, (out,))]
+    for fn, args in jobs:
+        name = fn.__name__.removeprefix("plot_")
+        try:
+            path = fn(*args) if len(df) or len(args) == 1 else None
+        except Exception as exc:
+            plt.close("all")
+            print(f"warning: {name} plot failed: {type(exc).__name__}: {exc}")
+            continue
+        if path is None:
+            print(f"note: {name} plot skipped: no usable records")
+        else:
+            written.append(path)
+    return written

@@ -1,0 +1,181 @@
+"""The report: tables (Markdown and CSV), the store (Parquet and CSV) and the plots of a set of records.
+
+    python -m experiments.report [PATHS ...] [--out DIR] [--baseline OTHER ...] [--all-measurements]
+
+PATHS are sweep folders (their ``manifest.jsonl`` names the records), record folders (searched
+recursively), record files, or saved stores (``store.parquet`` / ``store.csv``); default
+``outputs/records``. It works on whatever records exist, so a crashed or partial sweep still gets
+its report. A multirun calls :func:`report_paths` at its end (``experiments/callbacks.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+
+from . import store
+from . import tables as T
+
+DEFAULT_INPUT = "outputs/records"
+
+
+def default_out_dir(inputs: Sequence[str | Path]) -> Path:
+    """``report/`` inside the first input folder (next to a file input)."""
+    first = Path(inputs[0]) if inputs else Path(DEFAULT_INPUT)
+    return (first if first.is_dir() else first.parent) / "report"
+
+
+def _machines(df: pd.DataFrame) -> list[str]:
+    """One line per machine in the store: host, CPU, GPU, torch, commit."""
+    cols = [
+        c for c in ("env_host", "env_cpu_model", "env_gpu_name", "env_torch", "env_git_commit") if c in df
+    ]
+    lines = []
+    for vals, sub in df.groupby(cols, dropna=False):
+        vals = vals if isinstance(vals, tuple) else (vals,)
+        parts = [f"{c.removeprefix('env_')}={v}" for c, v in zip(cols, vals, strict=True) if not pd.isna(v)]
+        lines.append(f"- {', '.join(parts)} ({len(sub)} records)")
+    return lines
+
+
+def _sources(inputs: Sequence[str | Path]) -> str:
+    """The inputs in a few words: folders as given, record files counted per folder."""
+    files = Counter(str(Path(p).parent) for p in inputs if Path(p).suffix == ".json")
+    named = [str(p) for p in inputs if Path(p).suffix != ".json"]
+    return ", ".join(named + [f"{n} record file(s) in {d}" for d, n in files.items()])
+
+
+def header(
+    df: pd.DataFrame, shown: pd.DataFrame, inputs: Sequence[str | Path], all_measurements: bool
+) -> str:
+    """The report's opening: where the records came from, what was measured, how to read the cells."""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    counts = ", ".join(f"{s} {n}" for s, n in store.status_counts(df).items())
+    lines = [
+        "# Attention benchmark report",
+        "",
+        f"Generated {stamp} from {len(df)} record(s) ({counts}) in: {_sources(inputs)}.",
+        "",
+        "Machines:",
+        *_machines(df),
+        "",
+    ]
+    workload = T.workload_line(shown)
+    if workload:
+        lines += [f"Workload in every table: {workload}.", ""]
+    hidden = len(df) - len(shown)
+    if not all_measurements and hidden:
+        lines += [
+            f"{hidden} older measurement(s) of the same configurations are hidden: tables show the newest "
+            "(`--all-measurements` shows every one, one row per run).",
+            "",
+        ]
+    lines += [T.LEGEND, ""]
+    return "\n".join(lines)
+
+
+def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | None) -> list[T.Section]:
+    """Every table of the report, in reading order."""
+    sections = [
+        T.speed_table(shown),
+        T.memory_table(shown),
+        T.accuracy_table(shown),
+        T.scaling_table(shown),
+        T.status_table(df, shown),
+    ]
+    if base is not None and len(base):
+        sections.append(T.baseline_table(df, base))
+    return sections
+
+
+def report_paths(
+    paths: Sequence[str | Path],
+    out_dir: str | Path | None = None,
+    *,
+    baseline: Sequence[str | Path] | None = None,
+    all_measurements: bool = False,
+    plots: bool = True,
+    echo: bool = True,
+) -> list[Path]:
+    """Load the records under ``paths``, print the tables and write tables, store and plots to
+    ``out_dir`` (default :func:`default_out_dir`); returns the files written."""
+    paths = list(paths) or [DEFAULT_INPUT]
+    out = Path(out_dir) if out_dir is not None else default_out_dir(paths)
+    df = store.load(paths)
+    if df.empty:
+        print("no records found: nothing to report")
+        return []
+    base = None
+    if baseline:
+        print("baseline: ", end="")
+        base = store.load(baseline)
+    out.mkdir(parents=True, exist_ok=True)
+    written = store.save(df, out)
+    tasks = store.is_task(df)
+    if tasks.any():
+        n = int(tasks.sum())
+        print(f"note: {n} task-training record(s) are not in the kernel tables (see experiments.task_report)")
+    df = df[~tasks]
+    if df.empty:
+        return written
+    shown = T.select(df, all_measurements)
+    sections = build_sections(df, shown, base)
+    text = header(df, shown, paths, all_measurements) + "\n" + "\n".join(T.render(s) for s in sections)
+    (out / "tables.md").write_text(text)
+    written.append(out / "tables.md")
+    for sec in sections:
+        sec.data.to_csv(out / f"{sec.name}.csv", index=False)
+        written.append(out / f"{sec.name}.csv")
+    if echo:
+        print("\n" + text)
+    if plots:
+        from .plots import write_all
+
+        written += write_all(shown, out)
+    print(f"report written to {out}: {', '.join(p.name for p in written)}")
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (1 when no record was found)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.report",
+        description="Tables, store and plots of benchmark records (sweep folders, record folders or files).",
+    )
+    ap.add_argument(
+        "paths",
+        nargs="*",
+        help=f"sweep/record folders, record files or saved stores (default {DEFAULT_INPUT})",
+    )
+    ap.add_argument("--out", help="output folder (default: report/ inside the first path)")
+    ap.add_argument(
+        "--baseline",
+        nargs="+",
+        action="extend",
+        metavar="OTHER",
+        help="records to compare against (another commit, machine or library version): prints ratios",
+    )
+    ap.add_argument(
+        "--all-measurements",
+        action="store_true",
+        help="show every measurement of a configuration (one row per run), not only the newest",
+    )
+    ap.add_argument("--no-plots", action="store_true", help="tables and store only")
+    args = ap.parse_args(argv)
+    written = report_paths(
+        args.paths,
+        args.out,
+        baseline=args.baseline,
+        all_measurements=args.all_measurements,
+        plots=not args.no_plots,
+    )
+    return 0 if written else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,521 @@
+"""Tables of the store: speed, memory, accuracy, scaling, status and a comparison with a baseline.
+
+Every table is grouped by device, dtype and mode (and by any other workload field that varies in the
+data, e.g. causal or the host), with one row per variant and one column per sequence length N. A cell
+that has no number says why: the job's status (``oom``, ``unsupported``, ...), ``invalid`` when the
+correctness check failed (its time and memory are not shown), ``–`` when no job was run there.
+Each :class:`Section` holds the formatted tables (for Markdown) and a long numeric frame (for CSV).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .store import CELL_KEYS, WORKLOAD, is_false, status_counts
+
+GROUP_BASE = ["device", "dtype", "mode"]
+# shown in a group's title only when they vary in the data
+GROUP_EXTRA = ["env_host", *[c for c in WORKLOAD if c not in GROUP_BASE], "seed", "threads", "extra"]
+MATCH_KEYS = [k for k in CELL_KEYS if k != "env_host"]  # what a baseline row is matched on
+NO_RECORD = "–"
+FLOPS_NOTE = (
+    "FLOPs count the useful (query, key) pairs each variant lets interact (4·D per pair forward, "
+    "backward 2.5x forward; FlashAttention convention), not the work a blocked kernel actually does."
+)
+LEGEND = (
+    f"Cells without a number give the job's status (oom, unsupported, ...); `invalid` = the "
+    f"correctness check failed, so its figures are not shown; `{NO_RECORD}` = no job was run there."
+)
+
+
+@dataclass
+class Section:
+    """One kind of table: formatted tables per group (Markdown) and the numbers behind them (CSV)."""
+
+    name: str
+    title: str
+    note: str = ""
+    parts: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
+    data: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def num(x: float) -> str:
+    """About three significant digits without exponents for ordinary magnitudes (12.3, 0.0512, 1234)."""
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    a = abs(x)
+    if a >= 100:
+        return f"{x:.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}" if a >= 1e-3 or a == 0 else f"{x:.2e}"
+
+
+def sci(x: float) -> str:
+    """Scientific notation for errors (``7.4e-07``)."""
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.1e}"
+
+
+def is_invalid(df: pd.DataFrame) -> pd.Series:
+    """True where the job ran but its correctness check failed (``figures.valid`` is False)."""
+    return (df["status"] == "ok") & df["valid"].map(is_false).astype(bool)
+
+
+def usable(df: pd.DataFrame) -> pd.Series:
+    """True where the figures can be shown: status ok and not invalid."""
+    return (df["status"] == "ok") & ~is_invalid(df)
+
+
+def mode_times(df: pd.DataFrame) -> pd.DataFrame:
+    """``time_s``, ``iqr_s``, ``q1_s``, ``q3_s`` of each row's own mode (fwd or fwd_bwd)."""
+    out = pd.DataFrame(index=df.index, columns=["time_s", "iqr_s", "q1_s", "q3_s"], dtype=float)
+    for mode in df["mode"].dropna().unique():
+        rows = df["mode"] == mode
+        for col in out.columns:
+            src = f"{mode}_{col.replace('time', 'median')}"
+            if src in df:
+                out.loc[rows, col] = pd.to_numeric(df.loc[rows, src], errors="coerce")
+    return out
+
+
+def select(df: pd.DataFrame, all_measurements: bool = False) -> pd.DataFrame:
+    """The rows tables show: the newest per configuration, or all with a ``run`` column to tell them apart."""
+    if not all_measurements:
+        return df[df["newest"]].copy()
+    out = df.copy()
+    run = out["sweep_dir"].astype(object).map(lambda s: Path(s).name if isinstance(s, str) and s else None)
+    stamp = out["started_at"].dt.strftime("%Y-%m-%d %H:%M:%S").astype(object)
+    out["run"] = run.where(run.notna(), stamp)
+    # the same configuration twice in one sweep folder: tell those rows apart by their start time
+    twice = out.duplicated([*CELL_KEYS, "run"], keep=False)
+    out.loc[twice, "run"] = out.loc[twice, "run"].astype(str) + " @ " + stamp[twice].astype(str)
+    return out
+
+
+def group_keys(df: pd.DataFrame) -> list[str]:
+    """device, dtype, mode, then every other workload field that takes several values in ``df``."""
+    extra = [c for c in GROUP_EXTRA if c in df and df[c].astype(str).nunique(dropna=False) > 1]
+    return GROUP_BASE + extra
+
+
+def groups(df: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
+    """``(title, rows)`` per group, e.g. ``cpu · float32 · fwd · causal=True``."""
+    out = []
+    for vals, sub in df.groupby(keys, dropna=False, sort=True):
+        vals = vals if isinstance(vals, tuple) else (vals,)
+        parts = [str(v) for v in vals[: len(GROUP_BASE)]]
+        named = zip(keys[len(GROUP_BASE) :], vals[len(GROUP_BASE) :], strict=True)
+        parts += [f"{k.removeprefix('env_')}={v}" for k, v in named]
+        out.append((" · ".join(parts), sub))
+    return out
+
+
+def workload_line(df: pd.DataFrame) -> str:
+    """The workload fields that are the same in every row, e.g. ``batch=1, heads=8, head_dim=64``."""
+    same = []
+    for c in [*WORKLOAD[3:], "seed"]:
+        if c in df and len(df) and df[c].astype(str).nunique(dropna=False) == 1:
+            v = df[c].iloc[0]
+            if pd.isna(v):  # null in the config means "the same as the queries'"
+                v = {"kv_len": "seq_len", "v_head_dim": "head_dim"}.get(c, "null")
+            same.append(f"{c}={v}")
+    return ", ".join(same)
+
+
+def _row_index(df: pd.DataFrame) -> list[str]:
+    return ["variant", "run"] if "run" in df else ["variant"]
+
+
+def pivot_cells(df: pd.DataFrame, cell: Callable[[pd.Series], str]) -> pd.DataFrame:
+    """Variant x N table of ``cell(row)`` strings; missing combinations show ``NO_RECORD``."""
+    if df.empty:
+        return pd.DataFrame()
+    long = df.assign(_cell=df.apply(cell, axis=1), _n=df["seq_len"].astype("Int64"))
+    long = long.sort_values("started_at", na_position="first")
+    table = long.pivot_table(index=_row_index(df), columns="_n", values="_cell", aggfunc="last")
+    table = table.reindex(sorted(table.columns), axis=1).fillna(NO_RECORD)
+    table.columns = [f"N={n}" for n in table.columns]
+    table.columns.name = None
+    return table.sort_index()
+
+
+def status_cell(row: pd.Series) -> str | None:
+    """What to show instead of a number, or None when the row's figures are usable."""
+    if row["status"] != "ok":
+        return str(row["status"])
+    if is_false(row["valid"]):
+        return "invalid"
+    return None
+
+
+def _value_cell(fmt: Callable[[pd.Series], str]) -> Callable[[pd.Series], str]:
+    def cell(row: pd.Series) -> str:
+        return status_cell(row) or fmt(row)
+
+    return cell
+
+
+def _numbers(df: pd.DataFrame, keys: list[str], cols: dict[str, pd.Series]) -> pd.DataFrame:
+    """Long frame for CSV: identifying columns, status, and ``cols`` blanked where not usable."""
+    ident = [*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid"]
+    out = df[ident + ["reason", "config_hash", "started_at", "path"]].copy()
+    ok = usable(df)
+    for name, values in cols.items():
+        out[name] = values.where(ok)
+    return out.sort_values([*keys, "variant", "seq_len"]).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def speed_table(df: pd.DataFrame) -> Section:
+    """Median time of the row's mode (ms, with IQR) and GFLOP/s, variant x N, per group."""
+    keys = group_keys(df)
+    t = mode_times(df)
+    sec = Section(
+        "speed",
+        "Speed",
+        FLOPS_NOTE + " Time: median of the timed runs of the mode, in ms, with the interquartile range; "
+        "IQR n/a = one timed block, so no spread was measured.",
+    )
+    df = df.assign(time_ms=t["time_s"] * 1e3, iqr_ms=t["iqr_s"] * 1e3)
+    for title, sub in groups(df, keys):
+        sec.parts.append(
+            (f"{title}: median time, ms (IQR)", pivot_cells(sub, _value_cell(_time_text))),
+        )
+        sec.parts.append(
+            (
+                f"{title}: GFLOP/s",
+                pivot_cells(sub, _value_cell(lambda r: num(r.get("gflops_per_s", np.nan)))),
+            ),
+        )
+    sec.data = _numbers(
+        df,
+        keys,
+        {
+            "time_ms": df["time_ms"],
+            "iqr_ms": df["iqr_ms"],
+            "q1_ms": t["q1_s"] * 1e3,
+            "q3_ms": t["q3_s"] * 1e3,
+            "gflops_per_s": _col(df, "gflops_per_s"),
+            "tokens_per_s": _col(df, "tokens_per_s"),
+            "flops": _col(df, "flops"),
+        },
+    )
+    return sec
+
+
+def _time_text(row: pd.Series) -> str:
+    # one timed block (or one run) gives q1 == q3: printing 0 would read as "no noise at all"
+    spread = "n/a" if row["iqr_ms"] == 0 else num(row["iqr_ms"])
+    return f"{num(row['time_ms'])} ({spread})"
+
+
+def _col(df: pd.DataFrame, name: str) -> pd.Series:
+    return pd.to_numeric(df[name], errors="coerce") if name in df else pd.Series(np.nan, index=df.index)
+
+
+def memory_table(df: pd.DataFrame) -> Section:
+    """Peak memory (MiB above the inputs) during one call of the mode, variant x N, per group."""
+    keys = group_keys(df)
+    sec = Section(
+        "memory",
+        "Memory",
+        "Peak memory allocated during one call of the mode, above the inputs (MiB = 2^20 bytes).",
+    )
+    for title, sub in groups(df, keys):
+        cells = pivot_cells(sub, _value_cell(lambda r: num(r.get("peak_mib", np.nan))))
+        sec.parts.append((f"{title}: peak MiB", cells))
+    sec.data = _numbers(df, keys, {"peak_mib": _col(df, "peak_mib"), "peak_bytes": _col(df, "peak_bytes")})
+    return sec
+
+
+def accuracy_table(df: pd.DataFrame) -> Section:
+    """Relative error against the float64 oracle; for approximate variants, deviation from full attention.
+
+    Relative error = max |out - ref| / max |ref| over the checked query rows. A job whose check
+    failed shows its error marked ``FAIL`` (the error is the evidence, not an invalid figure).
+    """
+    keys = group_keys(df)
+    sec = Section(
+        "accuracy",
+        "Accuracy",
+        "Relative error = max |out − ref| / max |ref|. `vs oracle`: against float64 attention over the "
+        "variant's own pattern (is it computed right?). `vs full`: approximate variants against float64 "
+        "full attention (how far is the approximation?). FAIL = above the dtype's tolerance.",
+    )
+
+    def err_cell(col: str) -> Callable[[pd.Series], str]:
+        def cell(row: pd.Series) -> str:
+            if row["status"] != "ok":
+                return str(row["status"])
+            v = pd.to_numeric(row.get(col, np.nan), errors="coerce")
+            if pd.isna(v):
+                return "n/a"
+            return f"FAIL {sci(v)}" if status_cell(row) == "invalid" else sci(v)
+
+        return cell
+
+    for title, sub in groups(df, keys):
+        sec.parts.append((f"{title}: rel. error vs oracle", pivot_cells(sub, err_cell("out_rel_err"))))
+        approx = sub[sub["exact"].map(is_false).astype(bool)]
+        if "dev_full_rel_err" in sub and len(approx):
+            sec.parts.append(
+                (
+                    f"{title}: rel. deviation vs full attention",
+                    pivot_cells(approx, err_cell("dev_full_rel_err")),
+                )
+            )
+        if "grad_rel_err" in sub and sub["grad_rel_err"].notna().any():
+            sec.parts.append(
+                (f"{title}: gradient rel. error vs oracle", pivot_cells(sub, err_cell("grad_rel_err")))
+            )
+    cols = ["out_rel_err", "out_max_err", "out_mean_err", "out_scale", "dev_full_rel_err", "grad_rel_err"]
+    ident = [*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid", "exact"]
+    data = df[ident].copy()
+    for c in cols:
+        data[c] = _col(df, c).where(df["status"] == "ok")
+    sec.data = data.sort_values([*keys, "variant", "seq_len"]).reset_index(drop=True)
+    return sec
+
+
+def fit_exponent(n: np.ndarray | list[float], y: np.ndarray | list[float]) -> tuple[float, float]:
+    """Least-squares slope of ``log y`` against ``log n`` and its R² (in log space).
+
+    ``y ~ c * n^k`` gives ``k``: about 1 for linear growth, 2 for quadratic. Needs at least two
+    distinct ``n`` and positive ``y``; raises ``ValueError`` otherwise.
+    """
+    x = np.log(np.asarray(n, dtype=float))
+    z = np.log(np.asarray(y, dtype=float))
+    if x.size < 2 or np.ptp(x) == 0 or not np.all(np.isfinite(x)) or not np.all(np.isfinite(z)):
+        raise ValueError("need at least two distinct n and positive, finite y")
+    slope, intercept = np.polyfit(x, z, 1)
+    ss_res = float(np.sum((z - (slope * x + intercept)) ** 2))
+    ss_tot = float(np.sum((z - z.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0  # constant y: a flat line fits exactly
+    return float(slope), r2
+
+
+def scaling_fits(df: pd.DataFrame) -> pd.DataFrame:
+    """Per group and variant: exponents of time and of peak memory against N, R², N range, points."""
+    keys = group_keys(df)
+    ok = df[usable(df)].assign(time_s=mode_times(df)["time_s"], peak=_col(df, "peak_mib"))
+    rows = []
+    for vals, sub in ok.groupby([*keys, "variant"], dropna=False, sort=True):
+        row = dict(zip([*keys, "variant"], vals, strict=True))
+        for what, col in (("time", "time_s"), ("memory", "peak")):
+            pts = sub[sub[col] > 0]  # log needs positive values; a zero peak is "below resolution"
+            try:
+                row[f"{what}_exponent"], row[f"{what}_r2"] = fit_exponent(pts["seq_len"], pts[col])
+            except ValueError:
+                row[f"{what}_exponent"] = row[f"{what}_r2"] = np.nan
+            row[f"{what}_points"] = int(pts["seq_len"].nunique())
+            row[f"{what}_n_min"] = pts["seq_len"].min() if len(pts) else pd.NA
+            row[f"{what}_n_max"] = pts["seq_len"].max() if len(pts) else pd.NA
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def scaling_table(df: pd.DataFrame) -> Section:
+    """Fitted exponents of time and memory against N per variant (log-log least squares)."""
+    keys = group_keys(df)
+    sec = Section(
+        "scaling",
+        "Scaling with N",
+        "Exponent k of a least-squares fit of log(y) = k·log(N) + c over the N where the job ran and "
+        "passed its check: k ≈ 1 is linear, k ≈ 2 quadratic. R² is the fit's in log space. At small N "
+        "fixed overheads flatten the curve, so k is underestimated there; read it with its N range.",
+    )
+    fits = scaling_fits(df)
+    sec.data = fits
+    if fits.empty:
+        return sec
+    for title, sub in groups(fits, keys):
+        tab = pd.DataFrame(
+            {
+                "time exponent": [_exp_text(r, "time") for _, r in sub.iterrows()],
+                "time R²": [_r2_text(r["time_r2"]) for _, r in sub.iterrows()],
+                "memory exponent": [_exp_text(r, "memory") for _, r in sub.iterrows()],
+                "memory R²": [_r2_text(r["memory_r2"]) for _, r in sub.iterrows()],
+                "fitted on N": [_range_text(r) for _, r in sub.iterrows()],
+            },
+            index=pd.Index(sub["variant"], name="variant"),
+        )
+        sec.parts.append((f"{title}: exponent of time and peak memory vs N", tab))
+    return sec
+
+
+def _exp_text(row: pd.Series, what: str) -> str:
+    if pd.isna(row[f"{what}_exponent"]):
+        return f"n/a ({row[f'{what}_points']} length{'s' if row[f'{what}_points'] != 1 else ''})"
+    return f"{row[f'{what}_exponent']:.2f}"
+
+
+def _r2_text(r2: float) -> str:
+    return "n/a" if pd.isna(r2) else f"{r2:.3f}"
+
+
+def _range_text(row: pd.Series) -> str:
+    if pd.isna(row["time_n_min"]):
+        return "n/a"
+    if row["time_points"] == 1:
+        return f"{row['time_n_min']} (1 length)"
+    return f"{row['time_n_min']}–{row['time_n_max']} ({row['time_points']} lengths)"
+
+
+def status_table(df_all: pd.DataFrame, shown: pd.DataFrame) -> Section:
+    """Count by status over the whole store, and every shown job that did not run (or failed its
+    check) with its reason and the lengths it concerns."""
+    sec = Section("status", "Status: what did not run and why")
+    counts = status_counts(df_all).rename_axis("status").to_frame()
+    sec.parts.append(("records in the store, by status (all measurements)", counts))
+    bad = shown[(shown["status"] != "ok") | is_invalid(shown)].copy()
+    keys = group_keys(shown) if len(shown) else GROUP_BASE
+    if len(bad):
+        bad["status"] = bad["status"].where(~is_invalid(bad), "ok (invalid)")
+        bad["reason"] = bad["reason"].astype(object).fillna("(no reason recorded)")
+        agg = (
+            bad.groupby([*keys, "variant", "status", "reason"], dropna=False, sort=True)["seq_len"]
+            .agg(lambda s: ", ".join(str(n) for n in sorted(set(s.dropna()))))
+            .reset_index()
+        )
+        agg["where"] = _titles(agg, keys)
+        tab = agg.set_index(["where", "variant"])[["status", "seq_len", "reason"]]
+        tab.columns = ["status", "N", "reason"]
+        sec.parts.append(("jobs without usable figures (newest measurement of each configuration)", tab))
+    else:
+        sec.note = "Every shown job ran and passed its correctness check."
+    sec.data = shown[[*keys, "variant", "seq_len", "status", "valid", "reason", "config_hash", "path"]]
+    return sec
+
+
+def _titles(df: pd.DataFrame, keys: list[str]) -> list[str]:
+    """Group title of each row of ``df`` (the same text :func:`groups` uses)."""
+    titles = pd.Series("", index=df.index, dtype=object)
+    for title, sub in groups(df, keys):
+        titles[sub.index] = title
+    return list(titles)
+
+
+def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
+    """Speedup (baseline time / this time) and memory ratio (this / baseline) per variant x N.
+
+    Rows are matched on the workload, the variant and N (not on the host: comparing machines is the
+    point); each side uses its newest measurement. ``>1x`` speedup means this set is faster.
+    """
+    sec = Section(
+        "baseline",
+        "Against the baseline",
+        "speedup = baseline time / this time (>1: faster now); memory = this peak / baseline peak "
+        "(<1: less now). " + env_diff(cur, base),
+    )
+    cur = cur[cur["newest"]] if "newest" in cur else cur
+    cur, base = _newest_by_match(cur), _newest_by_match(base)
+    cols = ["status", "valid", "time_s", "peak_mib", "variant", "env_host"]
+    cur = cur.assign(time_s=mode_times(cur)["time_s"], peak_mib=_col(cur, "peak_mib"))
+    base = base.assign(time_s=mode_times(base)["time_s"], peak_mib=_col(base, "peak_mib"))
+    m = cur[MATCH_KEYS + cols].merge(
+        base[MATCH_KEYS + cols], on=MATCH_KEYS, how="left", suffixes=("", "_base"), indicator=True
+    )
+    m["started_at"] = pd.NaT
+    ok_now = usable(m)
+    ok_base = (m["status_base"] == "ok") & ~m["valid_base"].map(is_false).astype(bool)
+    both = ok_now & ok_base
+    m["speedup"] = (m["time_s_base"] / m["time_s"]).where(both)
+    m["memory_ratio"] = (m["peak_mib"] / m["peak_mib_base"]).where(both)
+
+    def ratio_cell(col: str) -> Callable[[pd.Series], str]:
+        def cell(row: pd.Series) -> str:
+            if row["_merge"] == "left_only":
+                return "no baseline"
+            now = status_cell(row)
+            if now:
+                return now
+            if row["status_base"] != "ok":
+                return f"{row['status_base']} (baseline)"
+            if is_false(row["valid_base"]):
+                return "invalid (baseline)"
+            return f"{row[col]:.2f}x" if pd.notna(row[col]) else "n/a"
+
+        return cell
+
+    keys = group_keys(m)
+    unmatched = []
+    for title, sub in groups(m, keys):
+        if (sub["_merge"] == "left_only").all():  # a whole table of "no baseline" says nothing
+            unmatched.append(title)
+            continue
+        sec.parts.append((f"{title}: speedup vs baseline", pivot_cells(sub, ratio_cell("speedup"))))
+        sec.parts.append((f"{title}: memory vs baseline", pivot_cells(sub, ratio_cell("memory_ratio"))))
+    if unmatched:
+        sec.note += f" No baseline record at all for: {'; '.join(unmatched)}."
+    sec.data = m.drop(columns=["_merge", "started_at"])
+    return sec
+
+
+def _newest_by_match(df: pd.DataFrame) -> pd.DataFrame:
+    """The newest row per workload, variant and N, whatever machine measured it."""
+    return df.sort_values("started_at").groupby(MATCH_KEYS, dropna=False).tail(1)
+
+
+def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
+    """What differs between two sets' environments (host, CPU, GPU, torch, commit), as one sentence."""
+    fields = ["env_host", "env_cpu_model", "env_gpu_name", "env_torch", "env_cuda", "env_git_commit"]
+    diffs = []
+    for f in fields:
+        a = sorted(cur[f].dropna().astype(str).unique()) if f in cur else []
+        b = sorted(base[f].dropna().astype(str).unique()) if f in base else []
+        if a != b:
+            diffs.append(
+                f"{f.removeprefix('env_')}: {', '.join(a) or '?'} (this) vs {', '.join(b) or '?'} (baseline)"
+            )
+    return (
+        ("Differences: " + "; ".join(diffs) + ".") if diffs else "The two sets report the same environment."
+    )
+
+
+# ---------------------------------------------------------------------------------------------- output
+LEFT_COLUMNS = ("status", "N", "reason")
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table of ``table`` (index levels become the first columns).
+
+    Index columns and text columns (status, reason, lists of N) are left-aligned, figures right.
+    """
+    flat = table.reset_index()
+    head = [str(c) for c in flat.columns]
+    rows = [
+        ["" if pd.isna(v) else str(v).replace("|", "\\|") for v in r] for r in flat.itertuples(index=False)
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    n_idx = table.index.nlevels
+    left = [i < n_idx or h in LEFT_COLUMNS for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        padded = (c.ljust(w) if lf else c.rjust(w) for c, w, lf in zip(cells, widths, left, strict=True))
+        return "| " + " | ".join(padded) + " |"
+
+    rule = (
+        "|" + "|".join("-" * (w + 1) + ("-" if lf else ":") for w, lf in zip(widths, left, strict=True)) + "|"
+    )
+    return "\n".join([line(head), rule, *(line(r) for r in rows)])
+
+
+def render(sec: Section) -> str:
+    """A section as Markdown: its title, note and each table under a bold heading."""
+    out = [f"## {sec.title}", ""]
+    if sec.note:
+        out += [sec.note, ""]
+    for heading, tab in sec.parts:
+        if tab.empty:
+            continue
+        out += [f"**{heading}**", "", markdown(tab), ""]
+    return "\n".join(out)

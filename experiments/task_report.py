@@ -1,0 +1,406 @@
+"""Report of the task-accuracy axis: a table and two plots from task records.
+
+- :func:`task_table`: one row per (variant, task, N): test accuracy as mean ± std over seeds, beside
+  the training cost and parameter counts of those runs and the same variant's kernel speed and memory
+  at that N (from the timing records in the same store, when there are any).
+- :func:`plot_recall_vs_distance`: recall accuracy against the key-to-query distance, one line per
+  variant (from the per-distance accuracies every recall record carries).
+- :func:`plot_trained_attention`: attention-weight heatmaps of trained models. Each task record
+  carries, in ``figures["attention"]``, the head-averaged weights of one core on the first test
+  example (seq2seq: the last decoder cross-attention; otherwise the last encoder self-attention),
+  average-pooled to at most ``heatmap_size`` per side: ``{"module", "stride", "shape", "weights"}``
+  with ``weights`` a nested list. Records are self-contained, so no other file is needed.
+
+``python -m experiments.task_report RECORD_DIR [...] --out DIR`` writes ``task_table.md``,
+``task_table.csv`` and the two PNGs. Everything is ``O(records)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+# keys of a task config that are training settings, not part of what the task is
+_TRAINING_KEYS = {"steps", "max_train_s", "test_size", "eval_batch", "heatmap_size", "distance_bins"}
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_frame(inputs: list[str | Path]) -> pd.DataFrame:
+    """Records under ``inputs`` as a DataFrame: the store's when ``experiments.store`` is there, else
+    the records flattened with :func:`pandas.json_normalize` (figures and config as plain columns)."""
+    try:
+        from .store import load
+    except ImportError:
+        from .records import read_records
+
+        recs = [r for p in inputs for r in read_records(p)]
+        df = pd.json_normalize(recs, max_level=1)
+        df.columns = [c.split(".", 1)[1] if c.startswith(("config.", "figures.")) else c for c in df.columns]
+        df = df.loc[:, ~df.columns.duplicated()]
+        return df
+    return load([str(p) for p in inputs], verbose=False)
+
+
+def _obj(v: Any) -> Any:
+    """A dict or list cell as an object (a CSV round trip leaves JSON or a Python repr)."""
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            try:
+                return ast.literal_eval(v)
+            except (ValueError, SyntaxError):
+                return None
+    return v
+
+
+def _task_dict(v: Any) -> dict[str, Any] | None:
+    v = _obj(v)
+    if isinstance(v, dict) and "name" in v:
+        return v
+    if isinstance(v, str) and v:  # a flattened frame may hold just the name
+        return {"name": v}
+    return None
+
+
+def _variant_col(df: pd.DataFrame) -> pd.Series:
+    if "variant" in df and df["variant"].map(lambda x: isinstance(x, str)).all():
+        return df["variant"]
+    return df["variant_name"]
+
+
+def task_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The task records of ``df`` with ``task_name``, ``task_label`` and ``variant_label`` columns.
+
+    ``task_label`` is the task name plus the task knobs that differ between its records (e.g.
+    ``recall(gap=32)``); training settings such as ``steps`` are left out of the label.
+    """
+    if "task" not in df:
+        return df.iloc[0:0].assign(task_name=[], task_label=[], variant_label=[])
+    tasks = df["task"].map(_task_dict)
+    sub = df[tasks.notna()].copy()
+    tasks = tasks[tasks.notna()]
+    sub["task_name"] = tasks.map(lambda t: t["name"])
+    sub["_task_json"] = tasks.map(lambda t: json.dumps(t, sort_keys=True, default=str))
+    labels = pd.Series("", index=sub.index, dtype=object)
+    for name, rows in sub.groupby("task_name"):
+        dicts = [json.loads(j) for j in rows["_task_json"]]
+        keys = {k for d in dicts for k in d if k != "name" and k not in _TRAINING_KEYS}
+        varying = sorted(k for k in keys if len({json.dumps(d.get(k)) for d in dicts}) > 1)
+        for idx, d in zip(rows.index, dicts, strict=True):
+            extra = ", ".join(f"{k}={d.get(k)}" for k in varying)
+            labels[idx] = f"{name}({extra})" if extra else name
+    sub["task_label"] = labels
+    sub["variant_label"] = _variant_col(sub)
+    return sub
+
+
+def _newest(sub: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """The latest record per ``keys`` (a re-run replaces, it does not add a seed)."""
+    order = [c for c in ("started_at", "finished_at", "path", "_path") if c in sub]
+    if order:
+        sub = sub.sort_values(order, na_position="first")
+    return sub.groupby(keys, dropna=False, sort=False).tail(1)
+
+
+# ---------------------------------------------------------------------------------------------- table
+def _speed_beside(df: pd.DataFrame) -> pd.DataFrame:
+    """Median kernel time (forward, forward+backward) and forward peak memory per (variant, N), from
+    the ok timing records of ``df`` (those without a task)."""
+    cols = ["variant_label", "seq_len", "fwd_ms", "fwd_bwd_ms", "peak_mib"]
+    if "task" in df:
+        timing = df[df["task"].map(_task_dict).isna()]
+    else:
+        timing = df
+    if not len(timing) or "status" not in timing:
+        return pd.DataFrame(columns=cols)
+    timing = timing[timing["status"] == "ok"].copy()
+    if "valid" in timing:
+        timing = timing[timing["valid"].astype(object) != False]  # noqa: E712 (None = not checked)
+    if not len(timing):
+        return pd.DataFrame(columns=cols)
+    timing["variant_label"] = _variant_col(timing)
+    out = []
+    for (v, n), g in timing.groupby(["variant_label", "seq_len"]):
+        row = {"variant_label": v, "seq_len": n}
+        fwd = g[g.get("mode", pd.Series("fwd", index=g.index)) == "fwd"]
+        bwd = g[g.get("mode", pd.Series("", index=g.index)) == "fwd_bwd"]
+        row["fwd_ms"] = 1e3 * fwd["fwd_median_s"].median() if "fwd_median_s" in fwd and len(fwd) else math.nan
+        has_fb = "fwd_bwd_median_s" in bwd and len(bwd)
+        row["fwd_bwd_ms"] = 1e3 * bwd["fwd_bwd_median_s"].median() if has_fb else math.nan
+        row["peak_mib"] = fwd["peak_mib"].median() if "peak_mib" in fwd and len(fwd) else math.nan
+        out.append(row)
+    return pd.DataFrame(out, columns=cols)
+
+
+def _pm(mean: float, std: float, scale: float = 100.0) -> str:
+    if mean is None or not math.isfinite(mean):
+        return "n/a"
+    if std is None or not math.isfinite(std):
+        return f"{scale * mean:.1f}"
+    return f"{scale * mean:.1f} ± {scale * std:.1f}"
+
+
+def task_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (variant, task, N): accuracy over seeds beside cost, parameters, speed and memory.
+
+    Numeric columns: ``seeds`` (ok runs), ``acc_mean``/``acc_std`` (test accuracy per answer token,
+    std with ddof=1, NaN for one seed), ``exact_mean`` (whole answers right), ``final_loss``,
+    ``train_s``, ``step_ms``, ``params``, ``params_baseline``, and from the timing records
+    ``fwd_ms``, ``fwd_bwd_ms``, ``peak_mib``. Text columns: ``accuracy`` (``mean ± std`` in %) and
+    ``status`` (``ok``, or why no run counted: ``unsupported: <reason>``, ...).
+    """
+    sub = task_rows(df)
+    keys = ["variant_label", "task_label", "seq_len"]
+    cols = [
+        *keys,
+        "seeds",
+        "accuracy",
+        "acc_mean",
+        "acc_std",
+        "exact_mean",
+        "final_loss",
+        "train_s",
+        "step_ms",
+        "params",
+        "params_baseline",
+        "fwd_ms",
+        "fwd_bwd_ms",
+        "peak_mib",
+        "status",
+    ]
+    if not len(sub):
+        return pd.DataFrame(columns=cols)
+    variant_key = "variant_key" if "variant_key" in sub else "variant_label"
+    sub = _newest(sub, [variant_key, "_task_json", "seq_len", "seed"])
+    rows = []
+    for (v, t, n), g in sub.groupby(keys, sort=True):
+        ok = g[g["status"] == "ok"]
+        row: dict[str, Any] = {"variant_label": v, "task_label": t, "seq_len": n, "seeds": len(ok)}
+
+        def stat(col: str, how: str = "mean", ok: pd.DataFrame = ok) -> float:
+            if col not in ok or not len(ok):
+                return math.nan
+            vals = pd.to_numeric(ok[col], errors="coerce")
+            return float(getattr(vals, how)()) if how != "std" else float(vals.std(ddof=1))
+
+        row["acc_mean"], row["acc_std"] = stat("test_accuracy"), stat("test_accuracy", "std")
+        row["exact_mean"] = stat("test_exact_match")
+        row["final_loss"] = stat("final_loss")
+        row["train_s"], row["step_ms"] = stat("train_s"), stat("step_ms")
+        row["params"], row["params_baseline"] = stat("params", "max"), stat("params_baseline", "max")
+        row["accuracy"] = _pm(row["acc_mean"], row["acc_std"]) if len(ok) else "–"
+        if len(ok):
+            row["status"] = "ok" if len(ok) == len(g) else f"ok ({len(g) - len(ok)} failed)"
+        else:
+            first = g.iloc[-1]
+            reason = first.get("reason")
+            row["status"] = (
+                f"{first['status']}: {reason}" if isinstance(reason, str) and reason else first["status"]
+            )
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    speed = _speed_beside(df)
+    if len(speed):
+        table = table.merge(speed, on=["variant_label", "seq_len"], how="left")
+    for c in cols:
+        if c not in table:
+            table[c] = math.nan
+    return table[cols].rename(columns={"variant_label": "variant", "task_label": "task", "seq_len": "N"})
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """``table`` as a GitHub Markdown table of its display columns (numbers rounded)."""
+    show = ["variant", "task", "N", "seeds", "accuracy", "exact_mean", "train_s", "params", "params_baseline"]
+    show += ["fwd_ms", "fwd_bwd_ms", "peak_mib", "status"]
+    t = table[[c for c in show if c in table]].copy()
+    if "exact_mean" in t:
+        t["exact_mean"] = t["exact_mean"].map(lambda x: "" if pd.isna(x) else f"{100 * x:.1f}")
+    for c in ("train_s", "fwd_ms", "fwd_bwd_ms", "peak_mib"):
+        if c in t:
+            t[c] = t[c].map(lambda x: "" if pd.isna(x) else f"{x:.3g}")
+    for c in ("params", "params_baseline"):
+        if c in t:
+            t[c] = t[c].map(lambda x: "" if pd.isna(x) else f"{int(x)}")
+    names = {
+        "accuracy": "test acc % (mean ± std)",
+        "exact_mean": "exact match %",
+        "train_s": "train s",
+        "params_baseline": "params (exact baseline)",
+        "fwd_ms": "fwd ms",
+        "fwd_bwd_ms": "fwd+bwd ms",
+        "peak_mib": "fwd peak MiB",
+    }
+    head = [names.get(c, c) for c in t.columns]
+    body = [["" if pd.isna(x) else str(x).replace("|", "\\|") for x in r] for r in t.itertuples(index=False)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _window_reach(row: pd.Series) -> float | None:
+    """How far (tokens) a local_window model can carry information: layers x window."""
+    knobs = _obj(row.get("knobs")) if "knobs" in row else None
+    settings = _obj(row.get("settings")) or {}
+    if (
+        isinstance(knobs, dict)
+        and "window" in knobs
+        and str(row.get("variant_name", "")).startswith("local_window")
+    ):
+        return float(knobs["window"]) * float(settings.get("layers", 1))
+    return None
+
+
+def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
+    """Recall test accuracy against key-to-query distance, one line per (variant, N); None if no
+    recall record has per-distance accuracies.
+
+    Bins are pooled over seeds weighted by their query counts; a dotted line marks how far a
+    local_window model reaches (layers x window): queries beyond it cannot see their key.
+    """
+    sub = task_rows(df)
+    sub = sub[(sub["task_name"] == "recall") & (sub["status"] == "ok")] if len(sub) else sub
+    if not len(sub) or "acc_by_distance" not in sub:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    drawn = 0
+    for (v, t, n), g in sub.groupby(["variant_label", "task_label", "seq_len"], sort=True):
+        hits: dict[int, float] = {}
+        counts: dict[int, float] = {}
+        for _, r in g.iterrows():
+            acc = _obj(r["acc_by_distance"]) or {}
+            cnt = _obj(r.get("n_by_distance")) or {}
+            for k, a in acc.items():
+                c = float(cnt.get(k, 1))
+                hits[int(k)] = hits.get(int(k), 0.0) + a * c
+                counts[int(k)] = counts.get(int(k), 0.0) + c
+        xs = sorted(hits)
+        if not xs:
+            continue
+        ys = [100 * hits[x] / counts[x] for x in xs]
+        multi = sub["seq_len"].nunique() > 1 or sub["task_label"].nunique() > 1
+        label = f"{v} {t} N={n}" if multi else str(v)
+        (line,) = ax.plot(xs, ys, marker="o", label=label)
+        reach = _window_reach(g.iloc[0])
+        if reach is not None:
+            ax.axvline(reach, color=line.get_color(), linestyle=":", linewidth=1)
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("key-to-query distance (tokens, upper edge of bin)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title("Associative recall: accuracy vs distance (dotted: local window reach)")
+    ax.legend(fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_trained_attention(
+    df: pd.DataFrame, path: str | Path, *, tasks: list[str] | None = None, max_maps: int = 8
+) -> Path | None:
+    """Heatmaps of the attention maps stored in task records (one per (variant, task, N), lowest
+    seed), at most ``max_maps``; ``tasks`` limits the task names (default: all). None if none."""
+    sub = task_rows(df)
+    if not len(sub) or "attention" not in sub:
+        return None
+    sub = sub[(sub["status"] == "ok") & sub["attention"].map(lambda a: isinstance(_obj(a), dict))]
+    if tasks is not None:
+        sub = sub[sub["task_name"].isin(tasks)]
+    if not len(sub):
+        return None
+    # sequence-to-sequence maps first: the anti-diagonal of a reversal model is the one to look at
+    sub = sub.assign(_s2s=(sub["task_name"] != "reverse")).sort_values(
+        ["_s2s", "task_label", "variant_label", "seq_len", "seed"]
+    )
+    picks = sub.groupby(["task_label", "variant_label", "seq_len"], sort=False).head(1).head(max_maps)
+    plt = _plt()
+    cols = min(4, len(picks))
+    rows = math.ceil(len(picks) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(picks) :]:
+        ax.axis("off")
+    for ax, (_, r) in zip(axes.flat, picks.iterrows(), strict=False):
+        att = _obj(r["attention"])
+        w = att["weights"]
+        nq, nk = att.get("shape", [len(w), len(w[0])])
+        stride = att.get("stride", 1)
+        # extent in original positions, so a pooled map keeps its axes in tokens
+        ax.imshow(w, cmap="viridis", aspect="auto", interpolation="nearest", extent=(0, nk, nq, 0))
+        acc = r.get("test_accuracy")
+        acc_txt = f", acc {100 * acc:.0f}%" if isinstance(acc, (int, float)) and math.isfinite(acc) else ""
+        ax.set_title(f"{r['variant_label']} / {r['task_label']} N={r['seq_len']}{acc_txt}", fontsize=8)
+        where = att.get("module", "")
+        ax.set_xlabel(f"key position ({where}{', pooled x' + str(stride) if stride > 1 else ''})", fontsize=7)
+        ax.set_ylabel("query position", fontsize=7)
+        ax.tick_params(labelsize=7)
+    fig.suptitle("Trained attention weights (mean over heads, first test example)", fontsize=9)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def write_report(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Write ``task_table.md``/``.csv`` and the plots into ``out_dir``; returns the files written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = task_table(df)
+    written = []
+    table.to_csv(out / "task_table.csv", index=False)
+    written.append(out / "task_table.csv")
+    note = (
+        "Test accuracy: exact match per answer token on the held-out split, mean ± std over seeds "
+        "(std needs 2+ seeds). fwd/fwd+bwd ms and peak MiB: the same variant's kernel timing records "
+        "at that N, when the store has any."
+    )
+    (out / "task_table.md").write_text(f"## Task accuracy\n\n{note}\n\n{markdown(table)}\n")
+    written.append(out / "task_table.md")
+    for p in (
+        plot_recall_vs_distance(df, out / "recall_vs_distance.png"),
+        plot_trained_attention(df, out / "trained_attention.png"),
+    ):
+        if p is not None:
+            written.append(p)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m experiments.task_report RECORD_DIR [...] --out DIR``."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", nargs="+", help="record folders, record files or sweep folders")
+    ap.add_argument("--out", default="outputs/task_report", help="folder for the table and plots")
+    args = ap.parse_args(argv)
+    df = load_frame(args.inputs)
+    files = write_report(df, args.out)
+    table = task_table(df)
+    print(markdown(table) if len(table) else "no task records found")
+    for f in files:
+        print(f"wrote {f}")
+
+
+if __name__ == "__main__":
+    main()

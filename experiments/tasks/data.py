@@ -1,0 +1,292 @@
+"""Synthetic tasks for the task-accuracy axis, generated from a seed (no downloads).
+
+Each task draws ``n`` examples of length ``seq_len`` with vectorised torch ops: time and memory
+``O(n * seq_len)``, no Python loop over examples. An example is scored only where ``target`` is not
+:data:`IGNORE`; accuracy is exact match of the predicted token at those positions (per answer token)
+and of the whole answer (per example).
+
+- ``recall``: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"). ``num_pairs``
+  key-value pairs open the sequence, then every key is asked once, at a random later position; the
+  answer at a query is the value bound to that key. The key-to-query distance of each query is
+  recorded; ``gap`` filler tokens between the pairs and the first query set its minimum, so a local
+  pattern of reach ``r`` is blind to queries farther than ``r`` from their key.
+- ``copy``: copy a string of ``copy_len`` symbols after a separator (every answer is ``copy_len + 1``
+  tokens from its source), or, with ``selective``, copy only the symbols scattered among filler
+  tokens, in order (the selective-copying task of Gu & Dao 2023, "Mamba").
+- ``reverse``: sequence to sequence through cross-attention. The source is ``seq_len`` symbols; the
+  decoder reads ``[BOS] + y`` and predicts ``y + [EOS]`` with ``y`` the reversed (or sorted) source,
+  so source and target lengths differ (``N`` and ``N + 1``).
+
+Held-out test split: every example belongs to train or test by a fixed hash of its tokens
+(:func:`is_test`), and each split keeps only its own examples, so no test example is ever trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+IGNORE = -100  # target at positions that are not scored (torch's cross_entropy ignore_index)
+TEST_FRACTION = 8  # one example in this many (by hash) belongs to the test split
+_HASH_PRIME = 1_000_003
+_HASH_SEED = 20240601  # fixed forever: changing it reshuffles which examples are test examples
+
+
+@dataclass
+class Batch:
+    """A batch of examples; every tensor is int64 with the batch first."""
+
+    src: torch.Tensor  # (B, N) encoder input
+    target: torch.Tensor  # (B, T) token to predict, IGNORE where nothing is scored (T = N without decoder)
+    dec_in: torch.Tensor | None = None  # (B, T) decoder input (seq2seq tasks only)
+    distance: torch.Tensor | None = None  # (B, T) key-to-query distance at scored positions, -1 elsewhere
+
+    def __len__(self) -> int:
+        return self.src.shape[0]
+
+    def rows(self, idx: torch.Tensor | slice) -> Batch:
+        """The examples ``idx`` (a boolean mask, index tensor or slice) as a new batch."""
+        return Batch(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                for f in fields(self)
+            }
+        )
+
+    def to(self, device: str | torch.device) -> Batch:
+        return Batch(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                for f in fields(self)
+            }
+        )
+
+    @staticmethod
+    def cat(parts: list[Batch]) -> Batch:
+        """Concatenate batches of the same task along the batch dimension."""
+        out = {}
+        for f in fields(Batch):
+            vals = [getattr(p, f.name) for p in parts]
+            out[f.name] = None if vals[0] is None else torch.cat(vals, dim=0)
+        return Batch(**out)
+
+
+class Task:
+    """A task: its vocabulary, whether it needs a decoder, and a sampler of examples.
+
+    Subclasses take their knobs as keyword arguments (those of ``conf/task/<name>.yaml`` that are not
+    training settings) and validate them against ``seq_len`` at construction.
+    """
+
+    name: ClassVar[str] = ""
+    seq2seq: ClassVar[bool] = False
+    vocab_size: int
+
+    def __init__(self, seq_len: int) -> None:
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 for a task, got {seq_len}")
+        self.seq_len = seq_len
+
+    def sample(self, n: int, g: torch.Generator) -> Batch:
+        """``n`` fresh examples drawn with ``g`` (both splits mixed; see :func:`draw`)."""
+        raise NotImplementedError
+
+    def knobs(self) -> dict[str, Any]:
+        """The resolved knobs (defaults filled in), for records."""
+        return {}
+
+
+class Recall(Task):
+    """Multi-query associative recall with a recorded key-to-query distance per query.
+
+    Layout of one example (``P = num_pairs``)::
+
+        k1 v1 k2 v2 ... kP vP | gap x filler | queries (each key once, random order) among filler
+        0                2P-1   2P            2P+gap ...                                     N-1
+
+    Vocabulary: 0 filler, ``1..num_keys`` keys, then ``num_values`` values. Keys are distinct within
+    an example; values are drawn with replacement.
+    """
+
+    name = "recall"
+
+    def __init__(
+        self, seq_len: int, num_pairs: int = 16, num_keys: int = 64, num_values: int = 64, gap: int = 0
+    ) -> None:
+        super().__init__(seq_len)
+        if num_pairs < 1 or num_keys < num_pairs or num_values < 1 or gap < 0:
+            raise ValueError(
+                f"recall needs 1 <= num_pairs <= num_keys, num_values >= 1, gap >= 0; got num_pairs={num_pairs}, "
+                f"num_keys={num_keys}, num_values={num_values}, gap={gap}"
+            )
+        if 3 * num_pairs + gap > seq_len:
+            raise ValueError(
+                f"recall with num_pairs={num_pairs} and gap={gap} needs seq_len >= 3 * num_pairs + gap = "
+                f"{3 * num_pairs + gap}, got {seq_len}"
+            )
+        self.num_pairs, self.num_keys, self.num_values, self.gap = num_pairs, num_keys, num_values, gap
+        self.vocab_size = 1 + num_keys + num_values
+
+    def knobs(self) -> dict[str, Any]:
+        return {
+            "num_pairs": self.num_pairs,
+            "num_keys": self.num_keys,
+            "num_values": self.num_values,
+            "gap": self.gap,
+        }
+
+    def sample(self, n: int, g: torch.Generator) -> Batch:
+        n_len, p = self.seq_len, self.num_pairs
+        # distinct keys per row: the first P of a random permutation of the key vocabulary
+        keys = torch.rand(n, self.num_keys, generator=g).argsort(dim=1)[:, :p] + 1  # (n, P)
+        vals = torch.randint(self.num_values, (n, p), generator=g) + 1 + self.num_keys  # (n, P)
+        src = torch.zeros(n, n_len, dtype=torch.long)
+        src[:, 0 : 2 * p : 2] = keys
+        src[:, 1 : 2 * p : 2] = vals
+        start = 2 * p + self.gap
+        qpos = torch.rand(n, n_len - start, generator=g).argsort(dim=1)[:, :p] + start  # (n, P) distinct
+        which = torch.rand(n, p, generator=g).argsort(dim=1)  # (n, P): the pair each query asks for
+        src.scatter_(1, qpos, keys.gather(1, which))
+        target = torch.full_like(src, IGNORE).scatter_(1, qpos, vals.gather(1, which))
+        distance = torch.full_like(src, -1).scatter_(1, qpos, qpos - 2 * which)  # key of pair i is at 2i
+        return Batch(src=src, target=target, distance=distance)
+
+
+class Copy(Task):
+    """Copy ``copy_len`` symbols after a separator; ``selective``: only the symbols among filler.
+
+    Plain layout: ``x1 .. xM SEP MARK x M filler..`` with the answer ``x_i`` at the i-th MARK
+    (distance ``M + 1`` from its source). Selective layout: ``R = N - M - 1`` positions holding the
+    ``M`` symbols at random places among filler, then ``SEP`` and ``M`` MARKs; the answers are the
+    symbols in order of appearance. Vocabulary: 0 filler, 1 SEP, 2 MARK, then ``num_symbols`` symbols.
+    """
+
+    name = "copy"
+    SEP, MARK, SYM0 = 1, 2, 3
+
+    def __init__(
+        self, seq_len: int, copy_len: int | None = None, num_symbols: int = 16, selective: bool = False
+    ) -> None:
+        super().__init__(seq_len)
+        if copy_len is None:  # half the sequence for plain copy; an eighth for the harder selective copy
+            copy_len = max(1, seq_len // 8) if selective else (seq_len - 1) // 2
+        room = seq_len - copy_len - 1 if selective else (seq_len - 1) // 2
+        if copy_len < 1 or copy_len > room or num_symbols < 1:
+            raise ValueError(
+                f"copy needs 1 <= copy_len <= {room} at seq_len={seq_len} and num_symbols >= 1; "
+                f"got copy_len={copy_len}, num_symbols={num_symbols}"
+            )
+        self.copy_len, self.num_symbols, self.selective = copy_len, num_symbols, selective
+        self.vocab_size = self.SYM0 + num_symbols
+
+    def knobs(self) -> dict[str, Any]:
+        return {"copy_len": self.copy_len, "num_symbols": self.num_symbols, "selective": self.selective}
+
+    def sample(self, n: int, g: torch.Generator) -> Batch:
+        n_len, m = self.seq_len, self.copy_len
+        data = torch.randint(self.num_symbols, (n, m), generator=g) + self.SYM0  # (n, M)
+        src = torch.zeros(n, n_len, dtype=torch.long)
+        if self.selective:
+            sep = n_len - m - 1
+            pos = torch.rand(n, sep, generator=g).argsort(dim=1)[:, :m].sort(dim=1).values  # (n, M) ascending
+            src[:, :sep].scatter_(1, pos, data)
+        else:
+            sep = m
+            src[:, :m] = data
+        src[:, sep] = self.SEP
+        src[:, sep + 1 : sep + 1 + m] = self.MARK
+        target = torch.full_like(src, IGNORE)
+        target[:, sep + 1 : sep + 1 + m] = data
+        return Batch(src=src, target=target)
+
+
+class Reverse(Task):
+    """Sequence to sequence: the decoder outputs the reversed (``op=sort``: sorted) source, then EOS.
+
+    Source ``(B, N)`` of symbols; decoder input ``[BOS] + y`` and target ``y + [EOS]``, both
+    ``(B, N + 1)``. Vocabulary: 0 unused, 1 BOS, 2 EOS, then ``num_symbols`` symbols.
+    """
+
+    name = "reverse"
+    seq2seq = True
+    BOS, EOS, SYM0 = 1, 2, 3
+
+    def __init__(self, seq_len: int, num_symbols: int = 16, op: str = "reverse") -> None:
+        super().__init__(seq_len)
+        if op not in ("reverse", "sort"):
+            raise ValueError(f"reverse: op must be 'reverse' or 'sort', got {op!r}")
+        if num_symbols < 1:
+            raise ValueError(f"reverse: num_symbols must be >= 1, got {num_symbols}")
+        self.num_symbols, self.op = num_symbols, op
+        self.vocab_size = self.SYM0 + num_symbols
+
+    def knobs(self) -> dict[str, Any]:
+        return {"num_symbols": self.num_symbols, "op": self.op}
+
+    def sample(self, n: int, g: torch.Generator) -> Batch:
+        src = torch.randint(self.num_symbols, (n, self.seq_len), generator=g) + self.SYM0  # (n, N)
+        y = src.flip(1) if self.op == "reverse" else src.sort(dim=1).values  # (n, N)
+        dec_in = torch.cat([torch.full((n, 1), self.BOS), y], dim=1)  # (n, N + 1)
+        target = torch.cat([y, torch.full((n, 1), self.EOS)], dim=1)  # (n, N + 1)
+        return Batch(src=src, target=target, dec_in=dec_in)
+
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (Recall, Copy, Reverse)}
+
+
+def make_task(name: str, seq_len: int, **knobs: Any) -> Task:
+    """The task ``name`` at length ``seq_len`` with its knobs; unknown names or knobs are errors."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task '{name}'; known tasks: {', '.join(sorted(TASKS))}")
+    try:
+        return TASKS[name](seq_len, **knobs)
+    except TypeError as exc:  # an unknown knob: say which ones the task takes
+        import inspect
+
+        takes = [
+            p for p in inspect.signature(TASKS[name].__init__).parameters if p not in ("self", "seq_len")
+        ]
+        raise ValueError(f"task '{name}': {exc}; it takes {takes}") from None
+
+
+def is_test(src: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` bool: which examples belong to the test split, by a fixed hash of ``src (B, N)``.
+
+    The hash is a random linear form of the tokens mod a prime (coefficients from a fixed seed), so
+    membership depends only on the example. For every task here the source determines the answer,
+    so the hash of the source separates the splits. Time ``O(B * N)``.
+    """
+    coef = torch.randint(1, 2**20, (src.shape[1],), generator=torch.Generator().manual_seed(_HASH_SEED))
+    h = (src.long() * coef).sum(dim=1) % _HASH_PRIME  # tokens < 2^20 and N < 2^20: no int64 overflow
+    return h % TEST_FRACTION == 0
+
+
+def draw(task: Task, n: int, g: torch.Generator, split: str) -> Batch:
+    """``n`` examples of ``split`` ('train' or 'test'), drawn with ``g`` (deterministic given its state).
+
+    Samples in rounds and keeps only the split's own examples. A task whose whole example space is
+    tiny (e.g. reversal of 2 tokens over 2 symbols) may have no test example at all: then this raises
+    rather than loop forever.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    want_test = split == "test"
+    parts, have = [], 0
+    for _ in range(1000):
+        # ask for enough that one round usually suffices (a test example is one in TEST_FRACTION)
+        need = n - have
+        m = (
+            need * TEST_FRACTION * 5 // 4 + 8
+            if want_test
+            else need * TEST_FRACTION // (TEST_FRACTION - 1) + 8
+        )
+        b = task.sample(m, g)
+        keep = is_test(b.src) == want_test
+        b = b.rows(keep)
+        parts.append(b)
+        have += len(b)
+        if have >= n:
+            return Batch.cat(parts).rows(slice(0, n))
+    raise ValueError(f"task '{task.name}' at seq_len={task.seq_len} yields too few {split} examples")

@@ -1,0 +1,341 @@
+"""Train a small Transformer with one attention variant on one synthetic task, then test it.
+
+:func:`measure_task` is what :func:`experiments.job.measure` runs when ``cfg["task"]`` is set. It fills
+``result`` with the variant's description and these figures: ``train_s``, ``steps``, ``final_loss``,
+``test_accuracy`` (exact match per answer token on the held-out split), ``test_exact_match`` (whole
+answer right), ``params``, ``params_baseline``, ``seed``, ``acc_by_distance`` (recall), and one
+trained attention map (``attention``) for the report's heatmaps.
+
+Cost: ``steps`` optimiser steps of ``batch_size`` examples (forward + backward of
+:class:`~experiments.tasks.model.TaskTransformer`), then one pass over ``test_size`` test examples
+(``N + 1`` decoder passes for sequence-to-sequence tasks, which decode greedily).
+
+Parameter budget (as LRA does): a variant with learned parameters in its core (``has_params``, e.g.
+additive) may have at most ``1 + param_budget`` times the parameters of the same model with a
+parameter-free exact core; the FFN width is shrunk until it fits. Both counts are recorded.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import variants
+from variants import Unsupported
+
+from ..job import _check_device, build_variant
+from .data import IGNORE, Batch, Task, draw, make_task
+from .model import TaskTransformer, attention_cores, count_params, recorded_attention
+
+# training and model settings in conf/task/*.yaml; every other key there is a knob of the task
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class Settings:
+    """Model and training settings of a task job (defaults match conf/task/*.yaml)."""
+
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    d_model: int = 64
+    heads: int = 4
+    layers: int = 2
+    ffn: int = 128
+    decoder_layers: int = 2
+    norm_first: bool = True
+    param_budget: float = 0.10
+    test_size: int = 512
+    eval_batch: int = 128
+    distance_bins: int = 8
+    heatmap_size: int = 64
+    max_train_s: float | None = None
+
+    @classmethod
+    def split(cls, task_cfg: dict[str, Any]) -> tuple[str, Settings, dict[str, Any]]:
+        """``(name, settings, task knobs)`` from a ``conf/task`` dict."""
+        cfg = dict(task_cfg)
+        if "name" not in cfg:
+            raise ValueError("task config needs a 'name' (recall, copy, reverse)")
+        name = cfg.pop("name")
+        own = {f.name for f in fields(cls)}
+        settings = cls(**{k: v for k, v in cfg.items() if k in own})
+        return name, settings, {k: v for k, v in cfg.items() if k not in own}
+
+
+def variant_for_training(
+    cfg_variant: dict[str, Any], device: str, seq2seq: bool
+) -> tuple[str, dict[str, Any]]:
+    """The registered name and structural knobs to build per-layer cores, or :class:`Unsupported`.
+
+    The ``_target_`` config is instantiated once (so a bad knob fails here, as in timing jobs); the
+    layers are then built by name through the registry, which needs that name to lead back to the
+    same class. Shape hints (``heads``, ``head_dim``) come from the model, not from the config.
+    """
+    probe = build_variant(cfg_variant)
+    cls = type(probe)
+    name = getattr(cls, "name", "")
+    if not name or variants.get(name) is not cls:
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__} is not registered under its name {name!r}: "
+            "register it (variants.register) to train it in a task"
+        )
+    if device not in cls.devices:
+        raise Unsupported(f"{name} does not run on device '{device}'")
+    if device not in cls.backward_devices:
+        raise Unsupported(f"{name} has no backward pass on device '{device}': it cannot be trained there")
+    if seq2seq and not cls.supports_cross:
+        raise Unsupported(f"{name} does not support cross-attention, which the decoder needs")
+    knobs = {k: v for k, v in cfg_variant.items() if k not in ("_target_", "heads", "head_dim")}
+    return name, knobs
+
+
+def build_model(
+    task: Task, s: Settings, name: str, knobs: dict[str, Any], seed: int
+) -> tuple[TaskTransformer, int, int]:
+    """The model at the parameter budget: ``(model, params, params_baseline)``.
+
+    The baseline is the same architecture at the configured FFN width with a parameter-free core. If
+    the variant's cores push the total past ``(1 + param_budget) * baseline``, the FFN width is
+    shrunk: parameters are affine in it, so two builds give the slope and one more checks.
+    """
+
+    def make(ffn: int) -> TaskTransformer:
+        torch.manual_seed(seed)  # the same initial weights for a given seed, whatever was built before
+        return TaskTransformer(
+            task.vocab_size,
+            d_model=s.d_model,
+            heads=s.heads,
+            layers=s.layers,
+            ffn=ffn,
+            variant=name,
+            knobs=knobs,
+            decoder_layers=s.decoder_layers if task.seq2seq else 0,
+            norm_first=s.norm_first,
+        )
+
+    model = make(s.ffn)
+    baseline = count_params(model, cores=False)
+    limit = math.floor(baseline * (1 + s.param_budget))
+    total = count_params(model)
+    if total > limit:
+        half = max(1, s.ffn // 2)
+        slope = (total - count_params(make(half))) / max(1, s.ffn - half)  # params per unit of width
+        width = int(s.ffn - math.ceil((total - limit) / slope)) if slope > 0 else 0
+        while width >= 1:
+            model = make(width)
+            total = count_params(model)
+            if total <= limit:
+                break
+            width -= 1
+        if width < 1:
+            raise Unsupported(
+                f"{name}'s attention parameters exceed the budget of {s.param_budget:.0%} over the baseline "
+                f"({baseline} parameters) even with an FFN of width 1"
+            )
+    return model, total, baseline
+
+
+def _lr_factor(step: int, s: Settings) -> float:
+    """Linear warm-up, then cosine decay to zero: high accuracy needs the late small steps."""
+    if step < s.warmup:
+        return (step + 1) / s.warmup
+    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def loss_of(model: TaskTransformer, b: Batch) -> torch.Tensor:
+    """Mean cross-entropy over the scored positions of ``b``."""
+    logits = model(b.src, b.dec_in)  # (B, T, vocab)
+    return F.cross_entropy(logits.flatten(0, 1), b.target.flatten(), ignore_index=IGNORE)
+
+
+@torch.no_grad()
+def predict(model: TaskTransformer, task: Task, b: Batch) -> torch.Tensor:
+    """Predicted tokens ``(B, T)`` aligned with ``b.target``: argmax for encoder tasks, greedy
+    decoding (no teacher forcing) for sequence-to-sequence tasks."""
+    if b.dec_in is None:
+        return model(b.src).argmax(dim=-1)
+    return model.greedy(b.src, bos=int(b.dec_in[0, 0]), steps=b.target.shape[1])
+
+
+def evaluate(model: TaskTransformer, task: Task, test: Batch, s: Settings) -> dict[str, Any]:
+    """Exact-match accuracy on ``test``: per answer token, per example, and (recall) per distance."""
+    model.eval()
+    parts = [test.rows(slice(i, i + s.eval_batch)) for i in range(0, len(test), s.eval_batch)]
+    preds = torch.cat([predict(model, task, p) for p in parts])  # (B, T)
+    with torch.no_grad():  # teacher-forced loss, weighted by each part's size
+        test_loss = sum(float(loss_of(model, p)) * len(p) for p in parts) / len(test)
+    model.train()
+    scored = test.target != IGNORE  # (B, T)
+    right = (preds == test.target) & scored
+    out: dict[str, Any] = {
+        "test_accuracy": float(right.sum() / scored.sum()),
+        "test_exact_match": float((right | ~scored).all(dim=1).float().mean()),
+        "test_loss": test_loss,
+        "test_size": len(test),
+        "answers_per_example": float(scored.sum(dim=1).float().mean()),
+    }
+    if test.distance is not None:
+        # equal-width bins up to seq_len, keyed by their upper edge; empty bins are left out
+        width = math.ceil(task.seq_len / s.distance_bins)
+        dist = test.distance[scored]
+        hit = right[scored]
+        acc, count = {}, {}
+        for hi in range(width, task.seq_len + width, width):
+            sel = (dist > hi - width) & (dist <= hi)
+            if sel.any():
+                acc[str(hi)] = float(hit[sel].float().mean())
+                count[str(hi)] = int(sel.sum())
+        out["acc_by_distance"], out["n_by_distance"] = acc, count
+        out["distance_bin_width"] = width
+    return out
+
+
+def attention_heatmap(model: TaskTransformer, task: Task, example: Batch, size: int) -> dict[str, Any] | None:
+    """Head-averaged attention weights of the most telling core on one test example, as a nested
+    list of at most ``size x size`` (average-pooled), or None when the core has no weight matrix.
+
+    Sequence-to-sequence: the last decoder layer's cross-attention (a reversal model should show an
+    anti-diagonal); otherwise the last encoder layer's self-attention.
+    """
+    names = list(attention_cores(model))
+    wanted = [n for n in names if ("cross_attn" in n if task.seq2seq else n.startswith("encoder."))]
+    if not wanted:
+        return None
+    name = wanted[-1]
+    model.eval()
+    with torch.no_grad(), recorded_attention(model) as maps:
+        model(example.src, example.dec_in)
+    model.train()
+    if name not in maps:
+        return None
+    w = maps[name][0].mean(dim=0)  # (Nq, Nk): first example, mean over heads
+    stride = max(1, math.ceil(max(w.shape) / size))
+    if stride > 1:
+        # average-pool so a long map stays small in the record; ceil_mode keeps the edges
+        w = F.avg_pool2d(w[None, None], stride, ceil_mode=True)[0, 0]
+    return {
+        "module": name,
+        "stride": stride,
+        "shape": [int(x) for x in maps[name].shape[-2:]],
+        "weights": [[round(float(x), 4) for x in row] for row in w],
+    }
+
+
+def measure_task(cfg: dict[str, Any], result: dict[str, Any]) -> None:
+    """Train on ``cfg["task"]`` at ``cfg["seq_len"]`` with ``cfg["variant"]``; fill ``result``.
+
+    Raises :class:`variants.Unsupported` (the variant cannot be trained here or cannot do the
+    task's attention), :class:`experiments.job.Unavailable` (device), or any other exception
+    (:func:`experiments.job.measure` turns each into a status). A non-finite loss sets status ``nan``.
+    """
+    device = cfg["device"]
+    _check_device(device)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+    if cfg["dtype"] not in _DTYPES:
+        raise Unsupported(f"task training runs in float32 or float64, not {cfg['dtype']}")
+    dtype = _DTYPES[cfg["dtype"]]
+    seed = int(cfg["seed"])
+    task_name, s, task_knobs = Settings.split(cfg["task"])
+    task = make_task(task_name, int(cfg["seq_len"]), **task_knobs)
+    name, knobs = variant_for_training(cfg["variant"], device, task.seq2seq)
+
+    model, params, baseline = build_model(task, s, name, knobs, seed)
+    model = model.to(device=device, dtype=dtype)
+    result["variant"] = next(iter(attention_cores(model).values())).describe()
+    fig = result["figures"]
+    fig.update(
+        seed=seed,
+        task=task_name,
+        task_knobs=task.knobs(),
+        params=params,
+        params_baseline=baseline,
+        params_ratio=params / baseline,
+        ffn_width=model.encoder[0].ffn.inner.out_features,
+        d_model=s.d_model,
+        model_heads=s.heads,
+        layers=s.layers,
+        decoder_layers=len(model.decoder),
+        batch_size=s.batch_size,
+    )
+
+    # train and test examples come from separate generators and are kept apart by hash (data.draw)
+    g_train = torch.Generator().manual_seed(2 * seed)
+    g_test = torch.Generator().manual_seed(2 * seed + 1)
+    test = draw(task, s.test_size, g_test, "test").to(device)
+
+    # one tiny step before the clock starts: Unsupported (and compile time, if any) show up here
+    loss_of(model, test.rows(slice(0, 1))).backward()
+    model.zero_grad(set_to_none=True)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=s.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: _lr_factor(i, s))
+    from tqdm import tqdm
+
+    label = f"{task_name} {name} N={task.seq_len} seed={seed}"
+    bar = tqdm(total=s.steps, desc=label, unit="step", leave=False, disable=not sys.stderr.isatty())
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    step = 0
+    try:
+        for step in range(s.steps):
+            b = draw(task, s.batch_size, g_train, "train").to(device)
+            loss = loss_of(model, b)
+            if not torch.isfinite(loss):
+                result["status"], result["reason"] = "nan", f"training loss is {float(loss)} at step {step}"
+                fig["steps"] = step
+                return
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if s.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            bar.update(1)
+            if s.max_train_s is not None and time.perf_counter() - t0 > s.max_train_s:
+                break
+    finally:
+        bar.close()
+    train_s = time.perf_counter() - t0
+    done = len(losses)
+    tail = max(1, done // 20)  # the last 5% of steps: one step's loss is noisy
+    fig.update(
+        train_s=train_s,
+        steps=done,
+        stopped_early=done < s.steps,
+        step_ms=1e3 * train_s / max(1, done),
+        first_loss=sum(losses[:tail]) / tail,
+        final_loss=sum(losses[-tail:]) / tail,
+        loss_curve=[round(sum(c) / len(c), 4) for c in _chunks(losses, 20)],
+        threads=torch.get_num_threads(),
+    )
+
+    t1 = time.perf_counter()
+    fig.update(evaluate(model, task, test, s))
+    fig["eval_s"] = time.perf_counter() - t1
+    result["variant"] = next(iter(attention_cores(model).values())).describe()  # now it knows what ran
+    heat = attention_heatmap(model, task, test.rows(slice(0, 1)), s.heatmap_size) if s.heatmap_size else None
+    if heat is not None:
+        fig["attention"] = heat
+    fig["settings"] = asdict(s)
+
+
+def _chunks(xs: list[float], k: int) -> list[list[float]]:
+    """``xs`` cut into at most ``k`` consecutive, nearly equal, non-empty pieces."""
+    k = max(1, min(k, len(xs)))
+    edges = [round(i * len(xs) / k) for i in range(k + 1)]
+    return [xs[a:b] for a, b in zip(edges, edges[1:]) if b > a]

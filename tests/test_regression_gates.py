@@ -1,0 +1,230 @@
+"""The regression gates of ``benchmarks/`` bite: degraded copies of a variant fail, the original passes.
+
+Runs in the plain unit-test run (the benchmarks themselves do not). Each degraded copy is a subclass of
+the registered ``naive`` class, measured with the real gate functions and compared with the committed
+baseline entry of ``naive``; only one test registers a copy, and it unregisters it afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import variants
+from benchmarks import gates
+from variants.registry import unregister
+
+BASELINE = gates.load_baseline()
+NaiveAttention = variants.get("naive")
+ROUNDS = 40  # enough for a stable median at this shape, short enough for the unit-test run
+
+
+def committed(key: str) -> dict:
+    """The committed baseline entry for ``key`` (the test fails with the refresh hint if it is absent)."""
+    base = BASELINE["entries"].get(key)
+    assert base is not None, gates.missing_message(key)
+    return base
+
+
+class MemoryHungry(NaiveAttention):
+    """``naive`` that holds one more score-sized buffer ``(B, H, Nq, Nk)`` through the call.
+
+    Through the forward pass, and with autograd through the backward pass too (as a tensor needlessly
+    saved for backward would be).
+    """
+
+    def _attend(self, q, k, v, **kw):
+        extra = torch.ones(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=q.dtype)  # (B, H, Nq, Nk)
+        out = super()._attend(q, k, v, **kw)  # `extra` is alive here: it overlaps the parent's own peak
+        if out.requires_grad:
+            out.register_hook(lambda grad, held=extra: grad)  # the graph keeps `extra` until backward ends
+        return out
+
+
+class Slowed(NaiveAttention):
+    """``naive`` doing its whole computation ``REPEAT`` times: same memory, FLOPs and error, slower.
+
+    Extra work rather than ``time.sleep``: the gate times CPU time, and work slows down with the machine's
+    load exactly as the reference does.
+    """
+
+    REPEAT = 8
+
+    def _attend(self, q, k, v, **kw):
+        for _ in range(self.REPEAT - 1):
+            super()._attend(q, k, v, **kw)
+        return super()._attend(q, k, v, **kw)
+
+
+class Inaccurate(NaiveAttention):
+    """``naive`` whose output is off by one part in a thousand (a broken rescaling, say)."""
+
+    def _attend(self, q, k, v, **kw):
+        return super()._attend(q, k, v, **kw) * (1 + 1e-3)
+
+
+def _naive() -> variants.AttentionVariant:
+    return gates.build("naive", {})
+
+
+# ------------------------------------------------------------------------------ the committed baseline
+@pytest.mark.parametrize("mode", gates.MODES)
+def test_unmodified_variant_passes_the_committed_baseline(mode):
+    key = f"naive/{mode}"
+    attn = _naive()
+    entry = gates.measure(attn, mode, rounds=ROUNDS)
+    base = committed(key)
+    assert gates.compare_static(key, entry, base) == []
+    assert gates.check_time(key, attn, mode, entry, base) == []
+
+
+def test_committed_baseline_records_what_this_machine_cannot_run():
+    entries = BASELINE["entries"]
+    unsupported = {k for k, e in entries.items() if e["status"] == "unsupported"}
+    # xformers is CUDA-only and FlexAttention has no CPU backward: recorded, not left out
+    assert {"xformers/fwd", "xformers/fwd_bwd"} <= unsupported
+    assert any(k.startswith("flex") and k.endswith("/fwd_bwd") for k in unsupported)
+    assert all(entries[k]["reason"] for k in unsupported)
+
+
+def test_committed_baseline_is_for_the_current_settings():
+    assert BASELINE["config"] == gates.config(), f"refresh with `{gates.REFRESH_COMMAND}`"
+    assert {"torch_version", "cpu_model", "gpu", "torch_threads_benchmarked"} <= set(BASELINE["machine"])
+
+
+def test_unsupported_case_still_says_so():
+    attn = gates.build("xformers", gates.bench_knobs("xformers"))
+    for mode in gates.MODES:
+        key = f"xformers/{mode}"
+        entry = gates.measure_static(attn, mode)
+        assert entry["status"] == "unsupported" and entry["reason"]
+        assert gates.compare_static(key, entry, committed(key)) == []
+
+
+# ------------------------------------------------------------------------------ the gates bite
+def test_memory_hungry_copy_fails_the_memory_gate():
+    key = "naive/fwd"
+    entry = gates.measure_static(MemoryHungry(), "fwd")
+    fails = gates.compare_static(key, entry, committed(key))
+    assert len(fails) == 1 and "peak memory grew" in fails[0], fails
+    extra = gates.BATCH * gates.HEADS * gates.SEQ * gates.SEQ * 4  # the buffer's bytes, fp32
+    assert entry["peak_bytes"] - committed(key)["peak_bytes"] == extra
+    assert f"{entry['peak_bytes']:,} B" in fails[0] and f"{committed(key)['peak_bytes']:,} B" in fails[0]
+
+
+def test_memory_hungry_copy_fails_the_memory_gate_in_backward():
+    key = "naive/fwd_bwd"
+    fails = gates.compare_static(key, gates.measure_static(MemoryHungry(), "fwd_bwd"), committed(key))
+    assert any("peak memory grew" in f for f in fails), fails
+
+
+def test_slowed_copy_fails_the_timing_gate_with_its_numbers():
+    key = "naive/fwd"
+    attn = Slowed()
+    entry = gates.measure(attn, "fwd", rounds=ROUNDS)
+    base = committed(key)
+    assert gates.compare_static(key, entry, base) == []  # same memory, FLOPs and error: only slower
+    fails = gates.check_time(key, attn, "fwd", entry, base)
+    assert len(fails) == 1, f"ratio {entry['time_ratio']:.3f} vs baseline {base['time_ratio']:.3f}"
+    msg = fails[0]
+    assert "time regression" in msg and "confirmed by a second measurement" in msg
+    assert f"{entry['time_ratio']:.3f}" in msg and f"{gates.time_limit(base):.3f}" in msg
+
+
+def test_inaccurate_copy_fails_the_error_gate():
+    key = "naive/fwd"
+    fails = gates.compare_static(key, gates.measure_static(Inaccurate(), "fwd"), committed(key))
+    assert len(fails) == 1 and "relative error" in fails[0], fails
+
+
+def test_registered_copy_without_a_baseline_entry_asks_for_a_refresh():
+    name = "naive_slowed_for_test"
+    variants.register(name)(Slowed)
+    try:
+        keys = {c.key: c for c in gates.cases()}
+        assert f"{name}/fwd" in keys and f"{name}/fwd_bwd" in keys  # the suite picks it up unasked
+        case = keys[f"{name}/fwd"]
+        entry = gates.measure_static(gates.build(case.name, dict(case.knobs)), case.mode)
+        fails = gates.compare_static(case.key, entry, BASELINE["entries"].get(case.key))
+        assert len(fails) == 1 and gates.REFRESH_COMMAND in fails[0]
+    finally:
+        unregister(name)
+        del Slowed.name  # register() set it; inherit naive's again
+    assert name not in variants.available()
+
+
+# ------------------------------------------------------------------------------ comparison rules
+OK = {"status": "ok", "peak_bytes": 1_000_000, "flops": 1000, "rel_err": 1e-6}
+TIMED = {
+    **OK,
+    "time_ratio": 1.0,
+    "ratio_q1": 0.9,
+    "ratio_q3": 1.1,
+    "time_s": 1e-3,
+    "ref_time_s": 1e-3,
+    "rounds": 9,
+}
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"peak_bytes": 1_000_000 + 10_000 + gates.MEM_ABS_TOL + 1}, "peak memory grew"),
+        ({"peak_bytes": 1_000_000 - 10_000 - gates.MEM_ABS_TOL - 1}, "peak memory shrank"),
+        ({"flops": 1001}, "FLOPs 1,001 vs baseline 1,000"),
+        ({"rel_err": 2.1e-6}, "relative error"),
+        ({"rel_err": math.nan}, "relative error"),
+        ({"status": "unsupported", "reason": "gone"}, "status changed from ok"),
+    ],
+)
+def test_each_hard_gate_fails_beyond_its_tolerance(change, words):
+    fails = gates.compare_static("v/fwd", {**OK, **change}, OK)
+    assert len(fails) == 1 and words in fails[0], fails
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"peak_bytes": 1_000_000 + 10_000 + gates.MEM_ABS_TOL},
+        {"peak_bytes": 1_000_000 - 10_000 - gates.MEM_ABS_TOL},
+        {"rel_err": 2e-6},
+        {"rel_err": 1e-9},  # better is fine
+    ],
+)
+def test_hard_gates_pass_within_tolerance(change):
+    assert gates.compare_static("v/fwd", {**OK, **change}, OK) == []
+
+
+def test_error_floor_spares_rounding_noise():
+    tiny = {**OK, "rel_err": 1e-9}
+    assert gates.compare_static("v/fwd", {**OK, "rel_err": gates.ERR_FLOOR}, tiny) == []
+
+
+def test_status_change_either_way_fails():
+    unsupported = {"status": "unsupported", "reason": "no CPU kernel"}
+    assert "status changed from unsupported" in gates.compare_static("v/fwd", OK, unsupported)[0]
+    assert gates.compare_static("v/fwd", unsupported, unsupported) == []
+
+
+def test_missing_entry_names_the_refresh_command():
+    fails = gates.compare_static("new/fwd", OK, None)
+    assert len(fails) == 1 and gates.REFRESH_COMMAND in fails[0]
+
+
+def test_time_gate_is_generous_and_reports_numbers():
+    assert gates.compare_time("v/fwd", {**TIMED, "time_ratio": gates.TIME_FACTOR}, TIMED) == []
+    fails = gates.compare_time("v/fwd", {**TIMED, "time_ratio": gates.TIME_FACTOR + 0.5}, TIMED)
+    assert len(fails) == 1
+    assert f"{gates.TIME_FACTOR + 0.5:.3f}" in fails[0] and "baseline ratio 1.000" in fails[0]
+
+
+def test_machine_info_hook_adds_torch_threads_cpu_and_gpu():
+    from benchmarks.conftest import pytest_benchmark_update_machine_info
+
+    info = {"node": "x"}
+    pytest_benchmark_update_machine_info(None, info)
+    assert info["torch_version"] == torch.__version__
+    assert info["torch_threads_benchmarked"] == gates.THREADS
+    assert info["cpu_model"] and "gpu" in info and info["node"] == "x"

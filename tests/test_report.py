@@ -1,0 +1,317 @@
+"""The report: store, tables, scaling fit, plots and the CLI, checked against the records themselves.
+
+One small real sweep (three ``run.py -m`` subprocesses in parallel, isolate=false) feeds every test:
+naive and a deliberately wrong variant (figures invalid), sdpa with a backend the CPU lacks
+(unsupported), and local_window with two window sizes (knob labels). The local_window sweep runs with
+report=true, so the end-of-multirun report is exercised too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib import image as mpimg
+
+from experiments import report, store
+from experiments import tables as T
+from experiments.records import write_record
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["isolate=false", "min_run_time=0.02", "seq_len=64,128", "heads=2", "head_dim=16"]
+SWEEPS = {
+    "faulty": ["variant=naive", "variant._target_=variants.naive.NaiveAttention,tests.faulty.WrongAttention"],
+    "sdpa": ["variant=sdpa", "variant.backend=math,cudnn"],
+    "window": ["variant=local_window", "variant.window=4,16", "report=true"],
+}
+PNGS = [
+    "time_vs_n.png",
+    "memory_vs_n.png",
+    "gflops_vs_n.png",
+    "scaling_exponents.png",
+    "accuracy_heatmap.png",
+    "patterns.png",
+    "attention_weights.png",
+]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """Records of the three sweeps in one folder; returns (tmp root, {sweep name: completed process})."""
+    tmp = tmp_path_factory.mktemp("report")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = {}
+    for name, args in SWEEPS.items():
+        cmd = [sys.executable, "run.py", "-m", *args, *SMALL, f"records_dir={tmp / 'records'}"]
+        cmd += [f"hydra.sweep.dir={tmp / name}"]
+        if "report=true" not in args:
+            cmd.append("report=false")
+        procs[name] = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+        out[name] = (stdout, stderr)
+    return tmp, out
+
+
+def raw_records(folder: Path) -> list[dict]:
+    """The records as plain JSON, read without the code under test."""
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def cell(section: T.Section, heading_part: str, variant: str, n: int) -> str:
+    tabs = [tab for heading, tab in section.parts if heading_part in heading]
+    assert len(tabs) == 1, [h for h, _ in section.parts]
+    return tabs[0].loc[variant, f"N={n}"]
+
+
+def label(rec: dict) -> str:
+    """The row label the report should use for a record of this sweep (an independent statement)."""
+    v = rec["config"]["variant"]
+    if v["_target_"].startswith("tests.faulty."):
+        return v["_target_"].rsplit(".", 1)[-1]
+    if rec["variant_name"] == "local_window":
+        return f"local_window(window={v['window']})"
+    if rec["variant_name"] == "sdpa":
+        return f"sdpa(backend={v['backend']})"
+    return rec["variant_name"]
+
+
+def test_store_keeps_every_record_and_prints_counts(sweep, capsys):
+    tmp, _ = sweep
+    recs = raw_records(tmp / "records")
+    assert len(recs) == 12
+    df = store.load([tmp / "faulty", tmp / "sdpa", tmp / "window", tmp / "records"])
+    assert len(df) == len(recs)  # sweep folders and the record folder name the same files: counted once
+    printed = capsys.readouterr().out
+    assert "loaded 12 record(s)" in printed
+    assert "ok 8" in printed and "ok (invalid) 2" in printed and "unsupported 2" in printed
+    assert sorted(df["path"].map(lambda p: Path(p).name)) == sorted(
+        p.name for p in (tmp / "records").glob("*.json")
+    )
+    # config fields and environment are columns
+    assert {"device", "dtype", "mode", "seq_len", "heads", "env_host", "env_torch", "fwd_median_s"} <= set(
+        df.columns
+    )
+    # parquet and csv round trip
+    store.save(df, tmp / "saved")
+    for name in ("store.parquet", "store.csv"):
+        back = store.read_store(tmp / "saved" / name)
+        assert len(back) == len(df) and set(back["status"]) == set(df["status"])
+
+
+def test_table_numbers_equal_record_figures(sweep):
+    tmp, _ = sweep
+    df = store.load([tmp / "records"], verbose=False)
+    shown = T.select(df)
+    speed, memory, acc = T.speed_table(shown), T.memory_table(shown), T.accuracy_table(shown)
+    checked = 0
+    for rec in raw_records(tmp / "records"):
+        f, n = rec["figures"], rec["config"]["seq_len"]
+        if rec["status"] != "ok" or not f["valid"]:
+            continue
+        ms = f["fwd_median_s"] * 1e3
+        # the Markdown cell shows about 3 significant digits of the figure
+        text = cell(speed, "median time", label(rec), n)
+        assert float(text.split()[0]) == pytest.approx(ms, rel=5e-3)
+        assert float(cell(speed, "GFLOP/s", label(rec), n)) == pytest.approx(f["gflops_per_s"], rel=5e-3)
+        assert float(cell(memory, "peak MiB", label(rec), n)) == pytest.approx(f["peak_mib"], rel=5e-3)
+        assert float(cell(acc, "vs oracle", label(rec), n)) == pytest.approx(f["out_rel_err"], rel=0.05)
+        if "dev_full_rel_err" in f:
+            assert float(cell(acc, "vs full", label(rec), n)) == pytest.approx(
+                f["dev_full_rel_err"], rel=0.05
+            )
+        # the CSV keeps the exact numbers
+        row = speed.data[(speed.data["variant"] == label(rec)) & (speed.data["seq_len"] == n)].iloc[0]
+        assert row["time_ms"] == pytest.approx(ms, rel=1e-12)
+        assert row["iqr_ms"] == pytest.approx(f["fwd_iqr_s"] * 1e3, rel=1e-12, abs=1e-15)
+        checked += 1
+    assert checked == 8
+
+
+def test_invalid_figures_are_never_numbers(sweep):
+    tmp, _ = sweep
+    wrong = [
+        r
+        for r in raw_records(tmp / "records")
+        if r["config"]["variant"]["_target_"].endswith("WrongAttention")
+    ]
+    assert wrong and all(r["status"] == "ok" and r["figures"]["valid"] is False for r in wrong)
+    shown = T.select(store.load([tmp / "records"], verbose=False))
+    for sec in (T.speed_table(shown), T.memory_table(shown)):
+        for _, tab in sec.parts:
+            if "WrongAttention" in tab.index:
+                assert set(tab.loc["WrongAttention"]) <= {"invalid", T.NO_RECORD}
+        rows = sec.data[sec.data["variant"] == "WrongAttention"]
+        assert (
+            len(rows) == 2
+            and rows.drop(columns=["seq_len", "valid"]).select_dtypes("number").isna().all().all()
+        )
+    assert "WrongAttention" not in set(T.scaling_table(shown).data.get("variant", []))
+    # the accuracy table shows the error that made it invalid, marked as a failure
+    acc = T.accuracy_table(shown)
+    assert all(
+        cell(acc, "vs oracle", "WrongAttention", r["config"]["seq_len"]).startswith("FAIL") for r in wrong
+    )
+    # and the written Markdown agrees: no number in its speed or memory rows
+    out = tmp / "md"
+    report.report_paths([tmp / "records"], out, plots=False, echo=False)
+    md = (out / "tables.md").read_text()
+    speed_memory = md.split("## Accuracy")[0]
+    for line in speed_memory.splitlines():
+        if line.startswith("| WrongAttention"):
+            cells = [c.strip() for c in line.strip("|").split("|")][1:]
+            assert set(cells) <= {"invalid", T.NO_RECORD}, line
+
+
+def test_status_table_names_every_status_and_reason(sweep):
+    tmp, _ = sweep
+    recs = raw_records(tmp / "records")
+    df = store.load([tmp / "records"], verbose=False)
+    sec = T.status_table(df, T.select(df))
+    text = T.render(sec)
+    for status in {r["status"] for r in recs}:
+        assert f"| {status} " in text
+    assert "ok (invalid)" in text
+    for r in recs:
+        if r["status"] != "ok":
+            assert r["reason"] in text
+    # an unsupported job is a word in the speed table, never a blank
+    assert cell(T.speed_table(T.select(df)), "median time", "sdpa(backend=cudnn)", 64) == "unsupported"
+
+
+def test_knob_settings_are_distinct_rows_only_when_they_differ(sweep):
+    tmp, _ = sweep
+    df = store.load([tmp / "records"], verbose=False)
+    assert set(df["variant"]) == {
+        "naive",
+        "WrongAttention",
+        "sdpa(backend=math)",
+        "sdpa(backend=cudnn)",
+        "local_window(window=4)",
+        "local_window(window=16)",
+    }
+    one = [r for r in (tmp / "records").glob("*.json") if '"window": 4' in r.read_text()]
+    assert set(store.load(one, verbose=False)["variant"]) == {"local_window"}
+
+
+def test_fit_exponent_recovers_known_powers():
+    n = np.array([256, 512, 1024, 2048, 4096])
+    k, r2 = T.fit_exponent(n, 3e-9 * n**2)
+    assert k == pytest.approx(2.0, abs=1e-9) and r2 == pytest.approx(1.0, abs=1e-12)
+    k, r2 = T.fit_exponent(n, 0.5 * n + 0.0)
+    assert k == pytest.approx(1.0, abs=1e-9) and r2 == pytest.approx(1.0, abs=1e-12)
+    rng = np.random.default_rng(0)
+    k, r2 = T.fit_exponent(n, n**2 * np.exp(rng.normal(0, 0.05, n.size)))
+    assert k == pytest.approx(2.0, abs=0.1) and 0.99 < r2 <= 1.0
+    with pytest.raises(ValueError):
+        T.fit_exponent([512, 512], [1.0, 2.0])
+
+
+def test_scaling_table_fits_the_records(sweep):
+    tmp, _ = sweep
+    fits = T.scaling_fits(T.select(store.load([tmp / "records"], verbose=False))).set_index("variant")
+    naive = {
+        r["config"]["seq_len"]: r["figures"] for r in raw_records(tmp / "records") if label(r) == "naive"
+    }
+    expected = np.log(naive[128]["fwd_median_s"] / naive[64]["fwd_median_s"]) / np.log(2)
+    assert fits.loc["naive", "time_exponent"] == pytest.approx(expected, rel=1e-9)
+    assert fits.loc["naive", "time_n_min"] == 64 and fits.loc["naive", "time_n_max"] == 128
+
+
+def test_same_config_twice_keeps_both_and_shows_the_newest(sweep, tmp_path):
+    tmp, _ = sweep
+    recs = raw_records(tmp / "records")
+    for r in recs:
+        write_record(r, tmp_path)
+    old = next(r for r in recs if label(r) == "naive" and r["config"]["seq_len"] == 64)
+    new = json.loads(json.dumps(old))
+    later = datetime.fromisoformat(old["started_at"]) + timedelta(hours=1)
+    new["started_at"] = new["finished_at"] = later.isoformat(timespec="seconds")
+    new["figures"]["fwd_median_s"] = old["figures"]["fwd_median_s"] * 7
+    write_record(new, tmp_path)
+    df = store.load([tmp_path], verbose=False)
+    assert len(df) == len(recs) + 1
+    same = df[df["config_hash"] == old["config_hash"]]
+    assert len(same) == 2 and same["newest"].sum() == 1
+    text = cell(T.speed_table(T.select(df)), "median time", "naive", 64)
+    assert float(text.split()[0]) == pytest.approx(new["figures"]["fwd_median_s"] * 1e3, rel=5e-3)
+    # asked for every measurement: both, one row per run
+    both = T.speed_table(T.select(df, all_measurements=True))
+    times = both.data[(both.data["variant"] == "naive") & (both.data["seq_len"] == 64)]["time_ms"]
+    expected = sorted(r["figures"]["fwd_median_s"] * 1e3 for r in (old, new))
+    assert sorted(times) == pytest.approx(expected)
+    tab = next(tab for heading, tab in both.parts if "median time" in heading)
+    shown = sorted(float(c.split()[0]) for c in tab.loc["naive", "N=64"])  # one row per run
+    assert shown == pytest.approx(expected, rel=5e-3)
+
+
+def test_baseline_ratios(sweep, tmp_path):
+    tmp, _ = sweep
+    for r in raw_records(tmp / "records"):
+        r["env"]["host"], r["env"]["torch"] = "other-machine", "9.9"
+        if r["status"] == "ok":
+            r["figures"]["fwd_median_s"] *= 2  # the baseline is twice as slow
+        write_record(r, tmp_path)
+    cur = store.load([tmp / "records"], verbose=False)
+    base = store.load([tmp_path], verbose=False)
+    sec = T.baseline_table(cur, base)
+    assert cell(sec, "speedup", "naive", 64) == "2.00x"
+    assert cell(sec, "speedup", "WrongAttention", 128) == "invalid"
+    assert cell(sec, "memory", "sdpa(backend=math)", 64) == "1.00x"
+    assert "other-machine" in sec.note and "9.9" in sec.note
+
+
+def test_partial_sweep_loads_what_is_there(sweep, tmp_path, capsys):
+    tmp, _ = sweep
+    recs = sorted((tmp / "records").glob("*.json"))
+    for p in recs[:3]:
+        (tmp_path / p.name).write_text(p.read_text())
+    (tmp_path / "cut.json").write_text(recs[3].read_text()[:100])  # a record cut short by a crash
+    manifest = tmp_path / "manifest.jsonl"
+    lines = [json.dumps({"record": str(tmp_path / p.name)}) for p in recs[:3]]
+    manifest.write_text("\n".join([*lines, json.dumps({"record": str(tmp_path / "gone.json")}), '{"rec']))
+    df = store.load([tmp_path], verbose=True)
+    printed = capsys.readouterr().out
+    assert len(df) == 3
+    assert "1 unreadable file(s)" in printed and "1 missing path(s)" in printed
+
+
+def test_report_writes_tables_store_and_valid_pngs(sweep):
+    tmp, out = sweep
+    # the sweep with report=true ended with its tables printed and everything written
+    stdout = out["window"][0]
+    assert "## Speed" in stdout and "local_window(window=16)" in stdout
+    rep = tmp / "window" / "report"
+    for name in ["tables.md", "store.parquet", "store.csv", "speed.csv", "memory.csv", "accuracy.csv", *PNGS]:
+        assert (rep / name).is_file(), name
+    # the CLI over every record
+    cli_out = tmp / "cli"
+    assert report.main([str(tmp / "records"), "--out", str(cli_out)]) == 0
+    for name in PNGS:
+        data = (cli_out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 10_000, name
+        img = mpimg.imread(cli_out / name)
+        assert img.ndim == 3 and min(img.shape[:2]) > 200, name
+    md = (cli_out / "tables.md").read_text()
+    for heading in ("## Speed", "## Memory", "## Accuracy", "## Scaling", "## Status"):
+        assert heading in md
+    assert "useful (query, key) pairs" in md
+    assert len(pd.read_csv(cli_out / "store.csv")) == 12
+
+
+def test_default_out_dir_is_inside_the_input(sweep):
+    tmp, _ = sweep
+    assert report.default_out_dir([tmp / "records"]) == tmp / "records" / "report"
+    assert report.main([str(tmp / "nowhere")]) == 1  # no records: says so, exit status 1
