@@ -23,7 +23,17 @@ from matplotlib.colors import PowerNorm  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
 from .store import is_false  # noqa: E402
-from .tables import GROUP_BASE, group_keys, groups, mode_times, pivot_cells, scaling_fits, sci, usable  # noqa: E402
+from .tables import (  # noqa: E402
+    GROUP_BASE,
+    group_keys,
+    groups,
+    mode_times,
+    pivot_cells,
+    scaling_fits,
+    sci,
+    usable,
+    value_text,
+)
 
 DPI = 110
 MODE_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
@@ -34,12 +44,12 @@ def _facet_rows(df: pd.DataFrame) -> pd.Series:
     """Facet row label: device · dtype, plus any other workload field that varies (causal=True, ...)."""
     keys = group_keys(df)
     extra = [k for k in keys if k not in GROUP_BASE]
-    parts = [df["device"].astype(str), df["dtype"].astype(str)]
-    parts += [k.removeprefix("env_") + "=" + df[k].astype(str) for k in extra]
-    label = parts[0]
-    for p in parts[1:]:
-        label = label + " · " + p
-    return label
+
+    def label(row: pd.Series) -> str:
+        named = [f"{k.removeprefix('env_')}={value_text(k, row[k])}" for k in extra]
+        return " · ".join([str(row["device"]), str(row["dtype"]), *named])
+
+    return df.apply(label, axis=1).astype(str) if len(df) else pd.Series("", index=df.index)
 
 
 def _palette(names: list[str]) -> dict[str, tuple]:

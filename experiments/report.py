@@ -136,7 +136,8 @@ def report_paths(
     if plots:
         from .plots import write_all
 
-        written += write_all(shown, out)
+        # plots always show the newest measurement: several runs on one line would zigzag
+        written += write_all(T.select(df), out)
     print(f"report written to {out}: {', '.join(p.name for p in written)}")
     return written
 

@@ -25,7 +25,7 @@ GROUP_EXTRA = ["env_host", *[c for c in WORKLOAD if c not in GROUP_BASE], "seed"
 MATCH_KEYS = [k for k in CELL_KEYS if k != "env_host"]  # what a baseline row is matched on
 NO_RECORD = "–"
 FLOPS_NOTE = (
-    "FLOPs count the useful (query, key) pairs each variant lets interact (4·D per pair forward, "
+    "FLOPs count the useful (query, key) pairs each variant lets interact (2·D + 2·Dv per pair forward, "
     "backward 2.5x forward; FlashAttention convention), not the work a blocked kernel actually does."
 )
 LEGEND = (
@@ -95,8 +95,8 @@ def select(df: pd.DataFrame, all_measurements: bool = False) -> pd.DataFrame:
     run = out["sweep_dir"].astype(object).map(lambda s: Path(s).name if isinstance(s, str) and s else None)
     stamp = out["started_at"].dt.strftime("%Y-%m-%d %H:%M:%S").astype(object)
     out["run"] = run.where(run.notna(), stamp)
-    # the same configuration twice in one sweep folder: tell those rows apart by their start time
-    twice = out.duplicated([*CELL_KEYS, "run"], keep=False)
+    # the same configuration twice in one sweep folder: the older ones get their own row, by start time
+    twice = out.sort_values("started_at").duplicated([*CELL_KEYS, "run"], keep="last").reindex(out.index)
     out.loc[twice, "run"] = out.loc[twice, "run"].astype(str) + " @ " + stamp[twice].astype(str)
     return out
 
@@ -114,9 +114,16 @@ def groups(df: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
         vals = vals if isinstance(vals, tuple) else (vals,)
         parts = [str(v) for v in vals[: len(GROUP_BASE)]]
         named = zip(keys[len(GROUP_BASE) :], vals[len(GROUP_BASE) :], strict=True)
-        parts += [f"{k.removeprefix('env_')}={v}" for k, v in named]
+        parts += [f"{k.removeprefix('env_')}={value_text(k, v)}" for k, v in named]
         out.append((" · ".join(parts), sub))
     return out
+
+
+def value_text(key: str, v: object) -> object:
+    """A config value for a title; null kv_len / v_head_dim mean "the same as the queries'"."""
+    if v is None or (not isinstance(v, str) and pd.isna(v)):
+        return {"kv_len": "seq_len", "v_head_dim": "head_dim"}.get(key, "null")
+    return v
 
 
 def workload_line(df: pd.DataFrame) -> str:
@@ -124,10 +131,7 @@ def workload_line(df: pd.DataFrame) -> str:
     same = []
     for c in [*WORKLOAD[3:], "seed"]:
         if c in df and len(df) and df[c].astype(str).nunique(dropna=False) == 1:
-            v = df[c].iloc[0]
-            if pd.isna(v):  # null in the config means "the same as the queries'"
-                v = {"kv_len": "seq_len", "v_head_dim": "head_dim"}.get(c, "null")
-            same.append(f"{c}={v}")
+            same.append(f"{c}={value_text(c, df[c].iloc[0])}")
     return ", ".join(same)
 
 

@@ -57,7 +57,9 @@ class AdditiveAttention(AttentionVariant):
     # at test lengths) is tested on its own: per-chunk overhead would dominate the registry tests
     example_knobs = ({"hidden": 16, "chunk": 5}, {"hidden": 8, "chunk": 64})
 
-    def __init__(self, heads: int = 8, head_dim: int = 64, hidden: int = 64, chunk: int | None = None) -> None:
+    def __init__(
+        self, heads: int = 8, head_dim: int = 64, hidden: int = 64, chunk: int | None = None
+    ) -> None:
         super().__init__()
         if heads < 1 or head_dim < 1 or hidden < 1:
             raise ValueError(f"heads, head_dim and hidden must be >= 1; got {heads}, {head_dim}, {hidden}")

@@ -54,7 +54,8 @@ _CACHE_SIZE = 8  # block masks kept per module: one per (shape, mask) a benchmar
 class FlexAttention(AttentionVariant):
     """``torch.nn.attention.flex_attention`` with a full, sliding-window or block-sparse pattern."""
 
-    exact = True  # exact softmax over its own pattern (the oracle restricts to pattern())
+    # full attention for pattern='full'; window and sparse approximate it (set per instance below)
+    exact = True
     dtypes = _LOW  # compiled CPU kernels refuse float64; see the module docstring
     # CPU: FlexAttention raises NotImplementedError when any input requires grad
     backward_devices = frozenset({"cuda"})
@@ -65,13 +66,16 @@ class FlexAttention(AttentionVariant):
         {"pattern": "sparse", "block": 4, "compile": False},
     )
 
-    def __init__(self, pattern: str = "full", window: int = 128, block: int = 128, compile: bool = True) -> None:
+    def __init__(
+        self, pattern: str = "full", window: int = 128, block: int = 128, compile: bool = True
+    ) -> None:
         super().__init__()
         if pattern not in PATTERNS:
             raise ValueError(f"flex pattern must be one of {', '.join(PATTERNS)}; got '{pattern}'")
         if window < 0 or block < 1:
             raise ValueError(f"window must be >= 0 and block >= 1; got window={window}, block={block}")
         self.pattern_name = pattern
+        self.exact = pattern == "full"  # the knob decides; records and accuracy read the instance
         self.window = window
         self.block = block
         self.compile = compile
@@ -82,7 +86,12 @@ class FlexAttention(AttentionVariant):
         self.__dict__["_sparse"] = BlockSparseAttention(block=block) if pattern == "sparse" else None
 
     def knobs(self) -> dict[str, object]:
-        return {"pattern": self.pattern_name, "window": self.window, "block": self.block, "compile": self.compile}
+        return {
+            "pattern": self.pattern_name,
+            "window": self.window,
+            "block": self.block,
+            "compile": self.compile,
+        }
 
     # ------------------------------------------------------------------ the pattern
     def _block_layout(self, nq: int, nk: int) -> torch.Tensor:
@@ -91,8 +100,8 @@ class FlexAttention(AttentionVariant):
         return nb[: -(-nq // self.block), : -(-nk // self.block)]
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
-        i = torch.arange(nq)[:, None]
-        j = torch.arange(nk)[None, :]
+        i = torch.arange(nq)[:, None]  # (Nq, 1)
+        j = torch.arange(nk)[None, :]  # (1, Nk)
         if self.pattern_name == "full":
             allowed = torch.ones(nq, nk, dtype=torch.bool)
         elif self.pattern_name == "window":

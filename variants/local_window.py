@@ -6,8 +6,9 @@ or more is full attention. Queries are cut into blocks of ``block`` rows; a bloc
 can only see keys in ``[s - window, s + block - 1 + window]``, so each block is scored against that
 span of ``block + 2 * window`` keys (``block + window`` when causal: later keys are never visible).
 K and V are padded by ``window`` on both sides and to a multiple of ``block``, and the spans are
-strided views of them (``unfold``), so every block is scored in one batched matmul and no
-``N x N`` matrix exists, forward or backward.
+strided views of them (``unfold``; the batched matmul copies each span once, ``(block + 2 window) /
+block`` times the size of K), so every block is scored in one batched matmul and no ``N x N``
+matrix exists, forward or backward.
 
 Shapes: ``q (B, H, N, D)``, ``k (B, H, N, D)``, ``v (B, H, N, Dv)`` -> ``(B, H, N, Dv)``; self-attention
 only (``Nq == Nk``), with causal and key padding masks, no arbitrary ``attn_mask``.

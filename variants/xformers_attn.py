@@ -263,7 +263,9 @@ class XFormersAttention(AttentionVariant):
             with quiet_xformers():
                 out = xops.memory_efficient_attention(qx, kx, vx, attn_bias=bias, scale=scale)
         except NotImplementedError as exc:
-            raise Unsupported(f"xformers cannot run this input: {summarize_not_implemented(str(exc))}") from None
+            raise Unsupported(
+                f"xformers cannot run this input: {summarize_not_implemented(str(exc))}"
+            ) from None
         out = out.transpose(1, 2)[..., :dv]  # (B, Nq, H, Dvp) -> (B, H, Nq, Dv)
         if empty is not None:
             out = out.masked_fill(empty, 0.0)  # rows that see no key: zeros, and zero gradients

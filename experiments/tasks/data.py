@@ -118,8 +118,8 @@ class Recall(Task):
         super().__init__(seq_len)
         if num_pairs < 1 or num_keys < num_pairs or num_values < 1 or gap < 0:
             raise ValueError(
-                f"recall needs 1 <= num_pairs <= num_keys, num_values >= 1, gap >= 0; got num_pairs={num_pairs}, "
-                f"num_keys={num_keys}, num_values={num_values}, gap={gap}"
+                "recall needs 1 <= num_pairs <= num_keys, num_values >= 1, gap >= 0; got "
+                f"num_pairs={num_pairs}, num_keys={num_keys}, num_values={num_values}, gap={gap}"
             )
         if 3 * num_pairs + gap > seq_len:
             raise ValueError(

@@ -71,20 +71,40 @@ class _Residual(nn.Module):
         return self.norm(x + f(x))
 
 
+# a registered variant name, or a factory ``(heads, head_dim) -> AttentionVariant`` for a class that
+# is not reachable by its name (e.g. a subclass that inherits its parent's name)
+VariantSpec = str | Callable[[int, int], AttentionVariant]
+
+
+def attention_layer(
+    d_model: int, heads: int, variant: VariantSpec, knobs: dict[str, Any]
+) -> MultiHeadAttention:
+    """One multi-head attention layer with a fresh core of ``variant``."""
+    if isinstance(variant, str):
+        return MultiHeadAttention(d_model, heads, variant=variant, **knobs)
+    return MultiHeadAttention(d_model, heads, variant=variant(heads, d_model // heads))
+
+
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward network: ``(B, N, E) -> (B, N, E)``."""
 
     def __init__(
-        self, d_model: int, heads: int, ffn: int, variant: str, knobs: dict[str, Any], norm_first: bool
+        self,
+        d_model: int,
+        heads: int,
+        ffn: int,
+        variant: VariantSpec,
+        knobs: dict[str, Any],
+        norm_first: bool,
     ) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, heads, variant=variant, **knobs)
+        self.self_attn = attention_layer(d_model, heads, variant, knobs)
         self.ffn = FeedForward(d_model, ffn)
         self.res_attn = _Residual(d_model, norm_first)
         self.res_ffn = _Residual(d_model, norm_first)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.res_attn(x, lambda h: self.self_attn(h, h, h))
+        x = self.res_attn(x, lambda h: self.self_attn(h))
         return self.res_ffn(x, self.ffn)
 
 
@@ -92,11 +112,17 @@ class DecoderLayer(nn.Module):
     """Masked self-attention, cross-attention to ``memory (B, Ns, E)``, feed-forward: ``(B, T, E)``."""
 
     def __init__(
-        self, d_model: int, heads: int, ffn: int, variant: str, knobs: dict[str, Any], norm_first: bool
+        self,
+        d_model: int,
+        heads: int,
+        ffn: int,
+        variant: VariantSpec,
+        knobs: dict[str, Any],
+        norm_first: bool,
     ) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, heads, variant=variant, **knobs)
-        self.cross_attn = MultiHeadAttention(d_model, heads, variant=variant, **knobs)
+        self.self_attn = attention_layer(d_model, heads, variant, knobs)
+        self.cross_attn = attention_layer(d_model, heads, variant, knobs)
         self.ffn = FeedForward(d_model, ffn)
         self.res_self = _Residual(d_model, norm_first)
         self.res_cross = _Residual(d_model, norm_first)
@@ -104,8 +130,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         # causal: position t may not see the tokens it is about to predict
-        y = self.res_self(y, lambda h: self.self_attn(h, h, h, causal=True))
-        y = self.res_cross(y, lambda h: self.cross_attn(h, memory, memory))
+        y = self.res_self(y, lambda h: self.self_attn(h, causal=True))
+        y = self.res_cross(y, lambda h: self.cross_attn(h, memory))
         return self.res_ffn(y, self.ffn)
 
 
@@ -124,7 +150,7 @@ class TaskTransformer(nn.Module):
         heads: int,
         layers: int,
         ffn: int,
-        variant: str,
+        variant: VariantSpec,
         knobs: dict[str, Any] | None = None,
         decoder_layers: int = 0,
         norm_first: bool = True,
@@ -139,6 +165,10 @@ class TaskTransformer(nn.Module):
         knobs = dict(knobs or {})
         self.d_model, self.norm_first = d_model, norm_first
         self.embed = nn.Embedding(vocab_size, d_model)
+        # std d^-1/2, so the sqrt(d)-scaled embedding has unit-size entries like the position code;
+        # torch's default N(0, 1) would make it sqrt(d) times larger than every sub-layer's output and
+        # the residual updates negligible (training then stalls)
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
         self.encoder = nn.ModuleList(
             EncoderLayer(d_model, heads, ffn, variant, knobs, norm_first) for _ in range(layers)
         )

@@ -12,14 +12,18 @@ Cost: ``steps`` optimiser steps of ``batch_size`` examples (forward + backward o
 
 Parameter budget (as LRA does): a variant with learned parameters in its core (``has_params``, e.g.
 additive) may have at most ``1 + param_budget`` times the parameters of the same model with a
-parameter-free exact core; the FFN width is shrunk until it fits. Both counts are recorded.
+parameter-free exact core; the FFN width is shrunk until it fits (down to ``d_model``), then the
+core's own size knob (``budget_knob``, additive's ``hidden``). Both counts, the FFN width and the
+core's knobs used are recorded.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -27,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 import variants
-from variants import Unsupported
+from variants import AttentionVariant, Unsupported
 
 from ..job import _check_device, build_variant
 from .data import IGNORE, Batch, Task, draw, make_task
-from .model import TaskTransformer, attention_cores, count_params, recorded_attention
+from .model import TaskTransformer, VariantSpec, attention_cores, count_params, recorded_attention
 
 # training and model settings in conf/task/*.yaml; every other key there is a knob of the task
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -54,6 +58,7 @@ class Settings:
     decoder_layers: int = 2
     norm_first: bool = True
     param_budget: float = 0.10
+    budget_knob: str | None = "hidden"
     test_size: int = 512
     eval_batch: int = 128
     distance_bins: int = 8
@@ -74,21 +79,18 @@ class Settings:
 
 def variant_for_training(
     cfg_variant: dict[str, Any], device: str, seq2seq: bool
-) -> tuple[str, dict[str, Any]]:
-    """The registered name and structural knobs to build per-layer cores, or :class:`Unsupported`.
+) -> tuple[str, VariantSpec, dict[str, Any]]:
+    """``(name, spec, knobs)`` to build per-layer cores, or :class:`Unsupported` before any work.
 
-    The ``_target_`` config is instantiated once (so a bad knob fails here, as in timing jobs); the
-    layers are then built by name through the registry, which needs that name to lead back to the
-    same class. Shape hints (``heads``, ``head_dim``) come from the model, not from the config.
+    The ``_target_`` config is instantiated once (so a bad knob fails here, as in timing jobs). The
+    layers are built through the registry by the class's registered name with the config's
+    structural knobs; shape hints (``heads``, ``head_dim``) come from the model, not the config. A
+    class that its name does not lead back to (a subclass inheriting its parent's name, e.g. the
+    test suite's faulty variants) is built from its ``_target_`` config per layer instead.
     """
     probe = build_variant(cfg_variant)
     cls = type(probe)
-    name = getattr(cls, "name", "")
-    if not name or variants.get(name) is not cls:
-        raise ValueError(
-            f"{cls.__module__}.{cls.__qualname__} is not registered under its name {name!r}: "
-            "register it (variants.register) to train it in a task"
-        )
+    name = getattr(cls, "name", "") or cls.__name__
     if device not in cls.devices:
         raise Unsupported(f"{name} does not run on device '{device}'")
     if device not in cls.backward_devices:
@@ -96,20 +98,50 @@ def variant_for_training(
     if seq2seq and not cls.supports_cross:
         raise Unsupported(f"{name} does not support cross-attention, which the decoder needs")
     knobs = {k: v for k, v in cfg_variant.items() if k not in ("_target_", "heads", "head_dim")}
-    return name, knobs
+    if name in variants.available() and variants.get(name) is cls:
+        return name, name, knobs
+    takes = inspect.signature(cls.__init__).parameters
+
+    def factory(heads: int, head_dim: int) -> AttentionVariant:
+        shape = {k: v for k, v in (("heads", heads), ("head_dim", head_dim)) if k in takes}
+        return build_variant({**cfg_variant, **shape})
+
+    return name, factory, knobs
 
 
-def build_model(
-    task: Task, s: Settings, name: str, knobs: dict[str, Any], seed: int
-) -> tuple[TaskTransformer, int, int]:
-    """The model at the parameter budget: ``(model, params, params_baseline)``.
+@dataclass
+class Built:
+    """A model built at the parameter budget, with what was changed to get there."""
 
-    The baseline is the same architecture at the configured FFN width with a parameter-free core. If
-    the variant's cores push the total past ``(1 + param_budget) * baseline``, the FFN width is
-    shrunk: parameters are affine in it, so two builds give the slope and one more checks.
+    model: TaskTransformer
+    params: int
+    params_baseline: int
+    ffn: int  # the FFN width used (the configured one unless shrunk)
+    knobs: dict[str, Any]  # the core's knobs used (``budget_knob`` shrunk if needed)
+
+
+def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest ``x`` in ``[lo, hi]`` with ``fits(x)``, for ``fits`` true below some point; else None."""
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def build_model(task: Task, s: Settings, spec: VariantSpec, knobs: dict[str, Any], seed: int) -> Built:
+    """The model, held to the parameter budget as LRA does.
+
+    The baseline is the same architecture at the configured FFN width with a parameter-free core
+    (what every exact variant trains). A variant whose cores have parameters may have at most
+    ``(1 + param_budget) * baseline`` in all: first the FFN width is shrunk (down to ``d_model`` at
+    least, so the network keeps its shape), then the core's ``budget_knob`` (additive: ``hidden``).
+    Each is the largest value that fits, found by bisection (parameters grow with both). The
+    initial weights depend only on ``seed``.
     """
 
-    def make(ffn: int) -> TaskTransformer:
+    def make(ffn: int, kn: dict[str, Any]) -> TaskTransformer:
         torch.manual_seed(seed)  # the same initial weights for a given seed, whatever was built before
         return TaskTransformer(
             task.vocab_size,
@@ -117,32 +149,41 @@ def build_model(
             heads=s.heads,
             layers=s.layers,
             ffn=ffn,
-            variant=name,
-            knobs=knobs,
+            variant=spec,
+            knobs=kn,
             decoder_layers=s.decoder_layers if task.seq2seq else 0,
             norm_first=s.norm_first,
         )
 
-    model = make(s.ffn)
+    model = make(s.ffn, knobs)
     baseline = count_params(model, cores=False)
     limit = math.floor(baseline * (1 + s.param_budget))
-    total = count_params(model)
-    if total > limit:
-        half = max(1, s.ffn // 2)
-        slope = (total - count_params(make(half))) / max(1, s.ffn - half)  # params per unit of width
-        width = int(s.ffn - math.ceil((total - limit) / slope)) if slope > 0 else 0
-        while width >= 1:
-            model = make(width)
-            total = count_params(model)
-            if total <= limit:
-                break
-            width -= 1
-        if width < 1:
-            raise Unsupported(
-                f"{name}'s attention parameters exceed the budget of {s.param_budget:.0%} over the baseline "
-                f"({baseline} parameters) even with an FFN of width 1"
-            )
-    return model, total, baseline
+    if count_params(model) <= limit:
+        return Built(model, count_params(model), baseline, s.ffn, knobs)
+    floor = min(s.ffn, s.d_model)
+    ffn = _largest(floor, s.ffn, lambda w: count_params(make(w, knobs)) <= limit)
+    kn = dict(knobs)
+    if ffn is None and isinstance(spec, str) and s.budget_knob:
+        size = knobs.get(s.budget_knob, _default_knob(spec, s.budget_knob))
+        if isinstance(size, int):
+            key = s.budget_knob
+            best = _largest(1, size, lambda h: count_params(make(floor, {**knobs, key: h})) <= limit)
+            if best is not None:
+                ffn, kn = floor, {**knobs, key: best}
+    if ffn is None:
+        raise Unsupported(
+            f"the attention cores' parameters exceed the budget of {s.param_budget:.0%} over the exact "
+            f"model's {baseline} even with FFN width {floor}"
+            + (f" and {s.budget_knob}=1" if s.budget_knob and isinstance(spec, str) else "")
+        )
+    model = make(ffn, kn)
+    return Built(model, count_params(model), baseline, ffn, kn)
+
+
+def _default_knob(name: str, knob: str) -> Any:
+    """The default of constructor argument ``knob`` of variant ``name`` (None if it has none)."""
+    p = inspect.signature(variants.get(name).__init__).parameters.get(knob)
+    return None if p is None or p.default is inspect.Parameter.empty else p.default
 
 
 def _lr_factor(step: int, s: Settings) -> float:
@@ -249,20 +290,21 @@ def measure_task(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     seed = int(cfg["seed"])
     task_name, s, task_knobs = Settings.split(cfg["task"])
     task = make_task(task_name, int(cfg["seq_len"]), **task_knobs)
-    name, knobs = variant_for_training(cfg["variant"], device, task.seq2seq)
+    name, spec, knobs = variant_for_training(cfg["variant"], device, task.seq2seq)
 
-    model, params, baseline = build_model(task, s, name, knobs, seed)
-    model = model.to(device=device, dtype=dtype)
+    built = build_model(task, s, spec, knobs, seed)
+    model = built.model.to(device=device, dtype=dtype)
     result["variant"] = next(iter(attention_cores(model).values())).describe()
     fig = result["figures"]
     fig.update(
         seed=seed,
         task=task_name,
         task_knobs=task.knobs(),
-        params=params,
-        params_baseline=baseline,
-        params_ratio=params / baseline,
-        ffn_width=model.encoder[0].ffn.inner.out_features,
+        params=built.params,
+        params_baseline=built.params_baseline,
+        params_ratio=built.params / built.params_baseline,
+        ffn_width=built.ffn,
+        core_knobs=built.knobs,
         d_model=s.d_model,
         model_heads=s.heads,
         layers=s.layers,
@@ -293,7 +335,7 @@ def measure_task(cfg: dict[str, Any], result: dict[str, Any]) -> None:
             b = draw(task, s.batch_size, g_train, "train").to(device)
             loss = loss_of(model, b)
             if not torch.isfinite(loss):
-                result["status"], result["reason"] = "nan", f"training loss is {float(loss)} at step {step}"
+                result["status"], result["reason"] = "nan", f"training loss is {float(loss.detach())} at step {step}"
                 fig["steps"] = step
                 return
             opt.zero_grad(set_to_none=True)
@@ -338,4 +380,4 @@ def _chunks(xs: list[float], k: int) -> list[list[float]]:
     """``xs`` cut into at most ``k`` consecutive, nearly equal, non-empty pieces."""
     k = max(1, min(k, len(xs)))
     edges = [round(i * len(xs) / k) for i in range(k + 1)]
-    return [xs[a:b] for a, b in zip(edges, edges[1:]) if b > a]
+    return [xs[a:b] for a, b in zip(edges, edges[1:], strict=False) if b > a]

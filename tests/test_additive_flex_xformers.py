@@ -1,0 +1,447 @@
+"""What the registry-wide tests don't cover for additive, flex, xformers and the MultiHeadAttention layer.
+
+Oracles here are independent of the code under test: the naive float64 additive form, Python
+definitions of the patterns (and the pattern read back from flex's own output), a torch emulation of
+xFormers' kernel contract, and ``torch.nn.MultiheadAttention``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import variants
+from variants import Unsupported, oracle
+from variants import xformers_attn as xf
+from variants.additive import AdditiveAttention
+from variants.flex import FlexAttention
+from variants.multihead import MultiHeadAttention
+from variants.sparse import BlockSparseAttention
+
+from .helpers import CASES, Case, make_inputs, rel_err
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _masks(b, h, nq, nk, *, padding=False, mask=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kpm = None
+    if padding:
+        kpm = torch.ones(b, nk, dtype=torch.bool)
+        kpm[-1, nk - 3 :] = False
+        kpm[0, 1] = False
+    am = torch.rand(b, h, nq, nk, generator=g) > 0.3 if mask else None
+    return kpm, am
+
+
+# ------------------------------------------------------------------------------------------ additive
+ADDITIVE_CASES = [
+    Case("causal_padding", b=2, h=2, nq=11, nk=11, d=4, dv=3, causal=True, padding=True),
+    Case("attn_mask", b=2, h=2, nq=11, nk=11, d=4, dv=3, mask=True),
+    Case("cross_padding", b=2, h=2, nq=7, nk=13, d=4, dv=5, padding=True),
+]
+
+
+@pytest.mark.parametrize("case", ADDITIVE_CASES, ids=lambda c: c.id)
+def test_additive_chunk_sizes_all_match_the_naive_oracle(case):
+    q, k, v, kw = make_inputs(case, dtype=torch.float64)
+    torch.manual_seed(1)
+    ref = None
+    for chunk in [1, 3, 4, case.nq, case.nq + 5, None]:
+        torch.manual_seed(1)  # same parameters for every chunk size
+        attn = AdditiveAttention(heads=case.h, head_dim=case.d, hidden=6, chunk=chunk).double()
+        if ref is None:
+            ref = oracle(attn, q, k, v, **kw).detach()  # naive (B,H,Nq,Nk,hidden) form
+        out = attn(q, k, v, **kw)
+        assert out.shape == (case.b, case.h, case.nq, case.dv)
+        assert rel_err(out.detach(), ref) <= 1e-12, f"chunk={chunk}"
+
+
+@pytest.mark.parametrize("chunk", [1, 4, None])
+def test_additive_parameter_gradients_match_the_oracle(chunk):
+    case = ADDITIVE_CASES[0]
+    q, k, v, kw = make_inputs(case, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(2)
+    attn = AdditiveAttention(heads=case.h, head_dim=case.d, hidden=5, chunk=chunk).double()
+    g = torch.randn(case.b, case.h, case.nq, case.dv, dtype=torch.float64)
+    wrt = [q, k, v, attn.w_q, attn.w_k, attn.w]
+    got = torch.autograd.grad(attn(q, k, v, **kw), wrt, g)
+    want = torch.autograd.grad(oracle(attn, q, k, v, **kw), wrt, g)
+    for name, gg, ww in zip(["q", "k", "v", "w_q", "w_k", "w"], got, want, strict=True):
+        assert rel_err(gg, ww) <= 1e-10, name
+        assert gg.abs().sum() > 0, f"{name}: gradient is identically zero"
+
+
+@pytest.mark.parametrize("nq, hidden", [(1024, 64), (1000, 64), (4096, 16), (100, 64), (7, 3)])
+def test_additive_automatic_chunk_is_a_quarter_of_a_score_tensor(nq, hidden):
+    attn = AdditiveAttention(heads=1, head_dim=2, hidden=hidden)
+    c = attn.query_chunk(nq)
+    assert c >= 1
+    # one chunk's (B,H,c,Nk,hidden) holds at most a quarter of (B,H,Nq,Nk)'s elements (or c is 1)
+    assert c == 1 or c * hidden <= nq / 4
+    assert (c + 1) * hidden > nq / 4  # and it is the largest such chunk
+    assert AdditiveAttention(heads=1, head_dim=2, hidden=hidden, chunk=5).query_chunk(nq) == 5
+
+
+def test_additive_peak_memory_stays_below_four_score_tensors():
+    from experiments.memory import cpu_peak_bytes
+
+    # the automatic chunk gives about 4 * hidden chunks at any N: a small hidden keeps this quick
+    b, h, n, d = 1, 4, 256, 16
+    torch.manual_seed(0)
+    attn = AdditiveAttention(heads=h, head_dim=d, hidden=8)
+    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    score = b * h * n * n * 4  # one (B,H,N,N) fp32 tensor
+
+    def fwd():
+        with torch.no_grad():
+            attn(q, k, v)
+
+    def fwd_bwd():
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        attn(qq, kk, vv).sum().backward()
+
+    fwd(), fwd_bwd()  # warm-up: first calls allocate lazily initialised buffers
+    assert cpu_peak_bytes(fwd) <= 4 * score
+    assert cpu_peak_bytes(fwd_bwd) <= 4 * score
+
+
+def test_additive_checks_heads_and_head_dim():
+    attn = AdditiveAttention(heads=3, head_dim=8, hidden=4)
+    q = torch.randn(1, 3, 5, 6)
+    with pytest.raises(Unsupported, match="head_dim=8.*head size is 6"):
+        attn(q, q, q)
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(Unsupported, match="heads=3.*2 heads"):
+        attn(q, q, q)
+
+
+def test_additive_initialisation_follows_the_global_seed():
+    torch.manual_seed(5)
+    a = AdditiveAttention(heads=2, head_dim=4, hidden=3)
+    torch.manual_seed(5)
+    b = AdditiveAttention(heads=2, head_dim=4, hidden=3)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert variants.get("additive").has_params and len(list(a.parameters())) == 3
+
+
+# ---------------------------------------------------------------------------------------------- flex
+def _window_def(nq, nk, w, causal):
+    return torch.tensor([[abs(i - j) <= w and (j <= i or not causal) for j in range(nk)] for i in range(nq)])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk", [(20, 20), (13, 13), (9, 17), (17, 9)])
+def test_flex_patterns_match_their_definitions(nq, nk, causal):
+    if causal and nq != nk:
+        pytest.skip("causal is defined for Nq == Nk only")
+    full = FlexAttention(pattern="full", compile=False)
+    want_full = torch.ones(nq, nk, dtype=torch.bool)
+    assert torch.equal(full.pattern(nq, nk, causal), want_full.tril() if causal else want_full)
+    for w in (0, 2, 30):
+        win = FlexAttention(pattern="window", window=w, compile=False)
+        want = _window_def(nq, nk, w, causal)
+        assert torch.equal(win.pattern(nq, nk, causal), want)
+        assert win.num_pairs(nq, nk, causal) == int(want.sum())
+    for blk in (3, 4):
+        sp = FlexAttention(pattern="sparse", block=blk, compile=False)
+        want = BlockSparseAttention(block=blk).pattern(nq, nk, causal)  # the same layout, by design
+        assert torch.equal(sp.pattern(nq, nk, causal), want)
+        assert sp.num_pairs(nq, nk, causal) == int(want.sum())
+    assert full.exact and not win.exact and not sp.exact  # only 'full' is full attention
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"pattern": "full"}, {"pattern": "window", "window": 2, "block": 4}, {"pattern": "sparse", "block": 3}],
+    ids=lambda k: k["pattern"],
+)
+@pytest.mark.parametrize(
+    "nq, nk, causal, padding, mask", [(14, 14, True, True, False), (9, 14, False, True, True)]
+)
+def test_flex_output_reveals_exactly_its_pattern(knobs, nq, nk, causal, padding, mask):
+    # q = 0 spreads each row uniformly over the keys it may see; v = identity reads those keys back
+    b, h = 2, 2
+    attn = FlexAttention(compile=False, **knobs)
+    q = torch.zeros(b, h, nq, 4)
+    k = torch.randn(b, h, nk, 4)
+    v = torch.eye(nk).expand(b, h, nk, nk).contiguous()  # (B, H, Nk, Dv=Nk)
+    kpm, am = _masks(b, h, nq, nk, padding=padding, mask=mask)
+    out = attn(q, k, v, causal=causal, key_padding_mask=kpm, attn_mask=am)
+    want = attn.pattern(nq, nk, causal)[None, None]
+    if kpm is not None:
+        want = want & kpm[:, None, None, :]
+    if am is not None:
+        want = want & am
+    assert torch.equal(out > 1e-6, want.expand_as(out))
+    assert torch.isfinite(out).all()
+
+
+def test_flex_block_masks_are_cached_and_follow_in_place_edits():
+    case = CASES[3]  # causal + padding
+    attn = FlexAttention(pattern="window", window=3, block=8, compile=False)
+    q, k, v, kw = make_inputs(case)
+    attn(q, k, v, **kw)
+    attn(q, k, v, **kw)
+    assert len(attn._masks) == 1  # built once for the same shape and mask
+    kw["key_padding_mask"][0, :6] = False  # in place: the cached block list would be stale
+    out = attn(q, k, v, **kw)
+    assert len(attn._masks) == 2
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+
+
+def test_flex_refuses_float64_and_cpu_backward():
+    attn = FlexAttention(pattern="window", window=2, compile=False)
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    with pytest.raises(Unsupported, match="float64"):
+        attn(q, q, q)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    with pytest.raises(Unsupported, match="backward"):
+        attn(q, q, q)
+    assert FlexAttention.compiled
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor
+def test_flex_compiled_matches_the_oracle():
+    # the one compiled run: ~5 s with a warm inductor cache, ~30 s cold on this machine (< 60 s)
+    case = Case("compiled", b=2, h=2, nq=40, nk=40, d=16, dv=16, causal=True, padding=True)
+    attn = FlexAttention(pattern="window", window=5, block=16, compile=True)
+    q, k, v, kw = make_inputs(case)
+    kw["key_padding_mask"][0] = False  # batch element 0 sees no key at all
+    out = attn(q, k, v, **kw)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    again = attn(q, k, v, **kw)  # cached block mask and kernel
+    assert torch.equal(out, again)
+
+
+# ------------------------------------------------------------------------------------------ xformers
+def test_xformers_is_unsupported_on_cpu_with_its_own_reason():
+    attn = variants.build("xformers")
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(Unsupported) as e:
+        attn(q, q, q)
+    msg = str(e.value)
+    assert msg.startswith("xformers does not run on device 'cpu'")
+    assert "\n" not in msg
+    try:
+        import importlib.util
+
+        installed = importlib.util.find_spec("xformers") is not None
+    except ValueError:
+        installed = False
+    if installed:
+        assert "device=cpu" in msg  # xFormers' own words, not ours
+
+
+def test_importing_variants_prints_nothing_and_does_not_import_xformers():
+    code = (
+        "import sys, torch, variants\n"
+        "assert 'xformers' not in sys.modules, 'xformers imported eagerly'\n"
+        "attn = variants.build('xformers')\n"
+        "q = torch.randn(1, 2, 4, 8)\n"
+        "try:\n"
+        "    attn(q, q, q)\n"
+        "except variants.Unsupported as e:\n"
+        "    print('unsupported:', e)\n"
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", f"something printed to stderr: {r.stderr[:500]}"
+    assert r.stdout.startswith("unsupported: xformers")
+
+
+def test_xformers_missing_reads_as_an_install_hint(monkeypatch):
+    monkeypatch.setattr(xf, "_XOPS", None)
+    monkeypatch.setattr(xf, "_IMPORT_ERROR", None)
+    monkeypatch.setitem(sys.modules, "xformers", None)  # makes `import xformers...` raise ImportError
+    monkeypatch.setitem(sys.modules, "xformers.ops", None)
+    attn = variants.build("xformers")
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(Unsupported, match=r"xformers is not installed: pip install"):
+        attn(q, q, q)
+
+
+def test_xformers_not_implemented_message_is_summarised():
+    msg = (
+        "No operator found for `memory_efficient_attention_forward` with inputs:\n"
+        "     query       : shape=(1, 4, 2, 8) (torch.float32)\n"
+        "     p           : 0.0\n"
+        "`fa2F` is not supported because:\n"
+        "    device=cpu (supported: {'cuda'})\n"
+        "`cutlassF-pt` is not supported because:\n"
+        "    device=cpu (supported: {'cuda'})\n"
+        "    operator wasn't built\n"
+    )
+    got = xf.summarize_not_implemented(msg)
+    assert got == (
+        "No operator found for `memory_efficient_attention_forward` "
+        "(fa2F: device=cpu (supported: {'cuda'}) | cutlassF-pt: device=cpu (supported: {'cuda'}); "
+        "operator wasn't built)"
+    )
+
+
+class _FakeLowerTriangularMask:
+    pass
+
+
+def _fake_memory_efficient_attention(q, k, v, attn_bias=None, p=0.0, scale=None):
+    """What xFormers' CUDA kernels compute, with the input checks they make, in float64 on CPU."""
+    assert q.dim() == 4 and all(t.stride(-1) == 1 for t in (q, k, v)), "BMHK with stride(-1) == 1"
+    assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0, "head sizes aligned to 8"
+    b, nq, h, _ = q.shape
+    nk = k.shape[1]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale  # (B, H, Nq, Nk)
+    if isinstance(attn_bias, torch.Tensor):
+        assert attn_bias.shape == (b, h, nq, nk) and attn_bias.dtype == q.dtype
+        assert all(attn_bias.stride(i) % 8 == 0 for i in range(3)), "bias rows aligned to 8"
+        s = s + attn_bias.double()
+    elif isinstance(attn_bias, _FakeLowerTriangularMask):
+        s = s.masked_fill(~torch.ones(nq, nk, dtype=torch.bool).tril(), float("-inf"))
+    else:
+        assert attn_bias is None
+    pr = torch.softmax(s, dim=-1)  # an all -inf row gives NaN here, as it would in a kernel
+    return torch.einsum("bhqk,bkhd->bqhd", pr, v.double()).to(q.dtype)  # (B, Nq, H, Dv)
+
+
+@pytest.fixture
+def fake_xformers(monkeypatch):
+    op = SimpleNamespace
+    fake = SimpleNamespace(
+        memory_efficient_attention=_fake_memory_efficient_attention,
+        fmha=SimpleNamespace(
+            attn_bias=SimpleNamespace(LowerTriangularMask=_FakeLowerTriangularMask),
+            common=SimpleNamespace(Inputs=lambda **kw: kw),
+            dispatch=SimpleNamespace(
+                _dispatch_fw=lambda inp, grad: op(NAME="fakeF"),
+                _dispatch_bw=lambda inp, varlen_lse_packed: op(NAME="fakeB"),
+            ),
+        ),
+    )
+    monkeypatch.setattr(xf, "load_xformers", lambda: fake)
+    monkeypatch.setattr(xf.XFormersAttention, "_dispatch_cache", {})
+    return fake
+
+
+@pytest.mark.parametrize("case", [*CASES, Case("odd_dims", d=3, dv=5, padding=True)], ids=lambda c: c.id)
+def test_xformers_cuda_path_against_an_emulated_kernel(fake_xformers, case):
+    # the layout change, bias translation, alignment padding and empty-row fix, run on CPU
+    attn = variants.build("xformers")
+    q, k, v, kw = make_inputs(case, requires_grad=True)
+    if kw["key_padding_mask"] is not None:
+        kw["key_padding_mask"][0] = False  # batch element 0 sees no key: never NaN, zeros
+    out = attn._attend(q, k, v, **kw)  # check() would refuse the CPU
+    assert out.shape == (case.b, case.h, case.nq, case.dv)
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    if kw["key_padding_mask"] is not None:
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
+    assert attn.op_ran == "fakeF" and attn.op_bw_ran == "fakeB"
+    assert attn.describe()["op_ran"] == "fakeF"
+
+
+def test_xformers_bias_keeps_the_broadcast_shape_for_key_padding():
+    kpm = torch.ones(2, 13, dtype=torch.bool)
+    kpm[1, 10:] = False
+    bias, empty = xf.additive_bias(
+        2, 4, 9, 13, causal=False, key_padding_mask=kpm, attn_mask=None, dtype=torch.float16, device="cpu"
+    )
+    assert bias.shape == (2, 4, 9, 13) and empty is None
+    assert bias.stride()[1:3] == (0, 0)  # (B, 1, 1, Nk) expanded: O(B Nk) memory, not O(B H Nq Nk)
+    assert bias.stride(0) % 8 == 0
+    assert torch.equal(bias[1, 0, 0, 10:], torch.full((3,), float("-inf"), dtype=torch.float16))
+    assert torch.equal(bias[0], torch.zeros_like(bias[0]))
+
+
+# ---------------------------------------------------------------------------------------- multihead
+def _torch_mha(mine: MultiHeadAttention) -> nn.MultiheadAttention:
+    e, kv = mine.embed_dim, mine.kv_dim
+    ref = nn.MultiheadAttention(
+        e, mine.heads, bias=True, batch_first=True, kdim=kv, vdim=kv, dtype=torch.float64
+    )
+    with torch.no_grad():
+        if ref._qkv_same_embed_dim:
+            ref.in_proj_weight.copy_(torch.cat([mine.q_proj.weight, mine.k_proj.weight, mine.v_proj.weight]))
+        else:
+            ref.q_proj_weight.copy_(mine.q_proj.weight)
+            ref.k_proj_weight.copy_(mine.k_proj.weight)
+            ref.v_proj_weight.copy_(mine.v_proj.weight)
+        ref.in_proj_bias.copy_(torch.cat([mine.q_proj.bias, mine.k_proj.bias, mine.v_proj.bias]))
+        ref.out_proj.weight.copy_(mine.out_proj.weight)
+        ref.out_proj.bias.copy_(mine.out_proj.bias)
+    return ref
+
+
+@pytest.mark.parametrize(
+    "nq, nk, kv_dim, causal, padding, mask",
+    [
+        (10, 10, None, False, False, False),
+        (10, 10, None, True, False, False),
+        (10, 10, None, False, True, False),
+        (10, 10, None, True, True, True),
+        (7, 12, 6, False, True, True),
+    ],
+    ids=["plain", "causal", "padding", "causal_padding_mask", "cross"],
+)
+def test_multihead_matches_torch_multiheadattention(nq, nk, kv_dim, causal, padding, mask):
+    b, e, h = 2, 12, 3
+    torch.manual_seed(0)
+    mine = MultiHeadAttention(e, h, variant="naive", kv_dim=kv_dim).double()
+    with torch.no_grad():  # non-zero biases, so a mix-up of q/k/v biases would show
+        for lin in (mine.q_proj, mine.k_proj, mine.v_proj, mine.out_proj):
+            lin.bias.normal_()
+    ref = _torch_mha(mine)
+    x_q = torch.randn(b, nq, e, dtype=torch.float64)
+    x_kv = x_q if kv_dim is None and nq == nk else torch.randn(b, nk, kv_dim or e, dtype=torch.float64)
+    kpm, am = _masks(b, 1, nq, nk, padding=padding, mask=mask)
+    am = None if am is None else am[:, 0]  # (B, Nq, Nk): the same mask for every head
+    if am is not None:
+        am[:, :, 0] = True  # every row sees a key: torch's layer would give NaN otherwise
+    ours = mine(
+        x_q,
+        None if x_kv is x_q else x_kv,
+        causal=causal,
+        key_padding_mask=kpm,
+        attn_mask=None if am is None else am[:, None],  # (B, 1, Nq, Nk)
+    )
+    t_am = am  # torch's layer takes causal as part of attn_mask
+    if causal:
+        tri = torch.ones(nq, nk, dtype=torch.bool).tril()
+        t_am = tri.expand(b, nq, nk) if t_am is None else t_am & tri
+    # torch's layer: True = masked out (the opposite convention), attn_mask (B*H, Nq, Nk)
+    t_am = None if t_am is None else (~t_am).repeat_interleave(h, dim=0)
+    t_kpm = None if kpm is None else ~kpm
+    want, _ = ref(x_q, x_kv, x_kv, key_padding_mask=t_kpm, attn_mask=t_am, need_weights=False)
+    assert ours.shape == (b, nq, e)
+    assert rel_err(ours, want) <= 1e-12
+
+
+def test_multihead_uses_any_variant_and_trains_its_parameters():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4, variant="additive", hidden=8)
+    assert isinstance(layer.core, AdditiveAttention) and layer.core.head_dim == 4
+    names = {n for n, _ in layer.named_parameters()}
+    assert {"core.w_q", "core.w_k", "core.w", "q_proj.weight", "out_proj.bias"} <= names
+    x = torch.randn(2, 9, 16)
+    layer(x, causal=True).sum().backward()
+    assert all(p.grad is not None for p in layer.parameters())
+    prebuilt = variants.build("chunked", query_chunk=3, key_chunk=4)
+    assert MultiHeadAttention(16, 4, variant=prebuilt).core is prebuilt
+    with pytest.raises(TypeError):
+        MultiHeadAttention(16, 4, variant=prebuilt, window=3)
+    with pytest.raises(ValueError, match="multiple of heads"):
+        MultiHeadAttention(10, 4)

@@ -1,0 +1,301 @@
+"""Task accuracy: generators (deterministic, checked by tiny pure-Python solvers), the model and its
+parameter budget, training with every registered variant, statuses, records, and the task report."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import variants
+from experiments.job import measure
+from experiments.records import read_records
+from experiments.runner import register_hydra_pieces
+from experiments.tasks.data import IGNORE, TASKS, Copy, Recall, Reverse, draw, is_test, make_task
+from experiments.tasks.model import TaskTransformer, count_params, recorded_attention, sinusoidal_positions
+from experiments.tasks.train import Settings, build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+register_hydra_pieces()
+
+# a model and a run small enough for a few seconds per variant on a shared 2-core machine
+TINY = {
+    "steps": 25,
+    "batch_size": 16,
+    "lr": 0.01,
+    "warmup": 5,
+    "d_model": 16,
+    "heads": 2,
+    "layers": 1,
+    "ffn": 32,
+    "decoder_layers": 1,
+    "test_size": 16,
+    "eval_batch": 16,
+    "heatmap_size": 8,
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny ops: a second OpenMP thread only waits for a core that other processes hold
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def task_cfg(task: str = "recall", seq_len: int = 24, variant: str = "sdpa", **task_over) -> dict:
+    """A plain job config composed by Hydra as ``run.py -m experiment=tasks`` would, made tiny."""
+    over = {**TINY, **task_over}
+    overrides = ["experiment=tasks", f"task={task}", f"variant={variant}", f"seq_len={seq_len}"]
+    overrides += [f"task.{k}={v}" for k, v in over.items() if k in TASK_KEYS[task]]
+    overrides += [f"+task.{k}={v}" for k, v in over.items() if k not in TASK_KEYS[task]]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def _task_keys() -> dict[str, set[str]]:
+    out = {}
+    for f in (CONF / "task").glob("*.yaml"):
+        out[f.stem] = set(OmegaConf.load(f).keys())
+    return out
+
+
+TASK_KEYS = _task_keys()
+
+
+# ---------------------------------------------------------------------------------------------- data
+def rows(b) -> list[dict]:
+    """A batch as plain Python lists, one dict per example."""
+    out = []
+    for i in range(len(b)):
+        ex = {"src": b.src[i].tolist(), "target": b.target[i].tolist()}
+        if b.dec_in is not None:
+            ex["dec_in"] = b.dec_in[i].tolist()
+        if b.distance is not None:
+            ex["distance"] = b.distance[i].tolist()
+        out.append(ex)
+    return out
+
+
+def solve_recall(src: list[int], num_pairs: int) -> dict[int, tuple[int, int]]:
+    """Position -> (answer, distance) for every query, by scanning the pairs into a dict."""
+    pairs = {}
+    where = {}
+    for i in range(num_pairs):
+        key, value = src[2 * i], src[2 * i + 1]
+        assert key not in pairs, "keys must be distinct within an example"
+        pairs[key] = value
+        where[key] = 2 * i
+    return {p: (pairs[t], p - where[t]) for p, t in enumerate(src) if p >= 2 * num_pairs and t in pairs}
+
+
+@pytest.mark.parametrize("knobs", [{}, {"gap": 10}, {"num_pairs": 3, "num_keys": 3, "num_values": 2}])
+def test_recall_answers_match_a_dictionary_solver(knobs):
+    task = Recall(40, **{"num_pairs": 8, **knobs})
+    b = draw(task, 50, torch.Generator().manual_seed(1), "train")
+    for ex in rows(b):
+        want = solve_recall(ex["src"], task.num_pairs)
+        scored = {p: t for p, t in enumerate(ex["target"]) if t != IGNORE}
+        assert len(want) == task.num_pairs and set(scored) == set(want)
+        for p, (answer, dist) in want.items():
+            assert scored[p] == answer and ex["distance"][p] == dist
+            assert dist > task.gap + 1
+        assert all(d == -1 for p, d in enumerate(ex["distance"]) if p not in want)
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_copy_answers_are_the_symbols_in_order(selective):
+    task = Copy(33, selective=selective)
+    b = draw(task, 50, torch.Generator().manual_seed(2), "train")
+    for ex in rows(b):
+        src = ex["src"]
+        sep = src.index(Copy.SEP)
+        symbols = [t for t in src[:sep] if t >= Copy.SYM0]
+        answers = [t for t in ex["target"] if t != IGNORE]
+        assert answers == symbols and len(symbols) == task.copy_len
+        marks = [p for p, t in enumerate(src) if t == Copy.MARK]
+        assert marks == [p for p, t in enumerate(ex["target"]) if t != IGNORE]
+        if not selective:  # every answer is copy_len + 1 tokens after its source
+            assert all(src[p - task.copy_len - 1] == ex["target"][p] for p in marks)
+
+
+@pytest.mark.parametrize("op", ["reverse", "sort"])
+def test_seq2seq_target_is_the_reversed_or_sorted_source_with_other_length(op):
+    task = Reverse(12, op=op)
+    b = draw(task, 50, torch.Generator().manual_seed(3), "train")
+    for ex in rows(b):
+        y = list(reversed(ex["src"])) if op == "reverse" else sorted(ex["src"])
+        assert ex["target"] == y + [Reverse.EOS]
+        assert ex["dec_in"] == [Reverse.BOS] + y
+        assert len(ex["target"]) == len(ex["src"]) + 1  # source and target lengths differ
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_generators_are_deterministic_and_splits_disjoint(name):
+    task = make_task(name, 30, **({"num_pairs": 6} if name == "recall" else {}))
+
+    def get(seed, split, n=64):
+        return draw(task, n, torch.Generator().manual_seed(seed), split)
+
+    a, b, c = get(0, "train"), get(0, "train"), get(1, "train")
+    assert torch.equal(a.src, b.src) and torch.equal(a.target, b.target)
+    assert not torch.equal(a.src, c.src)
+    test = get(5, "test")
+    assert is_test(test.src).all() and not is_test(a.src).any()
+    train_set = {tuple(r) for r in get(7, "train", 400).src.tolist()}
+    assert not train_set & {tuple(r) for r in test.src.tolist()}
+
+
+def test_task_knobs_are_validated():
+    with pytest.raises(ValueError, match="seq_len >= 3 \\* num_pairs"):
+        make_task("recall", 20, num_pairs=8)
+    with pytest.raises(ValueError, match="num_pairs"):
+        make_task("recall", 64, num_pairz=8)  # the message lists the knobs it takes
+    with pytest.raises(ValueError, match="known tasks"):
+        make_task("nope", 64)
+
+
+# ---------------------------------------------------------------------------------------------- model
+def test_position_encoding_is_the_papers():
+    pe = sinusoidal_positions(50, 8, dtype=torch.float64)
+    pos, i = 7, 2  # PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(...)
+    assert pe[pos, 2 * i] == pytest.approx(math.sin(pos / 10000 ** (2 * i / 8)))
+    assert pe[pos, 2 * i + 1] == pytest.approx(math.cos(pos / 10000 ** (2 * i / 8)))
+
+
+def test_seq2seq_model_shapes_and_attention_maps():
+    model = TaskTransformer(20, d_model=16, heads=2, layers=1, ffn=8, variant="naive", decoder_layers=1)
+    src, dec = torch.randint(20, (3, 10)), torch.randint(20, (3, 11))
+    with recorded_attention(model) as maps:
+        logits = model(src, dec)
+    assert logits.shape == (3, 11, 20)
+    assert set(maps) == {"encoder.0.self_attn.core", "decoder.0.self_attn.core", "decoder.0.cross_attn.core"}
+    cross = maps["decoder.0.cross_attn.core"]
+    assert cross.shape == (3, 2, 11, 10)
+    assert torch.allclose(cross.sum(-1), torch.ones(3, 2, 11, dtype=cross.dtype))
+    assert (maps["decoder.0.self_attn.core"][0, 0].triu(1) == 0).all()  # masked self-attention
+    assert model.greedy(src, bos=1, steps=11).shape == (3, 11)
+
+
+def test_learned_scorer_is_held_to_the_parameter_budget():
+    task = make_task("reverse", 16)
+    s = Settings(d_model=32, heads=2, layers=1, ffn=64, decoder_layers=1, param_budget=0.10)
+    exact = build_model(task, s, "sdpa", {}, seed=0)
+    assert exact.params == exact.params_baseline  # a parameter-free core is its own baseline
+    for hidden in (16, 64):  # small: the FFN pays for the scorer; large: the scorer shrinks as well
+        add = build_model(task, s, "additive", {"hidden": hidden}, seed=0)
+        assert add.params_baseline == exact.params  # the exact model at the configured FFN width
+        assert exact.params < add.params <= 1.10 * add.params_baseline
+        assert add.ffn < 64 and count_params(add.model) == add.params
+    assert add.ffn == 32 and add.knobs["hidden"] < 64  # FFN down to d_model, then hidden
+
+
+# ---------------------------------------------------------------------------------------------- training
+def _trainable(name: str) -> bool:
+    cls = variants.get(name)
+    return "cpu" in cls.devices and "cpu" in cls.backward_devices
+
+
+@pytest.mark.parametrize("name", variants.available())
+def test_every_variant_trains_on_cpu_and_its_loss_falls(name):
+    cls = variants.get(name)
+    cfg = task_cfg("recall", 24, num_pairs=4, param_budget=10.0)
+    # the variant by its class and its first example knobs, so third-party variants need no yaml
+    cfg["variant"] = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **cls.example_knobs[0]}
+    res = measure(cfg)
+    if not _trainable(name):
+        assert res["status"] in ("unsupported", "unavailable"), res
+        return
+    assert res["status"] == "ok", res
+    f = res["figures"]
+    assert f["steps"] == TINY["steps"] and f["final_loss"] < f["first_loss"]
+    for key in ("train_s", "test_accuracy", "params", "params_baseline", "seed", "acc_by_distance"):
+        assert key in f
+    assert 0.0 <= f["test_accuracy"] <= 1.0
+
+
+def test_job_statuses_of_task_runs():
+    ok = measure(task_cfg("reverse", 8, variant="sdpa"))
+    assert ok["status"] == "ok", ok
+    f = ok["figures"]
+    assert f["attention"]["module"] == "decoder.0.cross_attn.core"  # the map the heatmap shows
+    assert f["params"] == f["params_baseline"] and f["seed"] == 0
+    no_cross = measure(task_cfg("reverse", 8, variant="local_window"))
+    assert no_cross["status"] == "unsupported" and "cross-attention" in no_cross["reason"]
+    if not torch.cuda.is_available():
+        res = measure({**task_cfg("recall", 24, num_pairs=4), "device": "cuda"})
+        assert res["status"] == "unavailable", res
+    cfg = task_cfg("recall", 24, num_pairs=4)
+    cfg["variant"] = {"_target_": "tests.faulty.NaNAttention"}  # not reachable by its (inherited) name
+    res = measure(cfg)
+    assert res["status"] == "nan" and "loss" in res["reason"]
+    cfg["variant"] = {"_target_": "tests.faulty.CrashingAttention"}
+    assert measure(cfg)["status"] == "error"
+    bad = task_cfg("recall", 24, num_pairs=9)  # 3 * 9 > 24: a config error, with the reason
+    res = measure(bad)
+    assert res["status"] == "error" and "num_pairs" in res["reason"]
+
+
+def test_seeds_change_the_run_and_repeat_exactly():
+    a = measure(task_cfg("recall", 24, num_pairs=4, steps=5))
+    b = measure(task_cfg("recall", 24, num_pairs=4, steps=5))
+    c = measure({**task_cfg("recall", 24, num_pairs=4, steps=5), "seed": 1})
+    assert a["figures"]["loss_curve"] == b["figures"]["loss_curve"]
+    assert a["figures"]["loss_curve"] != c["figures"]["loss_curve"] and c["figures"]["seed"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- sweep, report
+def test_real_task_sweep_writes_records_and_the_report(tmp_path):
+    over = [f"task.{k}={v}" for k, v in TINY.items()]
+    cmd = [
+        sys.executable,
+        "run.py",
+        "-m",
+        "experiment=tasks",
+        "variant=sdpa,local_window",
+        "task=recall,reverse",
+        "seq_len=48",
+        "seed=0,1",
+        *over,
+        f"records_dir={tmp_path / 'records'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "report=false",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    recs = read_records(tmp_path / "records")
+    assert len(recs) == 8, p.stdout[-2000:] + p.stderr[-3000:]
+    by = {(r["variant_name"], r["config"]["task"]["name"], r["config"]["seed"]): r for r in recs}
+    for seed in (0, 1):
+        assert by[("local_window", "reverse", seed)]["status"] == "unsupported"
+        for key in [("sdpa", "recall", seed), ("sdpa", "reverse", seed), ("local_window", "recall", seed)]:
+            assert by[key]["status"] == "ok", by[key]
+            f = by[key]["figures"]
+            for fig in ("train_s", "steps", "final_loss", "test_accuracy", "params", "params_baseline"):
+                assert fig in f
+            assert f["seed"] == seed
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    from experiments.task_report import load_frame, main, task_table
+
+    table = task_table(load_frame([tmp_path / "records"]))
+    row = table[(table["variant"] == "sdpa") & (table["task"] == "recall")].iloc[0]
+    accs = [by[("sdpa", "recall", s)]["figures"]["test_accuracy"] for s in (0, 1)]
+    assert row["seeds"] == 2 and row["acc_mean"] == pytest.approx(sum(accs) / 2)
+    assert row["acc_std"] == pytest.approx(abs(accs[0] - accs[1]) / math.sqrt(2))
+    lw = table[(table["variant"] == "local_window") & (table["task"] == "reverse")].iloc[0]
+    assert lw["seeds"] == 0 and lw["status"].startswith("unsupported")
+    main([str(tmp_path / "records"), "--out", str(tmp_path / "report")])
+    for name in ("task_table.md", "task_table.csv", "recall_vs_distance.png", "trained_attention.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 0
+    assert "±" in (tmp_path / "report" / "task_table.md").read_text()
