@@ -147,7 +147,11 @@ class AdditiveAttention(AttentionVariant):
             any(t.requires_grad for t in (q, k, v)) or any(p.requires_grad for p in self.parameters())
         )
         step = self.query_chunk(nq)
-        outs = []
+        outs: list[torch.Tensor] = []
+        # without autograd, chunks are written into one preallocated output: keeping each chunk's
+        # small result alive between the big per-chunk temporaries fragments glibc's heap, and the
+        # process RSS then grew by hundreds of MiB (seen in VmHWM) though torch held ~15 MiB
+        out = None if grad else torch.empty(b, h, nq, v.shape[-1], dtype=work, device=q.device)
         for qs in range(0, nq, step):
             qe = min(qs + step, nq)
             # under causal, keys after the chunk's last query are never visible: don't compute them
@@ -163,11 +167,13 @@ class AdditiveAttention(AttentionVariant):
                 part = am[..., qs:qe, :ke] if am.shape[-2] > 1 else am[..., :ke]  # (B|1,H|1,c|1,ke)
                 allowed = part if allowed is None else allowed & part
             args = (qp[:, :, qs:qe], kp[:, :, :ke], vv[:, :, :ke], wv, allowed)
-            if grad:
+            if out is None:
                 outs.append(checkpoint(_chunk_attention, *args, use_reentrant=False))
             else:
-                outs.append(_chunk_attention(*args))
-        return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, Nq, Dv)
+                out[:, :, qs:qe] = _chunk_attention(*args)  # (B, H, c, Dv)
+        if out is None:
+            out = torch.cat(outs, dim=2)  # (B, H, Nq, Dv)
+        return out.to(q.dtype)
 
     def reference_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The naive float64 form: the full ``(B, H, Nq, Nk, hidden)`` tensor, then the dot with ``w``."""

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionVariant, Unsupported, Workload
-from .local_window import softmax_blocked_, zero_empty_rows
-from .masks import combined_mask
+from .masks import combined_mask, softmax_blocked_, zero_empty_rows
 from .reference import reference_attention
 from .registry import register
 

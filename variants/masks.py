@@ -57,3 +57,28 @@ def empty_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask is None:
         return None
     return ~mask.any(dim=-1, keepdim=True)
+
+
+def softmax_blocked_(scores: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``scores`` with the ``blocked`` entries (True) left out.
+
+    Same result as :func:`safe_softmax` on every row that has an allowed key, in about
+    a third of its passes over memory: ``scores`` is overwritten in place (pass a fresh tensor, such as
+    a matmul output, which autograd does not keep) and the fused ``torch.softmax`` does the rest.
+    Blocked entries get the dtype's minimum rather than -inf, so a row with no allowed key comes out
+    as a finite uniform average instead of NaN: the caller must zero those rows **at its output**
+    (see :func:`zero_empty_rows`), which is cheaper than touching the probabilities again and gives
+    them zero gradients.
+    """
+    if blocked is not None:
+        scores = scores.masked_fill_(blocked, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1)
+
+
+def zero_empty_rows(out: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """``out (..., M, Dv)`` with exact zeros (and zero gradients) where ``blocked (..., M, K)`` blocks a
+    whole row: the "no visible key -> zeros" rule after :func:`softmax_blocked_`."""
+    if blocked is None:
+        return out
+    empty = blocked.all(dim=-1, keepdim=True)  # (..., M, 1)
+    return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant
-from .local_window import softmax_blocked_, zero_empty_rows
+from .masks import softmax_blocked_, zero_empty_rows
 from .registry import register
 
 
