@@ -12,8 +12,10 @@ weighted sum of ``v``. Shapes: ``q (B, H, Nq, D)``, ``k (B, H, Nk, D)``, ``v (B,
 The naive form materialises a ``(B, H, Nq, Nk, hidden)`` tensor. Here queries are processed in chunks
 so only ``(B, H, chunk, Nk, hidden)`` exists at a time, and each chunk is wrapped in
 ``torch.utils.checkpoint`` so backward recomputes it instead of keeping every chunk's tanh alive.
-Time ``O(B H Nq Nk hidden)``; memory ``O(B H (chunk Nk hidden + Nq Nk))`` forward (the second term
-is only the small per-chunk scores; the output is ``O(B H Nq Dv)``), and the same in backward.
+Time ``O(B H Nq Nk hidden)``; memory ``O(B H (chunk Nk hidden + (Nq + Nk) hidden + Nq Dv))``, forward
+and backward alike: one chunk's tanh tensor, the projected queries and keys, the output. With the
+automatic chunk the first term is at most a quarter of one ``(B, H, Nq, Nk)`` score tensor (measured
+at B=1, H=8, N=1024, D=64 fp32: peak 0.45x of that tensor forward, 1.35x forward+backward).
 Low-precision inputs are computed in float32 and cast back.
 """
 

@@ -42,6 +42,7 @@ class Batch:
     target: torch.Tensor  # (B, T) token to predict, IGNORE where nothing is scored (T = N without decoder)
     dec_in: torch.Tensor | None = None  # (B, T) decoder input (seq2seq tasks only)
     distance: torch.Tensor | None = None  # (B, T) key-to-query distance at scored positions, -1 elsewhere
+    aux: torch.Tensor | None = None  # (B, T) extra training targets, never scored; IGNORE elsewhere
 
     def __len__(self) -> int:
         return self.src.shape[0]
@@ -108,12 +109,24 @@ class Recall(Task):
 
     Vocabulary: 0 filler, ``1..num_keys`` keys, then ``num_values`` values. Keys are distinct within
     an example; values are drawn with replacement.
+
+    ``pair_loss``: each key position also gets its own value as a training target (``aux``, never
+    scored). Recall takes two hops (a first layer binds each value to its key, a second finds the
+    key from the query) and neither helps the loss until the other exists, so plain training sits on
+    a long plateau (about ln(num_pairs)); the local binding target removes it. It is local (distance
+    1), so it tells a pattern nothing about the long-range hop that is measured.
     """
 
     name = "recall"
 
     def __init__(
-        self, seq_len: int, num_pairs: int = 16, num_keys: int = 64, num_values: int = 64, gap: int = 0
+        self,
+        seq_len: int,
+        num_pairs: int = 16,
+        num_keys: int = 16,
+        num_values: int = 16,
+        gap: int = 0,
+        pair_loss: bool = True,
     ) -> None:
         super().__init__(seq_len)
         if num_pairs < 1 or num_keys < num_pairs or num_values < 1 or gap < 0:
@@ -127,6 +140,7 @@ class Recall(Task):
                 f"{3 * num_pairs + gap}, got {seq_len}"
             )
         self.num_pairs, self.num_keys, self.num_values, self.gap = num_pairs, num_keys, num_values, gap
+        self.pair_loss = pair_loss
         self.vocab_size = 1 + num_keys + num_values
 
     def knobs(self) -> dict[str, Any]:
@@ -135,6 +149,7 @@ class Recall(Task):
             "num_keys": self.num_keys,
             "num_values": self.num_values,
             "gap": self.gap,
+            "pair_loss": self.pair_loss,
         }
 
     def sample(self, n: int, g: torch.Generator) -> Batch:
@@ -151,7 +166,11 @@ class Recall(Task):
         src.scatter_(1, qpos, keys.gather(1, which))
         target = torch.full_like(src, IGNORE).scatter_(1, qpos, vals.gather(1, which))
         distance = torch.full_like(src, -1).scatter_(1, qpos, qpos - 2 * which)  # key of pair i is at 2i
-        return Batch(src=src, target=target, distance=distance)
+        aux = None
+        if self.pair_loss:
+            aux = torch.full_like(src, IGNORE)
+            aux[:, 0 : 2 * p : 2] = vals  # at each key: the value it is bound to
+        return Batch(src=src, target=target, distance=distance, aux=aux)
 
 
 class Copy(Task):

@@ -195,9 +195,10 @@ def _lr_factor(step: int, s: Settings) -> float:
 
 
 def loss_of(model: TaskTransformer, b: Batch) -> torch.Tensor:
-    """Mean cross-entropy over the scored positions of ``b``."""
+    """Mean cross-entropy over the positions of ``b`` with a target (scored answers and ``aux``)."""
     logits = model(b.src, b.dec_in)  # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1), b.target.flatten(), ignore_index=IGNORE)
+    target = b.target if b.aux is None else torch.where(b.aux != IGNORE, b.aux, b.target)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE)
 
 
 @torch.no_grad()
