@@ -39,6 +39,8 @@ def register_hydra_pieces() -> None:
 def job_label(cfg: dict[str, Any], name: str) -> str:
     """Short human label of a job, e.g. ``naive N=1024 fwd float32 cpu``."""
     parts = [name, f"N={cfg['seq_len']}"]
+    if cfg.get("task"):
+        parts.insert(0, f"task={cfg['task'].get('name', '?')}")
     if cfg.get("kv_len"):
         parts.append(f"Nk={cfg['kv_len']}")
     knobs = {k: v for k, v in cfg["variant"].items() if k not in ("_target_", "heads", "head_dim")}
@@ -57,6 +59,12 @@ def summary_line(rec: dict[str, Any]) -> str:
     head = f"[{rec['label']}] {rec['status']}"
     if rec["status"] != "ok":
         return f"{head}: {rec['reason']}"
+    if "test_accuracy" in f:  # a task job: quality, not kernel speed
+        return (
+            f"{head}: test accuracy {f['test_accuracy']:.3f}"
+            f", final loss {f.get('final_loss', float('nan')):.3g}"
+            f", {f.get('steps')} steps in {f.get('train_s', float('nan')):.1f} s, {f.get('params')} params"
+        )
     key = "fwd_bwd" if rec["config"]["mode"] == "fwd_bwd" else "fwd"
     bits = [f"{key} {f[f'{key}_median_s'] * 1e3:.3g} ms (IQR {f[f'{key}_iqr_s'] * 1e3:.2g})"]
     bits.append(f"peak {f['peak_mib']:.3g} MiB")

@@ -181,5 +181,11 @@ class AdditiveAttention(AttentionVariant):
         """The naive float64 form: the full ``(B, H, Nq, Nk, hidden)`` tensor, then the dot with ``w``."""
         qp = torch.einsum("bhnd,hed->bhne", q.double(), self.w_q.double())  # (B, H, Nq, hid)
         kp = torch.einsum("bhnd,hed->bhne", k.double(), self.w_k.double())  # (B, H, Nk, hid)
-        t = torch.tanh(qp[:, :, :, None, :] + kp[:, :, None, :, :])  # (B, H, Nq, Nk, hid)
-        return torch.einsum("bhqke,he->bhqk", t, self.w.double())  # (B, H, Nq, Nk)
+        # rows in slices only so a long-sequence accuracy check stays within ~128 MiB per slice
+        b, h, nq, hid = qp.shape
+        step = max(1, 2**24 // max(1, b * h * kp.shape[2] * hid))
+        parts = []
+        for s in range(0, nq, step):
+            t = torch.tanh(qp[:, :, s : s + step, None, :] + kp[:, :, None, :, :])  # (B, H, r, Nk, hid)
+            parts.append(torch.einsum("bhqke,he->bhqk", t, self.w.double()))  # (B, H, r, Nk)
+        return torch.cat(parts, dim=2)  # (B, H, Nq, Nk)
