@@ -8,6 +8,7 @@ with the L2 cache flushed in between, and optionally a CUDA-graph replay figure.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,6 +83,47 @@ def time_cuda_graph(fn: Callable[[], object], min_run_time: float = 1.0) -> Timi
     except Exception:  # capture is not possible for every op (e.g. CPU syncs); the figure is optional
         return None
     return time_cuda(graph.replay, min_run_time=min_run_time)
+
+
+def time_backward(
+    forward: Callable[[], object],
+    backward: Callable[[object], object],
+    device: str,
+    min_run_time: float = 1.0,
+    min_reps: int = 5,
+) -> Timing:
+    """Time ``backward(forward())`` counting only the backward, each on a fresh graph.
+
+    A hand-written loop on purpose: ``Timer`` repeats one statement, and repeating a backward over a
+    retained graph keeps every recomputed activation of checkpointed variants alive (O(N^2) memory
+    for ``chunked``), which is not what one training step does.
+    """
+    cuda = device == "cuda"
+    times: list[float] = []
+    backward(forward())  # warm-up
+    total = 0.0
+    while len(times) < min_reps or total < min_run_time:
+        graph = forward()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            backward(graph)
+            end.record()
+            torch.cuda.synchronize()
+            t = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            backward(graph)
+            t = time.perf_counter() - t0
+        del graph
+        times.append(t)
+        total += t
+        if len(times) >= 1000:
+            break
+    times.sort()
+    q1, med, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return Timing(median_s=med, q1_s=q1, q3_s=q3, reps=len(times))
 
 
 def time_call(fn: Callable[[], object], device: str, min_run_time: float = 1.0) -> Timing:
