@@ -195,7 +195,8 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     inputs = [q, k, v] if backward else []
     grads = None
     if backward:
-        grads = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+        # no retain_graph: it would keep every recompute of checkpointed variants alive (O(N^2))
+        grads = torch.autograd.grad(out, inputs, grad_out)
         if not all(torch.isfinite(g).all() for g in grads):
             result["status"], result["reason"] = "nan", "gradient has NaN or Inf"
             return
