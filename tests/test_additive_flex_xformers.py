@@ -88,6 +88,13 @@ def test_additive_automatic_chunk_is_a_quarter_of_a_score_tensor(nq, hidden):
     assert c == 1 or c * hidden <= nq / 4
     assert (c + 1) * hidden > nq / 4  # and it is the largest such chunk
     assert AdditiveAttention(heads=1, head_dim=2, hidden=hidden, chunk=5).query_chunk(nq) == 5
+    # short sequences: the chunk may grow to MIN_CHUNK_ELEMS elements, never past Nq
+    from variants.additive import MIN_CHUNK_ELEMS
+
+    row = 8 * 256 * hidden  # B=1, H=8, Nk=256
+    big = attn.query_chunk(nq, row)
+    assert big == max(c, min(MIN_CHUNK_ELEMS // row, nq // (2 * hidden)), 1)
+    assert big == 1 or big * hidden <= nq / 2  # at most half a score tensor
 
 
 def test_additive_peak_memory_stays_below_four_score_tensors():

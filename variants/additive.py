@@ -29,6 +29,9 @@ from .base import AttentionVariant, Unsupported, Workload
 from .masks import safe_softmax
 from .registry import register
 
+# a chunk's hidden tensor may always hold this many elements (16 MiB in fp32)
+MIN_CHUNK_ELEMS = 2**22
+
 
 def _chunk_attention(
     qp: torch.Tensor,
@@ -104,15 +107,19 @@ class AdditiveAttention(AttentionVariant):
                 f"{w.heads} heads"
             )
 
-    def query_chunk(self, nq: int) -> int:
+    def query_chunk(self, nq: int, row_elems: int = 0) -> int:
         """Queries per chunk: the knob, or so that ``chunk * hidden <= Nq / 4``.
 
         Then one chunk's ``(B,H,chunk,Nk,hidden)`` tensor has at most a quarter of the elements of a
-        ``(B,H,Nq,Nk)`` score tensor.
+        ``(B,H,Nq,Nk)`` score tensor. ``row_elems`` (``B*H*Nk*hidden``, one query's share) lets short
+        sequences take bigger chunks, up to ``MIN_CHUNK_ELEMS`` elements or half a score tensor: there,
+        per-chunk overhead, not memory, is what matters (the quarter rule gives 1 query a chunk at 256).
         """
         if self.chunk is not None:
             return self.chunk
-        return max(1, nq // (4 * self.hidden))
+        # the floor never lets a chunk pass half a score tensor, so the memory bound still holds
+        floor = min(MIN_CHUNK_ELEMS // row_elems, nq // (2 * self.hidden)) if row_elems else 0
+        return max(1, min(nq, max(nq // (4 * self.hidden), floor)))
 
     def flops(self, w: Workload, mode: str = "fwd") -> int:
         """Useful FLOPs: the additive score costs ``4 * hidden`` per pair, not ``2 * D``.
@@ -148,7 +155,7 @@ class AdditiveAttention(AttentionVariant):
         grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in (q, k, v)) or any(p.requires_grad for p in self.parameters())
         )
-        step = self.query_chunk(nq)
+        step = self.query_chunk(nq, q.shape[0] * q.shape[1] * k.shape[2] * self.hidden)
         outs: list[torch.Tensor] = []
         # without autograd, chunks are written into one preallocated output: keeping each chunk's
         # small result alive between the big per-chunk temporaries fragments glibc's heap, and the
