@@ -83,34 +83,57 @@ def rows(b) -> list[dict]:
             ex["dec_in"] = b.dec_in[i].tolist()
         if b.distance is not None:
             ex["distance"] = b.distance[i].tolist()
+        if b.aux is not None:
+            ex["aux"] = b.aux[i].tolist()
         out.append(ex)
     return out
 
 
-def solve_recall(src: list[int], num_pairs: int) -> dict[int, tuple[int, int]]:
+def solve_recall(src: list[int], task: Recall) -> dict[int, tuple[int, int]]:
     """Position -> (answer, distance) for every query, by scanning the pairs into a dict."""
-    pairs = {}
-    where = {}
-    for i in range(num_pairs):
-        key, value = src[2 * i], src[2 * i + 1]
-        assert key not in pairs, "keys must be distinct within an example"
-        pairs[key] = value
-        where[key] = 2 * i
-    return {p: (pairs[t], p - where[t]) for p, t in enumerate(src) if p >= 2 * num_pairs and t in pairs}
+    k, v = task.num_keys, task.num_values
+    pairs, where = {}, {}
+    if task.pair_tokens:  # token 1 + k + v + key * v + value, for key in 0..k-1 and value in 0..v-1
+        for i in range(task.num_pairs):
+            key, value = divmod(src[i] - (1 + k + v), v)
+            assert key + 1 not in pairs, "keys must be distinct within an example"
+            pairs[key + 1], where[key + 1] = value + 1 + k, i
+        start = task.num_pairs
+    else:
+        for i in range(task.num_pairs):
+            key, value = src[2 * i], src[2 * i + 1]
+            assert key not in pairs, "keys must be distinct within an example"
+            pairs[key], where[key] = value, 2 * i
+        start = 2 * task.num_pairs
+    return {p: (pairs[t], p - where[t]) for p, t in enumerate(src) if p >= start and t in pairs}
 
 
-@pytest.mark.parametrize("knobs", [{}, {"gap": 10}, {"num_pairs": 3, "num_keys": 3, "num_values": 2}])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"gap": 10},
+        {"num_pairs": 3, "num_keys": 3, "num_values": 2, "num_queries": None},
+        {"pair_tokens": False},
+        {"pair_tokens": False, "num_queries": None, "gap": 3},
+    ],
+)
 def test_recall_answers_match_a_dictionary_solver(knobs):
-    task = Recall(40, **{"num_pairs": 8, **knobs})
+    task = Recall(40, **{"num_pairs": 8, "num_queries": 10, **knobs})
     b = draw(task, 50, torch.Generator().manual_seed(1), "train")
     for ex in rows(b):
-        want = solve_recall(ex["src"], task.num_pairs)
+        want = solve_recall(ex["src"], task)
         scored = {p: t for p, t in enumerate(ex["target"]) if t != IGNORE}
-        assert len(want) == task.num_pairs and set(scored) == set(want)
+        assert len(want) == task.num_queries and set(scored) == set(want)
         for p, (answer, dist) in want.items():
             assert scored[p] == answer and ex["distance"][p] == dist
-            assert dist > task.gap + 1
+            assert dist > task.gap
         assert all(d == -1 for p, d in enumerate(ex["distance"]) if p not in want)
+        if not task.pair_tokens:  # pair_loss: each key position's own value, as an unscored target
+            want_aux = [IGNORE] * len(ex["src"])
+            for i in range(task.num_pairs):
+                want_aux[2 * i] = ex["src"][2 * i + 1]
+            assert ex["aux"] == want_aux
 
 
 @pytest.mark.parametrize("selective", [False, True])
@@ -157,8 +180,8 @@ def test_generators_are_deterministic_and_splits_disjoint(name):
 
 
 def test_task_knobs_are_validated():
-    with pytest.raises(ValueError, match="seq_len >= 3 \\* num_pairs"):
-        make_task("recall", 20, num_pairs=8)
+    with pytest.raises(ValueError, match="seq_len >= 1 \\* num_pairs"):
+        make_task("recall", 20, num_pairs=10)
     with pytest.raises(ValueError, match="num_pairs"):
         make_task("recall", 64, num_pairz=8)  # the message lists the knobs it takes
     with pytest.raises(ValueError, match="known tasks"):
@@ -241,7 +264,7 @@ def test_job_statuses_of_task_runs():
     assert res["status"] == "nan" and "loss" in res["reason"]
     cfg["variant"] = {"_target_": "tests.faulty.CrashingAttention"}
     assert measure(cfg)["status"] == "error"
-    bad = task_cfg("recall", 24, num_pairs=9)  # 3 * 9 > 24: a config error, with the reason
+    bad = task_cfg("recall", 24, num_pairs=12)  # no room for queries: a config error, with the reason
     res = measure(bad)
     assert res["status"] == "error" and "num_pairs" in res["reason"]
 

@@ -5,9 +5,9 @@ Each task draws ``n`` examples of length ``seq_len`` with vectorised torch ops: 
 :data:`IGNORE`; accuracy is exact match of the predicted token at those positions (per answer token)
 and of the whole answer (per example).
 
-- ``recall``: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"). ``num_pairs``
-  key-value pairs open the sequence, then every key is asked once, at a random later position; the
-  answer at a query is the value bound to that key. The key-to-query distance of each query is
+- ``recall``: multi-query associative recall (after MQAR, Arora et al. 2023, "Zoology").
+  ``num_pairs`` key-value pairs open the sequence, then keys are asked at random later positions;
+  the answer at a query is the value bound to that key. The key-to-query distance of each query is
   recorded; ``gap`` filler tokens between the pairs and the first query set its minimum, so a local
   pattern of reach ``r`` is blind to queries farther than ``r`` from their key.
 - ``copy``: copy a string of ``copy_len`` symbols after a separator (every answer is ``copy_len + 1``
@@ -102,19 +102,26 @@ class Task:
 class Recall(Task):
     """Multi-query associative recall with a recorded key-to-query distance per query.
 
-    Layout of one example (``P = num_pairs``)::
+    Layout of one example (``P = num_pairs``; ``w = 1`` with ``pair_tokens``, else 2)::
 
-        k1 v1 k2 v2 ... kP vP | gap x filler | queries (each key once, random order) among filler
-        0                2P-1   2P            2P+gap ...                                     N-1
+        P key-value pairs (w*P tokens) | gap x filler | queries at random positions [among filler]
+        0                    w*P - 1     w*P            w*P + gap ...                          N-1
 
-    Vocabulary: 0 filler, ``1..num_keys`` keys, then ``num_values`` values. Keys are distinct within
-    an example; values are drawn with replacement.
+    A query is a key token; its answer (scored at the query's position) is the value bound to that
+    key. Keys are distinct within an example; values, and the key each query asks for, are drawn
+    with replacement. The distance of a query is its position minus that of its key's pair.
 
-    ``pair_loss``: each key position also gets its own value as a training target (``aux``, never
-    scored). Recall takes two hops (a first layer binds each value to its key, a second finds the
-    key from the query) and neither helps the loss until the other exists, so plain training sits on
-    a long plateau (about ln(num_pairs)); the local binding target removes it. It is local (distance
-    1), so it tells a pattern nothing about the long-range hop that is measured.
+    ``pair_tokens=True`` (default): each pair is one token (one per (key, value) combination), so
+    retrieval is one content-based hop from the query to the pair. ``False``: MQAR as in Zoology
+    (Arora et al. 2023), key then value as two tokens; then recall takes two hops (bind each value to
+    its key, then find the key) and neither lowers the loss until the other exists: small models
+    sit on a plateau (loss about ln(num_values)) for a random number of steps (here ~500 to ~2500
+    at N=128), too long and too seed-dependent for a few-minute CPU budget. ``pair_loss`` shortens
+    that: each key position also gets its value as a training target (``aux``, never scored; it is
+    local, so it tells a pattern nothing about the long-range hop that is measured).
+
+    Vocabulary: 0 filler, ``1..K`` keys, ``K+1..K+V`` values, then (``pair_tokens``) the ``K*V``
+    pair tokens, ``K = num_keys``, ``V = num_values``.
     """
 
     name = "recall"
@@ -126,6 +133,8 @@ class Recall(Task):
         num_keys: int = 16,
         num_values: int = 16,
         gap: int = 0,
+        num_queries: int | None = 16,
+        pair_tokens: bool = True,
         pair_loss: bool = True,
     ) -> None:
         super().__init__(seq_len)
@@ -134,14 +143,17 @@ class Recall(Task):
                 "recall needs 1 <= num_pairs <= num_keys, num_values >= 1, gap >= 0; got "
                 f"num_pairs={num_pairs}, num_keys={num_keys}, num_values={num_values}, gap={gap}"
             )
-        if 3 * num_pairs + gap > seq_len:
+        self.width = 1 if pair_tokens else 2  # tokens per pair
+        room = seq_len - self.width * num_pairs - gap  # positions left for queries
+        if room < 1 or (num_queries is not None and not 1 <= num_queries <= room):
             raise ValueError(
-                f"recall with num_pairs={num_pairs} and gap={gap} needs seq_len >= 3 * num_pairs + gap = "
-                f"{3 * num_pairs + gap}, got {seq_len}"
+                f"recall with num_pairs={num_pairs}, gap={gap}, num_queries={num_queries} needs seq_len >= "
+                f"{self.width} * num_pairs + gap + num_queries (num_queries >= 1), got seq_len={seq_len}"
             )
         self.num_pairs, self.num_keys, self.num_values, self.gap = num_pairs, num_keys, num_values, gap
-        self.pair_loss = pair_loss
-        self.vocab_size = 1 + num_keys + num_values
+        self.num_queries = room if num_queries is None else num_queries
+        self.pair_tokens, self.pair_loss = pair_tokens, pair_loss
+        self.vocab_size = 1 + num_keys + num_values + (num_keys * num_values if pair_tokens else 0)
 
     def knobs(self) -> dict[str, Any]:
         return {
@@ -149,28 +161,38 @@ class Recall(Task):
             "num_keys": self.num_keys,
             "num_values": self.num_values,
             "gap": self.gap,
-            "pair_loss": self.pair_loss,
+            "num_queries": self.num_queries,
+            "pair_tokens": self.pair_tokens,
+            "pair_loss": self.pair_loss and not self.pair_tokens,
         }
 
     def sample(self, n: int, g: torch.Generator) -> Batch:
-        n_len, p = self.seq_len, self.num_pairs
+        n_len, p, w, k_n = self.seq_len, self.num_pairs, self.width, self.num_keys
         # distinct keys per row: the first P of a random permutation of the key vocabulary
-        keys = torch.rand(n, self.num_keys, generator=g).argsort(dim=1)[:, :p] + 1  # (n, P)
-        vals = torch.randint(self.num_values, (n, p), generator=g) + 1 + self.num_keys  # (n, P)
+        keys = torch.rand(n, k_n, generator=g).argsort(dim=1)[:, :p]  # (n, P) in 0..K-1
+        vals = torch.randint(self.num_values, (n, p), generator=g)  # (n, P) in 0..V-1
         src = torch.zeros(n, n_len, dtype=torch.long)
-        src[:, 0 : 2 * p : 2] = keys
-        src[:, 1 : 2 * p : 2] = vals
-        start = 2 * p + self.gap
-        qpos = torch.rand(n, n_len - start, generator=g).argsort(dim=1)[:, :p] + start  # (n, P) distinct
-        which = torch.rand(n, p, generator=g).argsort(dim=1)  # (n, P): the pair each query asks for
-        src.scatter_(1, qpos, keys.gather(1, which))
-        target = torch.full_like(src, IGNORE).scatter_(1, qpos, vals.gather(1, which))
-        distance = torch.full_like(src, -1).scatter_(1, qpos, qpos - 2 * which)  # key of pair i is at 2i
+        if self.pair_tokens:
+            src[:, :p] = 1 + k_n + self.num_values + keys * self.num_values + vals
+        else:
+            src[:, 0 : 2 * p : 2] = keys + 1
+            src[:, 1 : 2 * p : 2] = vals + 1 + k_n
+        start, nq = w * p + self.gap, self.num_queries
+        qpos = torch.rand(n, n_len - start, generator=g).argsort(dim=1)[:, :nq] + start  # (n, Q) distinct
+        which = torch.randint(p, (n, nq), generator=g)  # (n, Q): the pair each query asks for
+        src.scatter_(1, qpos, keys.gather(1, which) + 1)
+        target = torch.full_like(src, IGNORE).scatter_(1, qpos, vals.gather(1, which) + 1 + k_n)
+        distance = torch.full_like(src, -1).scatter_(1, qpos, qpos - w * which)  # pair i starts at w*i
         aux = None
-        if self.pair_loss:
+        if self.pair_loss and not self.pair_tokens:
             aux = torch.full_like(src, IGNORE)
-            aux[:, 0 : 2 * p : 2] = vals  # at each key: the value it is bound to
+            aux[:, 0 : 2 * p : 2] = vals + 1 + k_n  # at each key: the value it is bound to
         return Batch(src=src, target=target, distance=distance, aux=aux)
+
+    def decode_pair(self, token: int) -> tuple[int, int]:
+        """``(key token, value token)`` of a pair token (for solvers and plots)."""
+        i = token - (1 + self.num_keys + self.num_values)
+        return 1 + i // self.num_values, 1 + self.num_keys + i % self.num_values
 
 
 class Copy(Task):

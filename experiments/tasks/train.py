@@ -299,7 +299,6 @@ def measure_task(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     fig = result["figures"]
     fig.update(
         seed=seed,
-        task=task_name,
         task_knobs=task.knobs(),
         params=built.params,
         params_baseline=built.params_baseline,
