@@ -335,7 +335,8 @@ def measure_task(cfg: dict[str, Any], result: dict[str, Any]) -> None:
             b = draw(task, s.batch_size, g_train, "train").to(device)
             loss = loss_of(model, b)
             if not torch.isfinite(loss):
-                result["status"], result["reason"] = "nan", f"training loss is {float(loss.detach())} at step {step}"
+                why = f"training loss is {float(loss.detach())} at step {step}"
+                result["status"], result["reason"] = "nan", why
                 fig["steps"] = step
                 return
             opt.zero_grad(set_to_none=True)
