@@ -61,9 +61,7 @@ class SweepCallback(Callback):
         from tqdm import tqdm
 
         # tqdm draws only on a terminal: no bar in logs or CI
-        self.bar = tqdm(
-            total=count_jobs(config), desc="sweep", unit="job", disable=not sys.stderr.isatty()
-        )
+        self.bar = tqdm(total=count_jobs(config), desc="sweep", unit="job", disable=not sys.stderr.isatty())
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if self.bar is not None:

@@ -26,8 +26,9 @@ from typing import Any
 
 import pandas as pd
 
-# keys of a task config that are training settings, not part of what the task is
-_TRAINING_KEYS = {"steps", "max_train_s", "test_size", "eval_batch", "heatmap_size", "distance_bins"}
+# task-config keys left out of a task's label even when they vary: they change how a run is done or
+# reported, not what is learned (a run the time cap stopped says so in its stopped_early figure)
+_TRAINING_KEYS = {"max_train_s", "eval_batch", "heatmap_size", "distance_bins"}
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -78,8 +79,8 @@ def _variant_col(df: pd.DataFrame) -> pd.Series:
 def task_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The task records of ``df`` with ``task_name``, ``task_label`` and ``variant_label`` columns.
 
-    ``task_label`` is the task name plus the task knobs that differ between its records (e.g.
-    ``recall(gap=32)``); training settings such as ``steps`` are left out of the label.
+    ``task_label`` is the task name plus the task-config values that differ between its records
+    (e.g. ``recall(gap=32)`` or ``reverse(steps=450)``), except the time cap and reporting settings.
     """
     if "task" not in df:
         return df.iloc[0:0].assign(task_name=[], task_label=[], variant_label=[])
@@ -152,7 +153,8 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
 
     Numeric columns: ``seeds`` (ok runs), ``acc_mean``/``acc_std`` (test accuracy per answer token,
     std with ddof=1, NaN for one seed), ``exact_mean`` (whole answers right), ``final_loss``,
-    ``train_s``, ``step_ms``, ``params``, ``params_baseline``, and from the timing records
+    ``steps`` (mean), ``capped`` (runs the time cap stopped), ``train_s``, ``step_ms``, ``params``,
+    ``params_baseline``, and from the timing records
     ``fwd_ms``, ``fwd_bwd_ms``, ``peak_mib``. Text columns: ``accuracy`` (``mean ± std`` in %) and
     ``status`` (``ok``, or why no run counted: ``unsupported: <reason>``, ...).
     """
@@ -166,6 +168,8 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
         "acc_std",
         "exact_mean",
         "final_loss",
+        "steps",
+        "capped",
         "train_s",
         "step_ms",
         "params",
@@ -194,6 +198,9 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
         row["exact_mean"] = stat("test_exact_match")
         row["final_loss"] = stat("final_loss")
         row["train_s"], row["step_ms"] = stat("train_s"), stat("step_ms")
+        row["steps"] = stat("steps")
+        capped = ok["stopped_early"] if "stopped_early" in ok else pd.Series(False, index=ok.index)
+        row["capped"] = int((capped.astype(object) == True).sum())  # noqa: E712 (NaN for old records)
         row["params"], row["params_baseline"] = stat("params", "max"), stat("params_baseline", "max")
         row["accuracy"] = _pm(row["acc_mean"], row["acc_std"]) if len(ok) else "–"
         if len(ok):
@@ -217,11 +224,17 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def markdown(table: pd.DataFrame) -> str:
     """``table`` as a GitHub Markdown table of its display columns (numbers rounded)."""
-    show = ["variant", "task", "N", "seeds", "accuracy", "exact_mean", "train_s", "params", "params_baseline"]
+    show = ["variant", "task", "N", "seeds", "accuracy", "exact_mean", "steps", "train_s", "params"]
+    show += ["params_baseline"]
     show += ["fwd_ms", "fwd_bwd_ms", "peak_mib", "status"]
     t = table[[c for c in show if c in table]].copy()
     if "exact_mean" in t:
         t["exact_mean"] = t["exact_mean"].map(lambda x: "" if pd.isna(x) else f"{100 * x:.1f}")
+    if "steps" in t:  # mean steps, and how many runs the time cap stopped
+        t["steps"] = [
+            "" if pd.isna(n) else f"{n:.0f}" + (f" ({c} capped)" if c else "")
+            for n, c in zip(table["steps"], table["capped"], strict=True)
+        ]
     for c in ("train_s", "fwd_ms", "fwd_bwd_ms", "peak_mib"):
         if c in t:
             t[c] = t[c].map(lambda x: "" if pd.isna(x) else f"{x:.3g}")
