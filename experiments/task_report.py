@@ -21,6 +21,7 @@ import argparse
 import ast
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +313,7 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
         label = f"{v} {t} N={n}" if multi else str(v)
         (line,) = ax.plot(xs, ys, marker="o", label=label)
         reach = _window_reach(g.iloc[0])
-        if reach is not None:
+        if reach is not None and reach < n:  # a reach past the sequence blinds nothing
             ax.axvline(reach, color=line.get_color(), linestyle=":", linewidth=1)
         drawn += 1
     if not drawn:
@@ -331,7 +332,7 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
 
 
 def plot_trained_attention(
-    df: pd.DataFrame, path: str | Path, *, tasks: list[str] | None = None, max_maps: int = 8
+    df: pd.DataFrame, path: str | Path, *, tasks: list[str] | None = None, max_maps: int = 12
 ) -> Path | None:
     """Heatmaps of the attention maps stored in task records (one per (variant, task, N), lowest
     seed), at most ``max_maps``; ``tasks`` limits the task names (default: all). None if none."""
@@ -343,15 +344,18 @@ def plot_trained_attention(
         sub = sub[sub["task_name"].isin(tasks)]
     if not len(sub):
         return None
-    # sequence-to-sequence maps first: the anti-diagonal of a reversal model is the one to look at
+    # sequence-to-sequence maps first (the anti-diagonal of a reversal model is the one to look at);
+    # every task gets an equal share of the maps, one per (variant, N) at its lowest seed
     sub = sub.assign(_s2s=(sub["task_name"] != "reverse")).sort_values(
         ["_s2s", "task_label", "variant_label", "seq_len", "seed"]
     )
-    picks = sub.groupby(["task_label", "variant_label", "seq_len"], sort=False).head(1).head(max_maps)
+    one = sub.groupby(["task_label", "variant_label", "seq_len"], sort=False).head(1)
+    share = max(1, max_maps // one["task_label"].nunique())
+    picks = one.groupby("task_label", sort=False).head(share).head(max_maps)
     plt = _plt()
     cols = min(4, len(picks))
     rows = math.ceil(len(picks) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.9 * rows), squeeze=False)
     for ax in axes.flat[len(picks) :]:
         ax.axis("off")
     for ax, (_, r) in zip(axes.flat, picks.iterrows(), strict=False):
@@ -363,12 +367,15 @@ def plot_trained_attention(
         ax.imshow(w, cmap="viridis", aspect="auto", interpolation="nearest", extent=(0, nk, nq, 0))
         acc = r.get("test_accuracy")
         acc_txt = f", acc {100 * acc:.0f}%" if isinstance(acc, (int, float)) and math.isfinite(acc) else ""
-        ax.set_title(f"{r['variant_label']} / {r['task_label']} N={r['seq_len']}{acc_txt}", fontsize=8)
+        title = f"{r['variant_label']}\n{r['task_label']} N={r['seq_len']}{acc_txt}"
+        ax.set_title("\n".join(textwrap.wrap(title, 44, replace_whitespace=False)), fontsize=8)
         where = att.get("module", "")
-        ax.set_xlabel(f"key position ({where}{', pooled x' + str(stride) if stride > 1 else ''})", fontsize=7)
+        pooled = f", pooled x{stride}" if stride > 1 else ""
+        ax.set_xlabel(f"key position\n({where}{pooled})", fontsize=7)
         ax.set_ylabel("query position", fontsize=7)
         ax.tick_params(labelsize=7)
     fig.suptitle("Trained attention weights (mean over heads, first test example)", fontsize=9)
+    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -210,6 +210,25 @@ def test_seq2seq_model_shapes_and_attention_maps():
     assert model.greedy(src, bos=1, steps=11).shape == (3, 11)
 
 
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("variant,knobs", [("sdpa", {}), ("additive", {"hidden": 8})])
+def test_cached_greedy_decoding_equals_decoding_the_whole_prefix(variant, knobs, norm_first):
+    torch.manual_seed(0)
+    model = TaskTransformer(
+        20,
+        d_model=16,
+        heads=2,
+        layers=1,
+        ffn=8,
+        variant=variant,
+        knobs=knobs,
+        decoder_layers=2,
+        norm_first=norm_first,
+    ).eval()
+    src = torch.randint(3, 20, (4, 10))
+    assert torch.equal(model.greedy(src, 1, 12, cached=True), model.greedy(src, 1, 12, cached=False))
+
+
 def test_learned_scorer_is_held_to_the_parameter_budget():
     task = make_task("reverse", 16)
     s = Settings(d_model=32, heads=2, layers=1, ffn=64, decoder_layers=1, param_budget=0.10)

@@ -134,6 +134,20 @@ class DecoderLayer(nn.Module):
         y = self.res_cross(y, lambda h: self.cross_attn(h, memory))
         return self.res_ffn(y, self.ffn)
 
+    def step(self, y: torch.Tensor, past: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        """The output ``(B, 1, E)`` of one new position ``y (B, 1, E)`` given this layer's inputs at
+        the earlier positions ``past (B, t, E)``: the last row of :meth:`forward` on ``past + y``.
+
+        Causality makes the earlier rows independent of ``y``, so a decoder can keep them; the new
+        row attends to all ``t + 1`` positions (a cross-shaped call, ``Nq = 1``), which equals the
+        causal row only for a core whose pattern is every pair (see ``TaskTransformer.greedy``).
+        """
+        seq = torch.cat([past, y], dim=1)  # (B, t + 1, E)
+        kv = self.res_self.norm(seq) if self.res_self.norm_first else seq  # what forward's keys see
+        y = self.res_self(y, lambda h: self.self_attn(h, kv))
+        y = self.res_cross(y, lambda h: self.cross_attn(h, memory))
+        return self.res_ffn(y, self.ffn)
+
 
 class TaskTransformer(nn.Module):
     """Encoder (and, with ``decoder_layers > 0``, decoder) over one shared token vocabulary.
@@ -208,17 +222,33 @@ class TaskTransformer(nn.Module):
         return self.decode(dec_in, memory)
 
     @torch.no_grad()
-    def greedy(self, src: torch.Tensor, bos: int, steps: int) -> torch.Tensor:
+    def greedy(self, src: torch.Tensor, bos: int, steps: int, cached: bool | None = None) -> torch.Tensor:
         """Greedy decoding of ``steps`` tokens after ``bos``: ``(B, steps)``.
 
-        No key/value cache (the attention interface has none), so ``O(steps)`` decoder passes of
-        growing length: ``O(steps^2)`` positions in all, cheap at the lengths trained here.
+        ``cached`` (default: when every decoder core attends every pair it is given, i.e. its
+        pattern is full) keeps each layer's inputs at earlier positions and computes one new
+        position per step: ``O(steps)`` positions through the layers, ``O(steps^2)`` attention
+        pairs. Otherwise (a core with a structured pattern, whose cross-shaped call would align
+        queries differently) the whole prefix is decoded again each step: ``O(steps^2)`` positions.
         """
+        if cached is None:
+            cores = [m for layer in self.decoder for m in layer.modules() if isinstance(m, AttentionVariant)]
+            cached = all(bool(c.pattern(3, 5).all()) for c in cores)
         memory = self.encode(src)
         out = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)  # (B, 1)
-        for _ in range(steps):
-            nxt = self.decode(out, memory)[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
-            out = torch.cat([out, nxt], dim=1)  # (B, t + 1)
+        if not cached:
+            for _ in range(steps):
+                nxt = self.decode(out, memory)[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+                out = torch.cat([out, nxt], dim=1)  # (B, t + 1)
+            return out[:, 1:]
+        pe = sinusoidal_positions(steps, self.d_model, dtype=memory.dtype).to(memory.device)  # (T, E)
+        past = [memory.new_zeros(src.shape[0], 0, self.d_model) for _ in self.decoder]  # (B, 0, E) each
+        for t in range(steps):
+            y = self.embed(out[:, -1:]) * math.sqrt(self.d_model) + pe[t]  # (B, 1, E), as _embed does
+            for i, layer in enumerate(self.decoder):
+                y, past[i] = layer.step(y, past[i], memory), torch.cat([past[i], y], dim=1)
+            nxt = self.head(self.dec_norm(y))[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+            out = torch.cat([out, nxt], dim=1)  # (B, t + 2)
         return out[:, 1:]
 
 
