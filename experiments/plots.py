@@ -309,7 +309,12 @@ def _example_variants() -> list[tuple[str, object | Exception]]:
     for name in variants.available():
         knobs = dict(variants.get(name).example_knobs[0]) if variants.get(name).example_knobs else {}
         shown = {k: v for k, v in knobs.items() if k != "compile"}
-        title = name + (f"({', '.join(f'{k}={v}' for k, v in shown.items())})" if shown else "")
+        # None knobs are chosen from N when the variant runs: "auto" says so
+        title = name + (
+            f"({', '.join(f'{k}={v}' if v is not None else f'{k}=auto' for k, v in shown.items())})"
+            if shown
+            else ""
+        )
         try:
             out.append((title, variants.build(name, heads=1, head_dim=16, **knobs)))
         except Exception as exc:  # a variant that cannot be built here still gets its panel, with why
@@ -348,7 +353,10 @@ def plot_patterns(out_dir: Path, n: int = 48) -> Path:
                 raise var
             pat = var.pattern(n, n).numpy()
             ax.imshow(pat, cmap="Greys", vmin=0, vmax=1.25, interpolation="nearest")
-            title += f"\n{pat.mean():.0%} of pairs"
+            grid = getattr(var, "grid", None)  # axial: the rows x cols grid it chose for this N
+            title += (
+                f", {'x'.join(map(str, grid(n)))} grid" if callable(grid) else ""
+            ) + f"\n{pat.mean():.0%} of pairs"
         except Exception as exc:
             ax.text(0.5, 0.5, textwrap.fill(f"no pattern: {exc}", 30), ha="center", va="center", fontsize=7)
         _matrix_axes(ax, title, n)

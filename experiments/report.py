@@ -118,10 +118,15 @@ def report_paths(
     written = store.save(df, out)
     tasks = store.is_task(df)
     if tasks.any():
-        n = int(tasks.sum())
-        print(f"note: {n} task-training record(s) are not in the kernel tables (see experiments.task_report)")
+        from .task_report import markdown, task_table, write_report
+
+        # the whole frame: the task table puts the kernel records' speed and memory beside accuracy
+        written += write_report(df, out, plots=plots)
+        if echo:
+            print("\nTask accuracy\n\n" + markdown(task_table(df)))
     df = df[~tasks]
     if df.empty:
+        print(f"report written to {out}: {', '.join(p.name for p in written)}")
         return written
     shown = T.select(df, all_measurements)
     sections = build_sections(df, shown, base)

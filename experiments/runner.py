@@ -37,7 +37,8 @@ def register_hydra_pieces() -> None:
 
 
 def job_label(cfg: dict[str, Any], name: str) -> str:
-    """Short human label of a job, e.g. ``naive N=1024 fwd float32 cpu``."""
+    """Short human label of a job, e.g. ``naive N=1024 fwd float32 cpu`` or
+    ``task=recall sdpa N=128 seed=0 float32 cpu``."""
     parts = [name, f"N={cfg['seq_len']}"]
     if cfg.get("task"):
         parts.insert(0, f"task={cfg['task'].get('name', '?')}")
@@ -45,7 +46,8 @@ def job_label(cfg: dict[str, Any], name: str) -> str:
         parts.append(f"Nk={cfg['kv_len']}")
     knobs = {k: v for k, v in cfg["variant"].items() if k not in ("_target_", "heads", "head_dim")}
     parts += [f"{k}={v}" for k, v in knobs.items()]
-    parts += [cfg["mode"], cfg["dtype"], cfg["device"]]
+    # a task job trains (mode does not apply) and its seed is what tells its runs apart
+    parts += [f"seed={cfg['seed']}" if cfg.get("task") else cfg["mode"], cfg["dtype"], cfg["device"]]
     if cfg["causal"]:
         parts.append("causal")
     if cfg["padding"]:

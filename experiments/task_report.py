@@ -34,18 +34,9 @@ _TRAINING_KEYS = {"max_train_s", "eval_batch", "heatmap_size", "distance_bins"}
 
 # ---------------------------------------------------------------------------------------------- loading
 def load_frame(inputs: list[str | Path]) -> pd.DataFrame:
-    """Records under ``inputs`` as a DataFrame: the store's when ``experiments.store`` is there, else
-    the records flattened with :func:`pandas.json_normalize` (figures and config as plain columns)."""
-    try:
-        from .store import load
-    except ImportError:
-        from .records import read_records
+    """Records under ``inputs`` (folders, record files, saved stores) as the store's DataFrame."""
+    from .store import load
 
-        recs = [r for p in inputs for r in read_records(p)]
-        df = pd.json_normalize(recs, max_level=1)
-        df.columns = [c.split(".", 1)[1] if c.startswith(("config.", "figures.")) else c for c in df.columns]
-        df = df.loc[:, ~df.columns.duplicated()]
-        return df
     return load([str(p) for p in inputs], verbose=False)
 
 
@@ -384,8 +375,9 @@ def plot_trained_attention(
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def write_report(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
-    """Write ``task_table.md``/``.csv`` and the plots into ``out_dir``; returns the files written."""
+def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -> list[Path]:
+    """Write ``task_table.md``/``.csv`` and (``plots``) the two plots into ``out_dir``; returns the
+    files written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = task_table(df)
@@ -399,12 +391,13 @@ def write_report(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     )
     (out / "task_table.md").write_text(f"## Task accuracy\n\n{note}\n\n{markdown(table)}\n")
     written.append(out / "task_table.md")
-    for p in (
-        plot_recall_vs_distance(df, out / "recall_vs_distance.png"),
-        plot_trained_attention(df, out / "trained_attention.png"),
-    ):
-        if p is not None:
-            written.append(p)
+    if plots:
+        for p in (
+            plot_recall_vs_distance(df, out / "recall_vs_distance.png"),
+            plot_trained_attention(df, out / "trained_attention.png"),
+        ):
+            if p is not None:
+                written.append(p)
     return written
 
 

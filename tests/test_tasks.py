@@ -311,7 +311,6 @@ def test_real_task_sweep_writes_records_and_the_report(tmp_path):
         *over,
         f"records_dir={tmp_path / 'records'}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        "report=false",
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -338,6 +337,9 @@ def test_real_task_sweep_writes_records_and_the_report(tmp_path):
     lw = table[(table["variant"] == "local_window") & (table["task"] == "reverse")].iloc[0]
     assert lw["seeds"] == 0 and lw["status"].startswith("unsupported")
     main([str(tmp_path / "records"), "--out", str(tmp_path / "report")])
-    for name in ("task_table.md", "task_table.csv", "recall_vs_distance.png", "trained_attention.png"):
-        assert (tmp_path / "report" / name).stat().st_size > 0
-    assert "±" in (tmp_path / "report" / "task_table.md").read_text()
+    # the same report from the command line and at the end of the sweep
+    for out in (tmp_path / "report", tmp_path / "sweep" / "report"):
+        for name in ("task_table.md", "task_table.csv", "recall_vs_distance.png", "trained_attention.png"):
+            assert (out / name).stat().st_size > 0, name
+        assert "±" in (out / "task_table.md").read_text()
+    assert "Task accuracy" in p.stdout
