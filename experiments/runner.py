@@ -38,14 +38,17 @@ def register_hydra_pieces() -> None:
 
 def job_label(cfg: dict[str, Any], name: str) -> str:
     """Short human label of a job, e.g. ``naive N=1024 fwd float32 cpu`` or
-    ``task=recall sdpa N=128 seed=0 float32 cpu``."""
-    parts = [name, f"N={cfg['seq_len']}"]
+    ``task=recall local_window(window=16, block=None) N=128 seed=0 float32 cpu``."""
+    knobs = {k: v for k, v in cfg["variant"].items() if k not in ("_target_", "heads", "head_dim")}
+    # the knobs in brackets: a variant's own seed (sparse) is not the job's seed
+    parts = [
+        name + (f"({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else ""),
+        f"N={cfg['seq_len']}",
+    ]
     if cfg.get("task"):
         parts.insert(0, f"task={cfg['task'].get('name', '?')}")
     if cfg.get("kv_len"):
         parts.append(f"Nk={cfg['kv_len']}")
-    knobs = {k: v for k, v in cfg["variant"].items() if k not in ("_target_", "heads", "head_dim")}
-    parts += [f"{k}={v}" for k, v in knobs.items()]
     # a task job trains (mode does not apply) and its seed is what tells its runs apart
     parts += [f"seed={cfg['seed']}" if cfg.get("task") else cfg["mode"], cfg["dtype"], cfg["device"]]
     if cfg["causal"]:

@@ -127,6 +127,15 @@ def test_sparse_layout_has_window_global_and_random_blocks(knobs, n):
     assert attn.num_pairs(n, n, causal=True) == sum(
         causal_pat[i][j] and j <= i for i in range(n) for j in range(n)
     )
+    # causal: the random blocks come from the past before the window, as many as there are there
+    cblocks = attn.block_pattern(n, causal=True).tolist()
+    for i in range(min(g, nb), nb):
+        seen = {j for j in range(nb) if cblocks[i][j]}
+        window = {j for j in range(i - wb, i + wb + 1) if 0 <= j < nb}
+        glob = set(range(min(g, nb)))
+        extra = seen - window - glob
+        past = set(range(min(g, nb), max(i - wb, 0)))
+        assert extra <= past and len(extra) == min(r, len(past)), f"row {i}: {sorted(extra)}"
 
 
 def test_sparse_layout_is_deterministic_and_seeded():

@@ -94,9 +94,10 @@ class FlexAttention(AttentionVariant):
         }
 
     # ------------------------------------------------------------------ the pattern
-    def _block_layout(self, nq: int, nk: int) -> torch.Tensor:
-        """``(ceil(Nq/block), ceil(Nk/block))`` bool: the sparse layout's key blocks per query block."""
-        nb = self._sparse.block_pattern(max(nq, nk))  # (nb, nb), defined for self-attention
+    def _block_layout(self, nq: int, nk: int, causal: bool) -> torch.Tensor:
+        """``(ceil(Nq/block), ceil(Nk/block))`` bool: the sparse layout's key blocks per query block
+        (causal: the layout whose random blocks are drawn from the past)."""
+        nb = self._sparse.block_pattern(max(nq, nk), causal)  # (nb, nb), defined for self-attention
         return nb[: -(-nq // self.block), : -(-nk // self.block)]
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
@@ -152,7 +153,7 @@ class FlexAttention(AttentionVariant):
             preds.append(lambda bi, hi, qi, ki: (qi - ki).abs() <= w)
         elif self.pattern_name == "sparse":
             blk = self.block
-            lay = self._block_layout(nq, nk).to(q.device)  # (ceil(Nq/blk), ceil(Nk/blk))
+            lay = self._block_layout(nq, nk, causal).to(q.device)  # (ceil(Nq/blk), ceil(Nk/blk))
             preds.append(lambda bi, hi, qi, ki: lay[qi // blk, ki // blk])
         if causal:
             preds.append(lambda bi, hi, qi, ki: ki <= qi)

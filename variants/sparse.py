@@ -8,11 +8,12 @@ key blocks
 - ``i - window_blocks .. i + window_blocks`` (the sliding window, clipped at the ends),
 - ``0 .. global_blocks - 1`` (global blocks: every query sees them),
 - ``random_blocks`` other key blocks drawn without replacement, with a fixed seed, from the blocks
-  not already in its window or global set (fewer when not that many are left);
+  not already in its window or global set (fewer when not that many are left); with causal masking
+  only from the blocks before its window, so no random slot is spent on the future;
 
 and the queries of the global blocks see every key. The layout depends only on ``(N, knobs)``.
-Causal masking is intersected with it at token level (a random block in the future is then simply
-empty; the window blocks after the diagonal are not computed at all). ``pattern()`` is the
+Causal masking is intersected with it at token level (the window blocks after the diagonal are not
+computed at all). ``pattern()`` is the
 token-level form of the layout.
 
 Only the blocks in the layout are computed: a table gives each query block a fixed number of key
@@ -41,7 +42,7 @@ from .registry import register
 
 
 def block_layout(
-    nb: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int
+    nb: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int, causal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Key-block table of a BigBird layout over ``nb`` blocks.
 
@@ -49,7 +50,8 @@ def block_layout(
     (``wb``, ``g``, ``r`` the knobs clipped to what ``nb`` blocks allow): slots ``[0, 2wb]`` are the
     window (offsets ``-wb .. wb``), then ``g`` global slots, then ``r`` random slots. ``valid`` is
     False for a slot off the end or repeating an earlier one; its ``index`` is then a harmless 0.
-    Global query rows are not marked here (they see everything). Cost ``O(nb * S)``.
+    Global query rows are not marked here (they see everything). ``causal`` draws the random blocks
+    only from the past (before the window), where a causal query can use them. Cost ``O(nb * S)``.
     """
     wb = min(window_blocks, nb - 1)
     g = min(global_blocks, nb)
@@ -62,10 +64,11 @@ def block_layout(
         ok = [0 <= c < nb for c in row]
         row += list(range(g))  # global slots; those already in the window are duplicates
         ok += [abs(i - c) > wb for c in range(g)]
-        # random candidates: blocks g..nb-1 minus the window [lo, hi], numbered 0..count-1
+        # random candidates: blocks g..nb-1 minus the window [lo, hi] (causal: g..lo-1), numbered
+        # 0..count-1
         lo, hi = max(i - wb, g), min(i + wb, nb - 1)
         hole = max(0, hi - lo + 1)
-        count = nb - g - hole
+        count = lo - g if causal else nb - g - hole
         picks = sorted(rng.sample(range(count), min(r, count)))
         chosen = [g + x + (hole if g + x >= lo else 0) for x in picks]  # skip over the window
         row += chosen + [0] * (r - len(chosen))
@@ -119,20 +122,20 @@ class BlockSparseAttention(AttentionVariant):
             "seed": self.seed,
         }
 
-    def layout(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layout(self, n: int, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index, valid)`` key-block table ``(nb, S)`` for length ``n`` (see :func:`block_layout`)."""
         nb = -(-n // self.block)
-        if nb not in self._tables:  # built once per length: it is a Python loop over the blocks
-            self._tables[nb] = block_layout(
-                nb, self.window_blocks, self.global_blocks, self.random_blocks, self.seed
+        if (nb, causal) not in self._tables:  # built once per length: a Python loop over the blocks
+            self._tables[nb, causal] = block_layout(
+                nb, self.window_blocks, self.global_blocks, self.random_blocks, self.seed, causal
             )
-        return self._tables[nb]
+        return self._tables[nb, causal]
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         bsz, h, n, d = q.shape
         dv = v.shape[-1]
         b = self.block
-        index, valid = self.layout(n)
+        index, valid = self.layout(n, causal)
         nb = index.shape[0]
         if causal:  # the window slots after the diagonal block (offsets 1..wb) are entirely future
             wb = min(self.window_blocks, nb - 1)
@@ -195,9 +198,9 @@ class BlockSparseAttention(AttentionVariant):
             outs.append(out[:, :, : n - ng])  # padded queries dropped
         return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, N, Dv)
 
-    def block_pattern(self, n: int) -> torch.Tensor:
+    def block_pattern(self, n: int, causal: bool = False) -> torch.Tensor:
         """Boolean ``(nb, nb)``: which key blocks each query block sees (global rows included)."""
-        index, valid = self.layout(n)
+        index, valid = self.layout(n, causal)
         nb = index.shape[0]
         blocks = torch.zeros(nb, nb, dtype=torch.bool)
         blocks[torch.arange(nb)[:, None].expand_as(index)[valid], index[valid]] = True
@@ -206,7 +209,7 @@ class BlockSparseAttention(AttentionVariant):
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
         n = max(nq, nk)  # the layout is defined for self-attention; a rectangle is cut from it
-        blocks = self.block_pattern(n)
+        blocks = self.block_pattern(n, causal)
         tokens = blocks.repeat_interleave(self.block, 0).repeat_interleave(self.block, 1)
         allowed = tokens[:nq, :nk].clone()
         return allowed.tril() if causal else allowed
@@ -215,7 +218,7 @@ class BlockSparseAttention(AttentionVariant):
         if nq != nk:
             return int(self.pattern(nq, nk, causal).sum())
         n, b = nq, self.block
-        index, valid = self.layout(n)
+        index, valid = self.layout(n, causal)
         nb = index.shape[0]
         g = min(self.global_blocks, nb)
         ng = min(g * b, n)
