@@ -101,4 +101,4 @@ def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs error divided by the reference output's scale (its max abs value)."""
     scale = ref.abs().max().clamp_min(1e-12)
-    return float((out.double() - ref).abs().max() / scale)
+    return float((out.detach().double() - ref).abs().max() / scale)

@@ -1,64 +1,128 @@
-"""``chunked``: exact attention in O(N) memory, pure PyTorch (Rabe & Staats, 2021).
+"""``chunked``: exact attention in O(N) memory, pure PyTorch (Rabe & Staats, 2021; the backward
+follows FlashAttention-2, Dao 2023).
 
-Queries are split into chunks; each chunk walks over the keys chunk by chunk with an online softmax
-(running max, running sum, running weighted sum), so no ``Nq x Nk`` matrix ever exists. In backward
-each query chunk is recomputed (``torch.utils.checkpoint``), so memory stays linear there too.
-Time ``O(B H Nq Nk D)``; memory ``O(B H (Nq Dv + q_chunk * k_chunk))``. Low-precision inputs are
-accumulated in float32, as the fused kernels do.
+Forward: queries are split into chunks; each chunk walks over the keys chunk by chunk with an online
+softmax (running max, running sum, running weighted sum), so no ``Nq x Nk`` matrix ever exists. It
+keeps the output and each row's log-sum-exp ``L``. Backward recomputes the probabilities of one
+(query chunk, key chunk) block at a time from ``L`` (``P = exp(S - L)``) and accumulates the
+gradients of the query, key and value chunks, so backward memory stays linear too, with nothing kept
+per block between the passes.
+
+Time ``O(B H Nq Nk D)`` (backward about 2.5x forward: it recomputes ``S``); memory
+``O(B H (Nq (D + Dv) + q_chunk * k_chunk))``. Low-precision inputs are accumulated in float32, as the
+fused kernels do.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from .base import AttentionVariant
 from .registry import register
 
 
-def _query_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+def _allowed(
+    ks: int,
+    ke: int,
+    rows: torch.Tensor,
+    causal: bool,
     kpm: torch.Tensor | None,
     am: torch.Tensor | None,
-    q_start: int,
-    k_chunk: int,
-    causal: bool,
-) -> torch.Tensor:
-    """Attention of ``q (B,H,cq,D)`` (rows from ``q_start``) over all ``k``, ``v``: ``(B,H,cq,Dv)``."""
-    b, h, cq, _ = q.shape
-    nk = k.shape[2]
-    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    q = q.to(work) * q.shape[-1] ** -0.5
-    m = torch.full((b, h, cq, 1), float("-inf"), dtype=work, device=q.device)  # running max
-    s = torch.zeros((b, h, cq, 1), dtype=work, device=q.device)  # running sum of exp
-    acc = torch.zeros((b, h, cq, v.shape[-1]), dtype=work, device=q.device)  # running sum of p v
-    rows = torch.arange(q_start, q_start + cq, device=q.device)[:, None]  # (cq, 1)
-    k_end = min(nk, q_start + cq) if causal else nk  # keys after the last query are never seen
-    for ks in range(0, k_end, k_chunk):
-        ke = min(ks + k_chunk, k_end)
-        scores = q @ k[:, :, ks:ke].to(work).transpose(-2, -1)  # (B, H, cq, ck)
-        allowed = None
-        if causal:
-            allowed = torch.arange(ks, ke, device=q.device)[None, :] <= rows  # (cq, ck)
-        if kpm is not None:
-            pad = kpm[:, None, None, ks:ke]  # (B, 1, 1, ck)
-            allowed = pad if allowed is None else allowed & pad
-        if am is not None:
-            part = am[..., ks:ke]
-            allowed = part if allowed is None else allowed & part
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        # the max only stabilises exp: detached, since the result does not depend on it
-        m_new = torch.maximum(m, scores.detach().amax(dim=-1, keepdim=True))
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = torch.exp(scores - m_safe)  # (B, H, cq, ck); masked entries are exactly 0
-        corr = torch.exp(m - m_safe)  # rescales what was summed under the old max
-        s = s * corr + p.sum(dim=-1, keepdim=True)
-        acc = acc * corr + p @ v[:, :, ks:ke].to(work)
-        m = m_new
-    return acc / torch.where(s > 0, s, torch.ones_like(s))  # empty rows: 0 / 1 = 0
+) -> torch.Tensor | None:
+    """Which pairs of a block of key columns ``[ks, ke)`` the query ``rows (cq, 1)`` may use, or
+    None for all: broadcasts to ``(B, H, cq, ck)``."""
+    allowed = None
+    if causal:
+        allowed = torch.arange(ks, ke, device=rows.device)[None, :] <= rows  # (cq, ck)
+    if kpm is not None:
+        pad = kpm[:, None, None, ks:ke]  # (B, 1, 1, ck)
+        allowed = pad if allowed is None else allowed & pad
+    if am is not None:
+        part = am[..., ks:ke]  # (B|1, H|1, cq|1, ck)
+        allowed = part if allowed is None else allowed & part
+    return allowed
+
+
+def _scores(q, kc, ks, rows, causal, kpm, am):
+    """Masked scores ``(B, H, cq, ck)`` of the (already scaled) query chunk against key chunk ``kc``."""
+    s = q @ kc.transpose(-2, -1)  # (B, H, cq, ck)
+    allowed = _allowed(ks, ks + kc.shape[2], rows, causal, kpm, am)
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+
+
+def _am_rows(am: torch.Tensor | None, qs: int, qe: int) -> torch.Tensor | None:
+    """The rows ``[qs, qe)`` of a 4-D boolean mask (a mask broadcast over queries stays whole)."""
+    return None if am is None else (am[..., qs:qe, :] if am.shape[-2] > 1 else am)
+
+
+def _key_chunks(nk: int, k_chunk: int, q_end: int, causal: bool) -> range:
+    """Start of every key chunk a query chunk ending at ``q_end`` sees (causal: none past it)."""
+    return range(0, min(nk, q_end) if causal else nk, k_chunk)
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """``softmax(q k^T / sqrt(D) masked) v`` by chunks, with a block-recomputing backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, kpm, am, causal: bool, q_chunk: int, k_chunk: int):
+        b, h, nq, d = q.shape
+        nk, dv = k.shape[2], v.shape[-1]
+        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        qw, kw, vw = q.to(work) * d**-0.5, k.to(work), v.to(work)
+        out = torch.empty(b, h, nq, dv, dtype=work, device=q.device)
+        lse = torch.empty(b, h, nq, 1, dtype=work, device=q.device)  # log-sum-exp of each row
+        for qs in range(0, nq, q_chunk):
+            qe = min(qs + q_chunk, nq)
+            qc, am_c = qw[:, :, qs:qe], _am_rows(am, qs, qe)  # (B, H, cq, D)
+            rows = torch.arange(qs, qe, device=q.device)[:, None]  # (cq, 1)
+            m = torch.full((b, h, qe - qs, 1), float("-inf"), dtype=work, device=q.device)  # running max
+            s = torch.zeros((b, h, qe - qs, 1), dtype=work, device=q.device)  # running sum of exp
+            acc = torch.zeros((b, h, qe - qs, dv), dtype=work, device=q.device)  # running sum of p v
+            for ks in _key_chunks(nk, k_chunk, qe, causal):
+                ke = min(ks + k_chunk, nk)
+                sc = _scores(qc, kw[:, :, ks:ke], ks, rows, causal, kpm, am_c)  # (B, H, cq, ck)
+                m_new = torch.maximum(m, sc.amax(dim=-1, keepdim=True))
+                m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+                p = torch.exp(sc - m_safe)  # (B, H, cq, ck); masked entries are exactly 0
+                corr = torch.exp(m - m_safe)  # rescales what was summed under the old max
+                s = s * corr + p.sum(dim=-1, keepdim=True)
+                acc = acc * corr + p @ vw[:, :, ks:ke]
+                m = m_new
+            out[:, :, qs:qe] = acc / torch.where(s > 0, s, torch.ones_like(s))  # empty rows: 0 / 1 = 0
+            # empty rows get L = +inf, so that exp(S - L) = 0 for them in backward
+            lse[:, :, qs:qe] = torch.where(s > 0, m + torch.log(s), torch.full_like(s, float("inf")))
+        ctx.save_for_backward(q, k, v, out, lse, kpm, am)
+        ctx.cfg = (causal, q_chunk, k_chunk)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        q, k, v, out, lse, kpm, am = ctx.saved_tensors
+        causal, q_chunk, k_chunk = ctx.cfg
+        nq, d = q.shape[2], q.shape[3]
+        nk = k.shape[2]
+        work = out.dtype
+        scale = d**-0.5
+        qw, kw, vw, do = q.to(work) * scale, k.to(work), v.to(work), grad_out.to(work)
+        delta = (do * out).sum(dim=-1, keepdim=True)  # (B, H, Nq, 1): rowsum(dO * O) = rowsum(P * dP)
+        dq, dk, dv = torch.zeros_like(qw), torch.zeros_like(kw), torch.zeros_like(vw)
+        for qs in range(0, nq, q_chunk):
+            qe = min(qs + q_chunk, nq)
+            qc, am_c = qw[:, :, qs:qe], _am_rows(am, qs, qe)  # (B, H, cq, D)
+            rows = torch.arange(qs, qe, device=q.device)[:, None]  # (cq, 1)
+            do_c, l_c, d_c = do[:, :, qs:qe], lse[:, :, qs:qe], delta[:, :, qs:qe]
+            for ks in _key_chunks(nk, k_chunk, qe, causal):
+                ke = min(ks + k_chunk, nk)
+                kc, vc = kw[:, :, ks:ke], vw[:, :, ks:ke]  # (B, H, ck, D), (B, H, ck, Dv)
+                p = torch.exp(_scores(qc, kc, ks, rows, causal, kpm, am_c) - l_c)  # (B, H, cq, ck)
+                dv[:, :, ks:ke] += p.transpose(-2, -1) @ do_c  # (B, H, ck, Dv)
+                ds = p * (do_c @ vc.transpose(-2, -1) - d_c)  # (B, H, cq, ck): dS = P (dP - delta)
+                dq[:, :, qs:qe] += ds @ kc
+                dk[:, :, ks:ke] += ds.transpose(-2, -1) @ qc
+        dq = dq * scale  # S = (q scale) k^T: dq = dS k scale; dk = dS^T (q scale) already
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 @register("chunked")
@@ -80,21 +144,11 @@ class ChunkedAttention(AttentionVariant):
         return {"query_chunk": self.query_chunk, "key_chunk": self.key_chunk}
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
-        nq = q.shape[2]
         am = None
         if attn_mask is not None:
             am = attn_mask
             while am.dim() < 4:
                 am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        outs = []
-        for qs in range(0, nq, self.query_chunk):
-            qe = min(qs + self.query_chunk, nq)
-            am_c = None if am is None else (am[..., qs:qe, :] if am.shape[-2] > 1 else am)
-            args = (q[:, :, qs:qe], k, v, key_padding_mask, am_c, qs, self.key_chunk, causal)
-            if grad:
-                out = checkpoint(_query_chunk, *args, use_reentrant=False)
-            else:
-                out = _query_chunk(*args)
-            outs.append(out)
-        return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, Nq, Dv)
+        return _ChunkedAttention.apply(
+            q, k, v, key_padding_mask, am, causal, self.query_chunk, self.key_chunk
+        )  # (B, H, Nq, Dv)
