@@ -25,6 +25,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 # task-config keys left out of a task's label even when they vary: they change how a run is done or
@@ -259,16 +260,15 @@ def _plt() -> Any:
     return plt
 
 
-def _window_reach(row: pd.Series) -> float | None:
-    """How far (tokens) a local_window model can carry information: layers x window."""
+def _window_size(row: pd.Series) -> float | None:
+    """The window of a local_window record (tokens), else None."""
     knobs = _obj(row.get("knobs")) if "knobs" in row else None
-    settings = _obj(row.get("settings")) or {}
     if (
         isinstance(knobs, dict)
         and "window" in knobs
         and str(row.get("variant_name", "")).startswith("local_window")
     ):
-        return float(knobs["window"]) * float(settings.get("layers", 1))
+        return float(knobs["window"])
     return None
 
 
@@ -276,8 +276,10 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     """Recall test accuracy against key-to-query distance, one line per (variant, N); None if no
     recall record has per-distance accuracies.
 
-    Bins are pooled over seeds weighted by their query counts; a dotted line marks how far a
-    local_window model reaches (layers x window): queries beyond it cannot see their key.
+    Bins are pooled over seeds weighted by their query counts; a dotted line marks a local_window
+    model's window: a query farther from its key than that cannot see it in one hop. (Stacked layers
+    could relay up to layers x window, but a relay token cannot know which pair a later query
+    will ask for, so in practice recall stops at the window.)
     """
     sub = task_rows(df)
     sub = sub[(sub["task_name"] == "recall") & (sub["status"] == "ok")] if len(sub) else sub
@@ -303,9 +305,9 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
         multi = sub["seq_len"].nunique() > 1 or sub["task_label"].nunique() > 1
         label = f"{v} {t} N={n}" if multi else str(v)
         (line,) = ax.plot(xs, ys, marker="o", label=label)
-        reach = _window_reach(g.iloc[0])
-        if reach is not None and reach < n:  # a reach past the sequence blinds nothing
-            ax.axvline(reach, color=line.get_color(), linestyle=":", linewidth=1)
+        window = _window_size(g.iloc[0])
+        if window is not None and window < n:  # a window past the sequence blinds nothing
+            ax.axvline(window, color=line.get_color(), linestyle=":", linewidth=1)
         drawn += 1
     if not drawn:
         plt.close(fig)
@@ -313,8 +315,8 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     ax.set_xlabel("key-to-query distance (tokens, upper edge of bin)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_ylim(-2, 102)
-    ax.set_title("Associative recall: accuracy vs distance (dotted: local window reach)")
-    ax.legend(fontsize=8)
+    ax.set_title("Associative recall: accuracy vs distance (dotted: local window size)")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -322,11 +324,37 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     return path
 
 
+def _distinct_maps(one: pd.DataFrame, min_corr: float = 0.98) -> pd.DataFrame:
+    """``one`` without maps that repeat an earlier map of the same (task, N): variants computing the
+    same function from the same seed (naive, sdpa, chunked) often train to the same weights, and
+    then their maps are one picture. A repeat (correlation at least ``min_corr`` with an earlier map)
+    is dropped and its variant named in the kept row's ``variant_label`` (``naive = sdpa``).
+    ``O(maps^2)`` comparisons."""
+    kept: list[tuple[Any, np.ndarray]] = []  # (index, flattened weights)
+    labels: dict[Any, str] = {}
+    for idx, r in one.iterrows():
+        w = np.asarray(_obj(r["attention"])["weights"], dtype=float).ravel()
+        for k_idx, kw in kept:
+            k = one.loc[k_idx]
+            if (k["task_label"], k["seq_len"]) != (r["task_label"], r["seq_len"]) or kw.shape != w.shape:
+                continue
+            if kw.std() > 0 and w.std() > 0 and np.corrcoef(kw, w)[0, 1] >= min_corr:
+                labels[k_idx] += f" = {r['variant_label']}"
+                break
+        else:
+            kept.append((idx, w))
+            labels[idx] = str(r["variant_label"])
+    out = one.loc[[i for i, _ in kept]].copy()
+    out["variant_label"] = [labels[i] for i in out.index]
+    return out
+
+
 def plot_trained_attention(
-    df: pd.DataFrame, path: str | Path, *, tasks: list[str] | None = None, max_maps: int = 12
+    df: pd.DataFrame, path: str | Path, *, tasks: list[str] | None = None, max_maps: int = 24
 ) -> Path | None:
     """Heatmaps of the attention maps stored in task records (one per (variant, task, N), lowest
-    seed), at most ``max_maps``; ``tasks`` limits the task names (default: all). None if none."""
+    seed; repeated pictures once, see :func:`_distinct_maps`), at most ``max_maps``; ``tasks``
+    limits the task names (default: all). None if none."""
     sub = task_rows(df)
     if not len(sub) or "attention" not in sub:
         return None
@@ -341,8 +369,9 @@ def plot_trained_attention(
         ["_s2s", "task_label", "variant_label", "seq_len", "seed"]
     )
     one = sub.groupby(["task_label", "variant_label", "seq_len"], sort=False).head(1)
-    share = max(1, max_maps // one["task_label"].nunique())
-    picks = one.groupby("task_label", sort=False).head(share).head(max_maps)
+    picks = _distinct_maps(one)
+    share = max(1, max_maps // picks["task_label"].nunique())
+    picks = picks.groupby("task_label", sort=False).head(share).head(max_maps)
     plt = _plt()
     cols = min(4, len(picks))
     rows = math.ceil(len(picks) / cols)
@@ -359,7 +388,7 @@ def plot_trained_attention(
         acc = r.get("test_accuracy")
         acc_txt = f", acc {100 * acc:.0f}%" if isinstance(acc, (int, float)) and math.isfinite(acc) else ""
         title = f"{r['variant_label']}\n{r['task_label']} N={r['seq_len']}{acc_txt}"
-        ax.set_title("\n".join(textwrap.wrap(title, 44, replace_whitespace=False)), fontsize=8)
+        ax.set_title("\n".join(textwrap.wrap(title, 52, replace_whitespace=False)), fontsize=8)
         where = att.get("module", "")
         pooled = f", pooled x{stride}" if stride > 1 else ""
         ax.set_xlabel(f"key position\n({where}{pooled})", fontsize=7)
