@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -343,3 +344,26 @@ def test_real_task_sweep_writes_records_and_the_report(tmp_path):
             assert (out / name).stat().st_size > 0, name
         assert "±" in (out / "task_table.md").read_text()
     assert "Task accuracy" in p.stdout
+
+
+def test_repeated_attention_maps_are_drawn_once():
+    from experiments.task_report import _distinct_maps
+
+    diag = [[1.0 if i == j else 0.0 for j in range(6)] for i in range(6)]
+    anti = [[1.0 if i + j == 5 else 0.0 for j in range(6)] for i in range(6)]
+    near = [[x + 0.001 * (i + j) for j, x in enumerate(row)] for i, row in enumerate(diag)]
+    rows = [
+        ("copy", "naive", diag),
+        ("copy", "sdpa", near),  # the same picture up to noise: merged into naive's panel
+        ("copy", "local_window", anti),
+        ("recall", "sdpa", diag),  # same picture, other task: kept
+    ]
+    one = pd.DataFrame(
+        [{"task_label": t, "seq_len": 6, "variant_label": v, "attention": {"weights": w}} for t, v, w in rows]
+    )
+    out = _distinct_maps(one)
+    assert list(zip(out["task_label"], out["variant_label"], strict=True)) == [
+        ("copy", "naive = sdpa"),
+        ("copy", "local_window"),
+        ("recall", "sdpa"),
+    ]
