@@ -250,6 +250,39 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def combined_markdown(table: pd.DataFrame) -> str:
+    """Cost and quality in one Markdown table: one row per (variant, N), the test accuracy on every
+    task side by side (mean ± std in %, with the mean training steps when the time cap cut a run
+    short), then the kernel's forward and forward+backward time and forward peak memory at that N.
+    ``table`` is :func:`task_table`'s output."""
+    if not len(table):
+        return ""
+    tasks = sorted(table["task"].unique())
+    out = []
+    for (v, n), g in table.groupby(["variant", "N"], sort=True):
+        row = {"variant": v, "N": n}
+        for t in tasks:
+            r = g[g["task"] == t]
+            if not len(r):
+                row[t] = ""
+                continue
+            r = r.iloc[0]
+            cell = r["accuracy"] if r["seeds"] else str(r["status"]).split(":")[0]
+            if r["seeds"] and r["capped"]:
+                cell += f" ({r['steps']:.0f} steps)"
+            row[t] = cell
+        for c in ("fwd_ms", "fwd_bwd_ms", "peak_mib"):
+            x = g[c].dropna()
+            row[c] = f"{x.iloc[0]:.3g}" if len(x) else ""
+        out.append(row)
+    names = {"fwd_ms": "fwd ms", "fwd_bwd_ms": "fwd+bwd ms", "peak_mib": "fwd peak MiB"}
+    head = ["variant", "N", *(f"{t} acc %" for t in tasks), *names.values()]
+    keys = ["variant", "N", *tasks, *names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(str(r[k]).replace("|", "\\|") for k in keys) + " |" for r in out]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- plots
 def _plt() -> Any:
     import matplotlib
@@ -418,7 +451,12 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
         "(std needs 2+ seeds). fwd/fwd+bwd ms and peak MiB: the same variant's kernel timing records "
         "at that N, when the store has any."
     )
-    (out / "task_table.md").write_text(f"## Task accuracy\n\n{note}\n\n{markdown(table)}\n")
+    combined = (
+        "## Cost and quality\n\nTest accuracy per task (mean ± std over seeds, %; the mean steps "
+        "in brackets when the time cap stopped training early) beside the kernel's time and memory "
+        "at that N.\n\n" + combined_markdown(table)
+    )
+    (out / "task_table.md").write_text(f"## Task accuracy\n\n{note}\n\n{markdown(table)}\n\n{combined}\n")
     written.append(out / "task_table.md")
     if plots:
         for p in (
