@@ -257,6 +257,21 @@ def test_same_config_twice_keeps_both_and_shows_the_newest(sweep, tmp_path):
     assert shown == pytest.approx(expected, rel=5e-3)
 
 
+def test_cuda_graph_times_get_their_own_table_only_when_recorded(sweep, tmp_path):
+    tmp, _ = sweep
+    recs = raw_records(tmp / "records")
+    plain = T.speed_table(T.select(store.load([tmp / "records"], verbose=False)))
+    assert not [h for h, _ in plain.parts if "CUDA graph" in h]
+    for r in recs:
+        if label(r) == "naive" and r["config"]["seq_len"] == 64 and r["status"] == "ok":
+            r["figures"]["fwd_graph_median_s"] = 0.00125  # as a CUDA job with cuda_graph=true records it
+        write_record(r, tmp_path)
+    sec = T.speed_table(T.select(store.load([tmp_path], verbose=False)))
+    assert cell(sec, "CUDA graph", "naive", 64) == T.num(1.25)
+    row = sec.data[(sec.data["variant"] == "naive") & (sec.data["seq_len"] == 64)]
+    assert row["graph_ms"].tolist() == pytest.approx([1.25])
+
+
 def test_baseline_ratios(sweep, tmp_path):
     tmp, _ = sweep
     for r in raw_records(tmp / "records"):
