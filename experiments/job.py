@@ -7,6 +7,7 @@ config as a plain dict (see conf/config.yaml for the fields).
 
 from __future__ import annotations
 
+import resource
 import time
 import traceback
 from typing import Any
@@ -93,6 +94,9 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
         if result["status"] == "error":
             result["traceback"] = traceback.format_exc(limit=8)
     result["measure_s"] = time.perf_counter() - t0  # harness overhead = job wall time - this
+    # what the OS saw, beside the allocator's peak: the C allocator may keep freed memory (resident
+    # GBs while torch's peak is MBs). Per job only in an isolated child, whose count includes torch.
+    result["figures"]["process_max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 

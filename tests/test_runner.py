@@ -151,6 +151,16 @@ def test_dtype_a_variant_lacks_is_unsupported():
     assert res["status"] == "unsupported" and dtype in res["reason"]
 
 
+def test_isolated_job_records_its_process_high_water_mark():
+    # naive at N=2048 holds about 260 MiB of scores: the resident high-water mark the OS reports for
+    # the job's own process must cover that peak, plus the torch the child imported
+    res = run_isolated(job_cfg(variant="naive", seq_len=2048, min_run_time=0.05), timeout_s=300)
+    assert res["status"] == "ok", res
+    f = res["figures"]
+    assert f["peak_mib"] > 200
+    assert f["peak_mib"] < f["process_max_rss_mib"] < f["peak_mib"] + 4096
+
+
 def test_hang_becomes_timeout_and_kill_becomes_killed():
     cfg = job_cfg(variant="naive", **SMALL)
     cfg["variant"]["_target_"] = "tests.faulty.HangingAttention"
