@@ -49,7 +49,7 @@ class BenchConfig:
     min_run_time: float = 1.0  # seconds of timed runs per figure
     accuracy_rows: int = 256  # query rows checked against the float64 oracle
     cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only)
-    isolate: bool = True  # run each job in a spawned child process
+    isolate: bool = True  # run each job in its own child process
     timeout_s: float = 600.0  # per job, with isolation
     resume: bool = True  # skip configs whose record (same code, same host) exists
     records_dir: str = "outputs/records"
