@@ -408,7 +408,9 @@ def plot_trained_attention(
     plt = _plt()
     cols = min(4, len(picks))
     rows = math.ceil(len(picks) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.9 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.6 * cols, 3.9 * rows), squeeze=False, layout="constrained"
+    )
     for ax in axes.flat[len(picks) :]:
         ax.axis("off")
     for ax, (_, r) in zip(axes.flat, picks.iterrows(), strict=False):
@@ -428,7 +430,6 @@ def plot_trained_attention(
         ax.set_ylabel("query position", fontsize=7)
         ax.tick_params(labelsize=7)
     fig.suptitle("Trained attention weights (mean over heads, first test example)", fontsize=9)
-    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
