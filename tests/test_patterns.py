@@ -96,6 +96,8 @@ SPARSE_KNOBS = [
     dict(block=3, window_blocks=2, global_blocks=2, random_blocks=3, seed=7),
     dict(block=5, window_blocks=0, global_blocks=0, random_blocks=2),
     dict(block=2, window_blocks=1, global_blocks=1, random_blocks=30),  # more than there are
+    dict(block=3, window_blocks=1, global_blocks=0, random_blocks=1, stride_blocks=4),
+    dict(block=2, window_blocks=0, global_blocks=1, random_blocks=0, stride_blocks=3),
 ]
 
 
@@ -104,6 +106,7 @@ SPARSE_KNOBS = [
 def test_sparse_layout_has_window_global_and_random_blocks(knobs, n):
     attn = BlockSparseAttention(**knobs)
     b, wb, g, r = knobs["block"], knobs["window_blocks"], knobs["global_blocks"], knobs["random_blocks"]
+    s = knobs.get("stride_blocks", 0)
     nb = -(-n // b)
     blocks = attn.block_pattern(n).tolist()
     assert len(blocks) == nb
@@ -114,9 +117,11 @@ def test_sparse_layout_has_window_global_and_random_blocks(knobs, n):
             continue
         window = {j for j in range(i - wb, i + wb + 1) if 0 <= j < nb}
         glob = set(range(min(g, nb)))
-        assert window <= seen and glob <= seen
-        extra = seen - window - glob
-        assert len(extra) == min(r, nb - len(window | glob)), f"row {i}: random blocks {sorted(extra)}"
+        strided = {j for j in range(nb) if s and (i - j) % s == 0}
+        assert window <= seen and glob <= seen and strided <= seen
+        extra = seen - window - glob - strided
+        left = nb - len(window | glob | strided)
+        assert len(extra) == min(r, left), f"row {i}: random blocks {sorted(extra)}"
     # every query sees the global key blocks; the token-level pattern is the block layout blown up
     pat = attn.pattern(n, n).tolist()
     for i in range(n):
@@ -127,15 +132,18 @@ def test_sparse_layout_has_window_global_and_random_blocks(knobs, n):
     assert attn.num_pairs(n, n, causal=True) == sum(
         causal_pat[i][j] and j <= i for i in range(n) for j in range(n)
     )
-    # causal: the random blocks come from the past before the window, as many as there are there
+    # causal: strided and random blocks come from the past before the window, as many as there are
     cblocks = attn.block_pattern(n, causal=True).tolist()
     for i in range(min(g, nb), nb):
         seen = {j for j in range(nb) if cblocks[i][j]}
         window = {j for j in range(i - wb, i + wb + 1) if 0 <= j < nb}
         glob = set(range(min(g, nb)))
-        extra = seen - window - glob
         past = set(range(min(g, nb), max(i - wb, 0)))
-        assert extra <= past and len(extra) == min(r, len(past)), f"row {i}: {sorted(extra)}"
+        strided = {j for j in past if s and (i - j) % s == 0}
+        assert strided <= seen
+        extra = seen - window - glob - strided
+        left = past - strided
+        assert extra <= left and len(extra) == min(r, len(left)), f"row {i}: {sorted(extra)}"
 
 
 def test_sparse_layout_is_deterministic_and_seeded():

@@ -7,25 +7,29 @@ key blocks
 
 - ``i - window_blocks .. i + window_blocks`` (the sliding window, clipped at the ends),
 - ``0 .. global_blocks - 1`` (global blocks: every query sees them),
+- with ``stride_blocks = s > 0``, every block ``j`` with ``(i - j) % s == 0`` (the Sparse
+  Transformer's strided pattern, Child et al., 2019, at block level: with ``global_blocks =
+  random_blocks = 0`` and ``s`` near ``sqrt(nb)`` it is that pattern alone, ``O(N^1.5)``);
 - ``random_blocks`` other key blocks drawn without replacement, with a fixed seed, from the blocks
-  not already in its window or global set (fewer when not that many are left); with causal masking
-  only from the blocks before its window, so no random slot is spent on the future;
+  not already in its window, global or strided set (fewer when not that many are left);
 
-and the queries of the global blocks see every key. The layout depends only on ``(N, knobs)``.
-Causal masking is intersected with it at token level (the window blocks after the diagonal are not
-computed at all). ``pattern()`` is the
-token-level form of the layout.
+and the queries of the global blocks see every key. With causal masking strided and random blocks
+come only from the past before the window, so no slot is spent on the future. The layout depends
+only on ``(N, knobs, causal)``. Causal masking is intersected with it at token level (the window
+blocks after the diagonal are not computed at all). ``pattern()`` is the token-level form of the
+layout.
 
 Only the blocks in the layout are computed: a table gives each query block a fixed number of key
-blocks (window + global + random slots; a slot that repeats a block or falls off the end is masked
+blocks (window + global + strided + random slots; a slot that repeats a block or falls off the end is masked
 out), those key/value blocks are gathered and every query block is scored against its own in one
 batched matmul. The few global query blocks are computed densely against all keys. ``N`` is padded
 to a multiple of ``block`` internally: padded keys are masked, padded queries dropped.
 
 Shapes: ``q (B, H, N, D)``, ``k (B, H, N, D)``, ``v (B, H, N, Dv)`` -> ``(B, H, N, Dv)``; self-attention
 only, with causal and key padding masks, no arbitrary ``attn_mask``. With ``S = 2 window_blocks + 1
-+ global_blocks + random_blocks`` slots, time ``O(B H N (S + global_blocks) block D)`` and memory
-``O(B H N (S + global_blocks) block)``: linear in ``N`` at a fixed pattern. Low-precision inputs are
++ global_blocks + ceil(nb / stride_blocks) + random_blocks`` slots, time ``O(B H N (S +
+global_blocks) block D)`` and memory ``O(B H N (S + global_blocks) block)``: linear in ``N`` at a
+fixed pattern without a stride. Low-precision inputs are
 accumulated in float32.
 """
 
@@ -42,35 +46,47 @@ from .registry import register
 
 
 def block_layout(
-    nb: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int, causal: bool = False
+    nb: int,
+    window_blocks: int,
+    global_blocks: int,
+    random_blocks: int,
+    seed: int,
+    causal: bool = False,
+    stride_blocks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key-block table of a BigBird layout over ``nb`` blocks.
+    """Key-block table of a BigBird layout (plus optional strided blocks) over ``nb`` blocks.
 
-    Returns ``(index, valid)``, both ``(nb, S)`` with ``S = 2 wb + 1 + g + r`` slots per query block
-    (``wb``, ``g``, ``r`` the knobs clipped to what ``nb`` blocks allow): slots ``[0, 2wb]`` are the
-    window (offsets ``-wb .. wb``), then ``g`` global slots, then ``r`` random slots. ``valid`` is
-    False for a slot off the end or repeating an earlier one; its ``index`` is then a harmless 0.
-    Global query rows are not marked here (they see everything). ``causal`` draws the random blocks
-    only from the past (before the window), where a causal query can use them. Cost ``O(nb * S)``.
+    Returns ``(index, valid)``, both ``(nb, S)`` with ``S = 2 wb + 1 + g + t + r`` slots per query
+    block (``wb``, ``g``, ``r`` the knobs clipped to what ``nb`` blocks allow; ``t = ceil(nb /
+    stride_blocks)``, 0 without a stride): slots ``[0, 2wb]`` are the window (offsets ``-wb .. wb``),
+    then ``g`` global slots, then the strided slots (every block ``j`` with ``(i - j) % stride_blocks
+    == 0`` outside the window and global blocks: the Sparse Transformer's strided pattern, Child et
+    al. 2019), then ``r`` random slots drawn from the blocks left. ``valid`` is False for a slot off
+    the end, repeating an earlier one or unused; its ``index`` is then a harmless 0. Global query
+    rows are not marked here (they see everything). ``causal`` keeps strided and random blocks in
+    the past (before the window), where a causal query can use them. Cost ``O(nb * (S + nb))``.
     """
     wb = min(window_blocks, nb - 1)
     g = min(global_blocks, nb)
     r = min(random_blocks, max(0, nb - g))
+    t = -(-nb // stride_blocks) if stride_blocks > 0 else 0
+    width = 2 * wb + 1 + g + t + r
     rng = random.Random(seed)  # one stream, rows in order: the same (nb, knobs) give the same table
-    index = torch.zeros(nb, 2 * wb + 1 + g + r, dtype=torch.long)
-    valid = torch.zeros(nb, 2 * wb + 1 + g + r, dtype=torch.bool)
+    index = torch.zeros(nb, width, dtype=torch.long)
+    valid = torch.zeros(nb, width, dtype=torch.bool)
     for i in range(nb):
         row = list(range(i - wb, i + wb + 1))  # window slots, may fall off either end
         ok = [0 <= c < nb for c in row]
         row += list(range(g))  # global slots; those already in the window are duplicates
         ok += [abs(i - c) > wb for c in range(g)]
-        # random candidates: blocks g..nb-1 minus the window [lo, hi] (causal: g..lo-1), numbered
-        # 0..count-1
-        lo, hi = max(i - wb, g), min(i + wb, nb - 1)
-        hole = max(0, hi - lo + 1)
-        count = lo - g if causal else nb - g - hole
-        picks = sorted(rng.sample(range(count), min(r, count)))
-        chosen = [g + x + (hole if g + x >= lo else 0) for x in picks]  # skip over the window
+        lo, hi = max(i - wb, g), min(i + wb, nb - 1)  # the window's blocks outside the global ones
+        # the blocks not seen yet, in order: g..nb-1 minus the window (causal: only g..lo-1)
+        rest = [j for j in range(g, lo if causal else nb) if not lo <= j <= hi]
+        strided = [j for j in rest if stride_blocks > 0 and (i - j) % stride_blocks == 0]
+        row += strided + [0] * (t - len(strided))
+        ok += [True] * len(strided) + [False] * (t - len(strided))
+        rest = [j for j in rest if j not in strided]
+        chosen = [rest[x] for x in sorted(rng.sample(range(len(rest)), min(r, len(rest))))]
         row += chosen + [0] * (r - len(chosen))
         ok += [True] * len(chosen) + [False] * (r - len(chosen))
         index[i] = torch.tensor([c if o else 0 for c, o in zip(row, ok, strict=True)])
@@ -88,6 +104,7 @@ class BlockSparseAttention(AttentionVariant):
     example_knobs = (
         {"block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1},
         {"block": 5, "window_blocks": 0, "global_blocks": 1, "random_blocks": 2, "seed": 3},
+        {"block": 3, "window_blocks": 1, "global_blocks": 0, "random_blocks": 1, "stride_blocks": 3},
     )
 
     def __init__(
@@ -97,20 +114,22 @@ class BlockSparseAttention(AttentionVariant):
         global_blocks: int = 1,
         random_blocks: int = 1,
         seed: int = 0,
+        stride_blocks: int = 0,
     ) -> None:
         super().__init__()
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
-        if min(window_blocks, global_blocks, random_blocks) < 0:
+        if min(window_blocks, global_blocks, random_blocks, stride_blocks) < 0:
             raise ValueError(
-                "window_blocks, global_blocks and random_blocks must be >= 0, got "
-                f"{window_blocks}, {global_blocks}, {random_blocks}"
+                "window_blocks, global_blocks, random_blocks and stride_blocks must be >= 0, got "
+                f"{window_blocks}, {global_blocks}, {random_blocks}, {stride_blocks}"
             )
         self.block = block
         self.window_blocks = window_blocks
         self.global_blocks = global_blocks
         self.random_blocks = random_blocks
         self.seed = seed
+        self.stride_blocks = stride_blocks
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def knobs(self) -> dict[str, object]:
@@ -120,6 +139,7 @@ class BlockSparseAttention(AttentionVariant):
             "global_blocks": self.global_blocks,
             "random_blocks": self.random_blocks,
             "seed": self.seed,
+            "stride_blocks": self.stride_blocks,
         }
 
     def layout(self, n: int, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +147,13 @@ class BlockSparseAttention(AttentionVariant):
         nb = -(-n // self.block)
         if (nb, causal) not in self._tables:  # built once per length: a Python loop over the blocks
             self._tables[nb, causal] = block_layout(
-                nb, self.window_blocks, self.global_blocks, self.random_blocks, self.seed, causal
+                nb,
+                self.window_blocks,
+                self.global_blocks,
+                self.random_blocks,
+                self.seed,
+                causal,
+                self.stride_blocks,
             )
         return self._tables[nb, causal]
 
