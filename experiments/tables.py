@@ -494,7 +494,7 @@ def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- output
-LEFT_COLUMNS = ("status", "N", "reason")
+LEFT_COLUMNS = ("status", "N", "reason", "task")
 
 
 def markdown(table: pd.DataFrame) -> str:

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .tables import markdown as markdown_table
+
 # task-config keys left out of a task's label even when they vary: they change how a run is done or
 # reported, not what is learned (a run the time cap stopped says so in its stopped_early figure)
 _TRAINING_KEYS = {"max_train_s", "eval_batch", "heatmap_size", "distance_bins"}
@@ -243,11 +245,7 @@ def markdown(table: pd.DataFrame) -> str:
         "fwd_bwd_ms": "fwd+bwd ms",
         "peak_mib": "fwd peak MiB",
     }
-    head = [names.get(c, c) for c in t.columns]
-    body = [["" if pd.isna(x) else str(x).replace("|", "\\|") for x in r] for r in t.itertuples(index=False)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in body]
-    return "\n".join(lines)
+    return markdown_table(t.rename(columns=names).set_index("variant"))
 
 
 def combined_markdown(table: pd.DataFrame) -> str:
@@ -275,12 +273,12 @@ def combined_markdown(table: pd.DataFrame) -> str:
             x = g[c].dropna()
             row[c] = f"{x.iloc[0]:.3g}" if len(x) else ""
         out.append(row)
-    names = {"fwd_ms": "fwd ms", "fwd_bwd_ms": "fwd+bwd ms", "peak_mib": "fwd peak MiB"}
-    head = ["variant", "N", *(f"{t} acc %" for t in tasks), *names.values()]
-    keys = ["variant", "N", *tasks, *names]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(str(r[k]).replace("|", "\\|") for k in keys) + " |" for r in out]
-    return "\n".join(lines)
+    names = {t: f"{t} acc %" for t in tasks} | {
+        "fwd_ms": "fwd ms",
+        "fwd_bwd_ms": "fwd+bwd ms",
+        "peak_mib": "fwd peak MiB",
+    }
+    return markdown_table(pd.DataFrame(out).rename(columns=names).set_index("variant"))
 
 
 # ---------------------------------------------------------------------------------------------- plots

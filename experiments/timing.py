@@ -30,6 +30,13 @@ class Timing:
         return self.q3_s - self.q1_s
 
 
+def _summary(times: list[float]) -> Timing:
+    """Median and quartiles of per-call ``times`` (seconds), one repetition each."""
+    times = sorted(times)
+    q1, med, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return Timing(median_s=med, q1_s=q1, q3_s=q3, reps=len(times))
+
+
 def time_cpu(fn: Callable[[], object], min_run_time: float = 1.0, threads: int | None = None) -> Timing:
     """Time ``fn`` on the CPU with ``Timer.blocked_autorange`` (it warms up first)."""
     timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads or torch.get_num_threads())
@@ -63,9 +70,7 @@ def time_cuda(
         fn()
         e.record()
     torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True))
-    q1, med, q3 = statistics.quantiles(times, n=4)
-    return Timing(median_s=med, q1_s=q1, q3_s=q3, reps=reps)
+    return _summary([s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)])
 
 
 def time_cuda_graph(fn: Callable[[], object], min_run_time: float = 1.0) -> Timing | None:
@@ -96,7 +101,7 @@ def time_backward(
 
     A hand-written loop on purpose: ``Timer`` repeats one statement, and repeating a backward over a
     retained graph keeps every recomputed activation of checkpointed variants alive (O(N^2) memory
-    for ``chunked``), which is not what one training step does.
+    for ``additive``), which is not what one training step does.
     """
     cuda = device == "cuda"
     times: list[float] = []
@@ -121,9 +126,7 @@ def time_backward(
         total += t
         if len(times) >= 1000:
             break
-    times.sort()
-    q1, med, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
-    return Timing(median_s=med, q1_s=q1, q3_s=q3, reps=len(times))
+    return _summary(times)
 
 
 def time_call(fn: Callable[[], object], device: str, min_run_time: float = 1.0) -> Timing:

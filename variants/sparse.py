@@ -85,7 +85,8 @@ def block_layout(
         strided = [j for j in rest if stride_blocks > 0 and (i - j) % stride_blocks == 0]
         row += strided + [0] * (t - len(strided))
         ok += [True] * len(strided) + [False] * (t - len(strided))
-        rest = [j for j in rest if j not in strided]
+        taken = set(strided)
+        rest = [j for j in rest if j not in taken]
         chosen = [rest[x] for x in sorted(rng.sample(range(len(rest)), min(r, len(rest))))]
         row += chosen + [0] * (r - len(chosen))
         ok += [True] * len(chosen) + [False] * (r - len(chosen))
