@@ -23,7 +23,8 @@ What is gated, and how hard:
   work; a slowdown by waiting (sleep, locks) is not seen, which attention kernels do not do.
 - **Unsupported** cases (xformers on CPU, flex backward on CPU, ...) are recorded with their reason
   and must still be unsupported: a case that starts or stops running fails until the baseline is
-  refreshed, so nothing is skipped silently.
+  refreshed, so nothing is skipped silently. A variant whose library this machine lacks
+  (``Unavailable``: xformers not installed) is skipped with that reason, shown in pytest's summary.
 
 Compiled variants: the variant is built with ``example_knobs[0]`` and, where the constructor takes a
 ``compile`` knob, ``compile=False`` is forced (:func:`bench_knobs`): a compile costs about 25 s per shape
@@ -52,7 +53,7 @@ import torch
 import variants
 from experiments.accuracy import error_stats
 from experiments.memory import cpu_peak_bytes
-from variants import AttentionVariant, Unsupported, Workload
+from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 # ---------------------------------------------------------------------------------------------- setup
 #: (B, H, N, D) of every measurement: big enough that the timing ratio is not all Python overhead,
@@ -242,6 +243,8 @@ def measure_static(attn: AttentionVariant, mode: str) -> dict[str, Any]:
             fn()
     except Unsupported as exc:
         return {"status": "unsupported", "reason": str(exc)}
+    except Unavailable as exc:  # a library this machine lacks: no figure to hold anyone to
+        return {"status": "unavailable", "reason": str(exc)}
     with pinned_threads():
         peak = cpu_peak_bytes(fn)
     return {

@@ -1,4 +1,9 @@
-"""Hydra callbacks: a progress bar over the sweep and the report at its end."""
+"""Hydra callbacks: a progress bar over the sweep and the report at its end.
+
+Exit status of a sweep: 1 when any job ended ``error`` (after every record and the report are
+written), else 0. ``unsupported``, ``unavailable``, ``oom``, ``timeout``, ``killed`` and ``nan`` are
+results about the variant or the machine, recorded as data, not failures of the sweep.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +16,26 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 
-def manifest_records(sweep_dir: Path) -> list[Path]:
-    """Record paths listed in a sweep's manifest (skipped jobs point at their older record)."""
+def manifest_entries(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The lines of a sweep's manifest: ``{"config_hash", "record", "status"}`` per job (a skipped
+    job has status ``skipped`` and points at its older record)."""
     path = sweep_dir / "manifest.jsonl"
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(Path(json.loads(line)["record"]))
-        except (json.JSONDecodeError, KeyError):
+            entry = json.loads(line)
+            entry["record"] = Path(entry["record"])
+        except (json.JSONDecodeError, KeyError, TypeError):
             continue
+        out.append(entry)
     return out
+
+
+def manifest_records(sweep_dir: Path) -> list[Path]:
+    """Record paths listed in a sweep's manifest (skipped jobs point at their older record)."""
+    return [e["record"] for e in manifest_entries(sweep_dir)]
 
 
 def count_jobs(config: DictConfig) -> int | None:
@@ -57,6 +70,10 @@ class SweepCallback(Callback):
     def __init__(self) -> None:
         self.bar: Any = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # launchers pickle the callbacks into their workers: a live bar cannot go with them
+        return {**self.__dict__, "bar": None}
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from tqdm import tqdm
 
@@ -71,11 +88,15 @@ class SweepCallback(Callback):
         if self.bar is not None:
             self.bar.close()
         sweep_dir = Path(config.hydra.sweep.dir)
-        records = manifest_records(sweep_dir)
+        entries = manifest_entries(sweep_dir)
+        records = [e["record"] for e in entries]
         print(f"\nsweep finished: {len(records)} job(s); records listed in {sweep_dir / 'manifest.jsonl'}")
         if config.get("report", True) and records:
-            try:
-                from .report import report_paths
-            except ImportError:
-                return
+            from .report import report_paths
+
             report_paths(records, out_dir=sweep_dir / "report")
+        errors = sum(e.get("status") == "error" for e in entries)
+        if errors:
+            # after every record and the report are written: a sweep with a broken job fails
+            print(f"{errors} job(s) ended 'error' (see the status table): exit code 1", file=sys.stderr)
+            raise SystemExit(1)

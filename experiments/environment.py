@@ -54,28 +54,65 @@ def code_version() -> str:
     return h.hexdigest()[:12]
 
 
+def variant_code_version(cls: type) -> str:
+    """Hash of the source files that define ``cls`` and its attention base classes (a third-party
+    variant's own file included), so resume never reuses a record made by other kernel code."""
+    import inspect
+
+    h = hashlib.sha256()
+    for c in cls.__mro__:
+        if c.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        try:
+            src = inspect.getsourcefile(c)
+        except TypeError:
+            continue
+        if src:
+            h.update(Path(src).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def gpu_info() -> dict[str, object]:
-    """Name, memory and driver of GPU 0, or an empty dict without CUDA."""
-    if not torch.cuda.is_available():
-        return {}
-    props = torch.cuda.get_device_properties(0)
-    info: dict[str, object] = {
-        "gpu_name": props.name,
-        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-        "gpu_capability": f"{props.major}.{props.minor}",
-    }
+    """Name, memory and driver of GPU 0 as ``nvidia-smi`` reports them, or an empty dict.
+
+    Asked of ``nvidia-smi``, not torch, on purpose: the sweep's own process must not create a CUDA
+    context (it would hold GPU memory for the whole sweep). A CUDA job adds torch's own view of the
+    device it ran on (:func:`torch_gpu_info`, called in the job's process).
+    """
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            [
+                "nvidia-smi",
+                "--query-gpu=name,memory.total,driver_version,compute_cap",
+                "--format=csv,noheader,nounits",
+            ],
             capture_output=True,
             text=True,
             timeout=10,
             check=True,
         )
-        info["gpu_driver"] = out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        info["gpu_driver"] = None
-    return info
+        name, mem_mib, driver, cap = (s.strip() for s in out.stdout.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return {}
+    try:
+        mem_gib: object = round(float(mem_mib) / 1024, 1)
+    except ValueError:
+        mem_gib = None
+    return {"gpu_name": name, "gpu_memory_gib": mem_gib, "gpu_driver": driver, "gpu_capability": cap}
+
+
+def torch_gpu_info(device: int | None = None) -> dict[str, object]:
+    """Name, memory and compute capability of the current CUDA device, as torch sees it.
+
+    Initialises CUDA: call it only in a process that runs CUDA work (a CUDA job).
+    """
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    return {
+        "gpu_name": props.name,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "gpu_capability": f"{props.major}.{props.minor}",
+        "gpu_count": torch.cuda.device_count(),
+    }
 
 
 @functools.cache

@@ -1,47 +1,91 @@
 """Run a job in a child process with a timeout, so a crash, a hang or the OOM killer becomes a
 status in the parent instead of ending the sweep.
 
-Children come from a fork server where the platform has one (Linux, macOS): a server process
-imports torch and the suite once, and each job is a fresh fork of it, which starts in a fraction of
-a second instead of the seconds a spawned interpreter spends importing torch. The server has never
-run a torch op or touched CUDA, so every job still starts from a clean state. Elsewhere (Windows)
-children are spawned."""
+CPU jobs come from a fork server where the platform has one (Linux, macOS): a server process
+imports torch and the suite once, with every GPU hidden from it (:mod:`experiments.cpu_forkserver`),
+and each job is a fresh fork of it, which starts in a fraction of a second instead of the seconds a
+spawned interpreter spends importing torch. CUDA jobs are spawned: CUDA cannot be initialised in a
+fork of a process that has queried it, and a fresh interpreter per GPU job also gives each job its
+own CUDA context. Elsewhere (Windows) every child is spawned.
+
+A child never outlives the sweep: it asks the kernel for SIGKILL when its parent dies (Linux) and a
+watchdog thread ends it when the sweep's process is gone (the fork server's children, other OSes).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import signal
+import sys
+import threading
 import time
 from typing import Any
 
 from .job import measure
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
-def _child(cfg: dict[str, Any], conn: Any) -> None:
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else (cannot be ours, but do not kill a job)
+        return True
+    return True
+
+
+def die_with(pid: int, poll_s: float = 1.0) -> None:
+    """End this process when process ``pid`` (the sweep) is gone: at once through the kernel where
+    the sweep is the direct parent (Linux), else within ``poll_s`` through a watchdog thread."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still covers it
+
+    def watch() -> None:
+        while True:
+            if not _alive(pid):
+                os._exit(1)
+            time.sleep(poll_s)
+
+    if not _alive(pid):  # the parent died before the kernel was asked
+        os._exit(1)
+    threading.Thread(target=watch, name="attnbench-watchdog", daemon=True).start()
+
+
+def _child(cfg: dict[str, Any], conn: Any, sweep_pid: int, roofline: bool) -> None:
+    die_with(sweep_pid)
     # the parent handles Ctrl-C; a child should not print its own traceback for it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn.send(measure(cfg))
+    conn.send(measure(cfg, roofline))
     conn.close()
 
 
-def _context() -> Any:
-    """The fork-server context with the job module preloaded, or spawn where there is none."""
-    if "forkserver" in mp.get_all_start_methods():
+def context_for(device: str) -> Any:
+    """The multiprocessing context a job on ``device`` runs in: the GPU-free fork server for CPU
+    jobs, spawn for CUDA jobs and where there is no fork server."""
+    if device == "cpu" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["experiments.job"])  # torch and the variants, imported once
+        ctx.set_forkserver_preload(["experiments.cpu_forkserver"])
         return ctx
     return mp.get_context("spawn")
 
 
-def run_isolated(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``measure(cfg)`` in a fresh child process; adds statuses ``timeout`` and ``killed``.
+def run_isolated(cfg: dict[str, Any], timeout_s: float, roofline: bool = False) -> dict[str, Any]:
+    """``measure(cfg, roofline)`` in a fresh child process; adds statuses ``timeout`` and ``killed``.
 
     Also reports ``wall_s``: wall time of the whole child (the caller subtracts the measurement
     time to get the overhead).
     """
-    ctx = _context()
+    ctx = context_for(cfg["device"])
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(cfg, send), daemon=True)
+    proc = ctx.Process(target=_child, args=(cfg, send, os.getpid(), roofline), daemon=True)
     t0 = time.perf_counter()
     proc.start()
     send.close()  # so recv sees EOF if the child dies
@@ -57,7 +101,7 @@ def run_isolated(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             proc.join(5)
             return _blank("timeout", f"no result within {timeout_s:g} s; child killed", t0)
         proc.join(10)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, SIGTERM (the runner turns it into KeyboardInterrupt), anything
         proc.kill()
         proc.join(5)
         raise
@@ -83,9 +127,9 @@ def _blank(status: str, reason: str, t0: float) -> dict[str, Any]:
     }
 
 
-def run_inline(cfg: dict[str, Any]) -> dict[str, Any]:
-    """``measure(cfg)`` in this process (isolation off: quicker, but a crash ends the sweep)."""
+def run_inline(cfg: dict[str, Any], roofline: bool = False) -> dict[str, Any]:
+    """``measure(cfg, roofline)`` in this process (isolation off: quicker, but a crash ends the sweep)."""
     t0 = time.perf_counter()
-    result = measure(cfg)
+    result = measure(cfg, roofline)
     result["wall_s"] = time.perf_counter() - t0
     return result

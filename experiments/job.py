@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from variants import AttentionVariant, Unsupported, Workload
+from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
+from .environment import torch_gpu_info
 from .inputs import DTYPES, make_inputs
 from .memory import peak_bytes
 from .timing import Timing, time_backward, time_call, time_cuda_graph
@@ -25,10 +26,6 @@ from .timing import Timing, time_backward, time_call, time_cuda_graph
 GRAD_ORACLE_BYTES = 256 * 2**20
 # above this, even the row-subset output check is skipped (only ``oracle_forward`` variants get there)
 FULL_ORACLE_BYTES = 2 * 2**30
-
-
-class Unavailable(Exception):
-    """The device or a library the job needs is not there."""
 
 
 def build_variant(variant_cfg: dict[str, Any]) -> AttentionVariant:
@@ -76,8 +73,13 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "error", last.splitlines()[0]
 
 
-def measure(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run one job; returns ``{"status", "reason", "variant", "figures"}``. Never raises."""
+def measure(cfg: dict[str, Any], roofline: bool = False) -> dict[str, Any]:
+    """Run one job; returns ``{"status", "reason", "variant", "figures"}``. Never raises.
+
+    With ``roofline``, also measures the device's GEMM and copy ceilings for the job's dtype
+    afterwards (``result["roofline"]``, see :mod:`experiments.roofline`); a CUDA job adds the GPU it
+    ran on as torch sees it (``result["env"]``).
+    """
     result: dict[str, Any] = {"status": "ok", "reason": None, "variant": None, "figures": {}}
     t0 = time.perf_counter()
     try:
@@ -94,10 +96,25 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
         if result["status"] == "error":
             result["traceback"] = traceback.format_exc(limit=8)
     result["measure_s"] = time.perf_counter() - t0  # harness overhead = job wall time - this
+    if cfg["device"] == "cuda" and torch.cuda.is_available():
+        result["env"] = torch_gpu_info()
+    if roofline and not cfg.get("task"):
+        result["roofline"] = _roofline(cfg)
     # what the OS saw, beside the allocator's peak: the C allocator may keep freed memory (resident
     # GBs while torch's peak is MBs). Per job only in an isolated child, whose count includes torch.
     result["figures"]["process_max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
+
+
+def _roofline(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The device's ceilings for the job's dtype, or ``{"error": ...}`` (never raises)."""
+    from .roofline import measure_roofline
+
+    try:
+        _check_device(cfg["device"])
+        return measure_roofline(cfg["device"], cfg["dtype"], min_run_time=min(0.5, cfg["min_run_time"]))
+    except Exception as exc:  # the ceiling is context for the tables, never a reason to lose a record
+        return {"error": classify(exc)[1]}
 
 
 def workload(cfg: dict[str, Any]) -> Workload:
@@ -170,6 +187,7 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     q, k, v = inp.tensors()
     kw = inp.kwargs(cfg["causal"])
     fig = result["figures"]
+    # only outside timed windows: the CUDA timers enqueue every repetition without waiting
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     # first call: includes compilation for compiled variants, so it is timed on its own
@@ -220,26 +238,21 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     def fwd_nograd() -> None:
         with torch.no_grad():
             fwd()
-        sync()
 
     def fwd_bwd() -> None:
         o = fwd()
         torch.autograd.grad(o, inputs + params, grad_out, allow_unused=True)
-        sync()
 
     def bwd(graph: torch.Tensor) -> None:  # backward alone, on a fresh graph each time
         torch.autograd.grad(graph, inputs + params, grad_out, allow_unused=True)
-        sync()
 
     if backward:
-        fig.update(_timing_fields("fwd", time_call(lambda: (fwd(), sync()), device, min_t)))
+        fig.update(_timing_fields("fwd", time_call(fwd, device, min_t)))
         fig.update(_timing_fields("bwd", time_backward(fwd, bwd, device, min_t)))
         fig.update(_timing_fields("fwd_bwd", time_call(fwd_bwd, device, min_t)))
         measured, mode_fn = fig["fwd_bwd_median_s"], fwd_bwd
     else:
         fig.update(_timing_fields("fwd", time_call(fwd_nograd, device, min_t)))
-        if device == "cuda" and cfg.get("cuda_graph", True):
-            fig.update(_timing_fields("fwd_graph", time_cuda_graph(fwd_nograd, min_t)))
         measured, mode_fn = fig["fwd_median_s"], fwd_nograd
 
     # throughput from the variant's own count of useful pairs
@@ -253,3 +266,10 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     fig["peak_bytes"] = peak_bytes(mode_fn, device)
     fig["peak_mib"] = fig["peak_bytes"] / 2**20
     fig["threads"] = torch.get_num_threads()
+
+    # last: a capture that fails can leave the stream unusable for what would follow
+    if device == "cuda" and not backward and cfg.get("cuda_graph", True):
+        graph_t, why = time_cuda_graph(fwd_nograd, min_t)
+        fig.update(_timing_fields("fwd_graph", graph_t))
+        if why is not None:
+            fig["fwd_graph_skipped"] = why

@@ -84,9 +84,16 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 
 def _plot_vs_n(
-    df: pd.DataFrame, y: str, ylabel: str, title: str, path: Path, band: tuple[str, str] | None
+    df: pd.DataFrame,
+    y: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+    band: tuple[str, str] | None,
+    ceiling: str | None = None,
 ) -> Path | None:
-    """Line per variant of ``y`` against N, faceted by device/dtype (rows) and mode (columns)."""
+    """Line per variant of ``y`` against N, faceted by device/dtype (rows) and mode (columns);
+    ``ceiling`` names a column drawn as a dashed line at its median per panel (e.g. the GEMM rate)."""
     data = df.dropna(subset=[y])
     data = data[data[y] > 0]
     if data.empty:
@@ -116,6 +123,17 @@ def _plot_vs_n(
                     ax.fill_between(
                         pts["seq_len"], pts[band[0]], pts[band[1]], color=colors[name], alpha=0.2, lw=0
                     )
+            if ceiling is not None and ceiling in sub and sub[ceiling].notna().any():
+                top = float(sub[ceiling].median())
+                ax.axhline(top, ls="--", lw=1, color="0.4")
+                ax.annotate(
+                    f"GEMM, same sweep: {top:.3g}",
+                    (0.02, top),
+                    xycoords=("axes fraction", "data"),
+                    va="bottom",
+                    fontsize=8,
+                    color="0.3",
+                )
             ns = sorted(int(n) for n in data["seq_len"].unique())
             _n_axis(ax, ns)
             if _spans_decades(data[y]):
@@ -141,6 +159,7 @@ def _usable_rows(df: pd.DataFrame) -> pd.DataFrame:
         q3_ms=t["q3_s"] * 1e3,
         peak=pd.to_numeric(df.get("peak_mib"), errors="coerce"),
         gflops=pd.to_numeric(df.get("gflops_per_s"), errors="coerce"),
+        gemm_gflops=pd.to_numeric(df.get("roofline_gemm_flops_per_s"), errors="coerce") / 1e9,
     )
     return out[usable(out)]
 
@@ -175,9 +194,10 @@ def plot_gflops(df: pd.DataFrame, out_dir: Path) -> Path | None:
         _usable_rows(df),
         "gflops",
         "GFLOP/s (useful pairs)",
-        "Throughput vs sequence length (FLOPs of useful (query, key) pairs)",
+        "Throughput vs sequence length (FLOPs of useful (query, key) pairs; dashed: the device's GEMM rate)",
         out_dir / "gflops_vs_n.png",
         band=None,
+        ceiling="gemm_gflops",
     )
 
 

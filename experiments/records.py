@@ -12,7 +12,7 @@ from typing import Any
 SCHEMA_VERSION = 1
 
 # config fields that say how to run a job, not what is measured: they do not enter the hash
-_NOT_HASHED = {"records_dir", "isolate", "timeout_s", "resume", "progress", "report"}
+_NOT_HASHED = {"records_dir", "isolate", "timeout_s", "resume", "progress", "report", "roofline"}
 
 
 def config_hash(cfg: dict[str, Any]) -> str:
@@ -29,15 +29,22 @@ def write_record(record: dict[str, Any], directory: str | Path) -> Path:
     leaves either nothing or a whole record.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     stamp = record.get("started_at", "").replace(":", "").replace("-", "")[:15]
     final = directory / f"{record['config_hash']}-{stamp}-{os.getpid()}.json"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    return write_json_atomic(final, record)
+
+
+def write_json_atomic(final: Path, obj: object) -> Path:
+    """Write ``obj`` as JSON to ``final`` through a temporary file in the same folder and a rename,
+    readable by group and others (a shared results folder); returns ``final``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1, sort_keys=True, default=str)
+            json.dump(obj, f, indent=1, sort_keys=True, default=str)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
         os.replace(tmp, final)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -53,7 +60,7 @@ def read_records(directory: str | Path) -> list[dict[str, Any]]:
             continue
         try:
             rec = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: bad JSON or bytes that are not UTF-8
             print(f"warning: skipping unreadable record {path}: {exc}")
             continue
         if isinstance(rec, dict) and "config_hash" in rec and "status" in rec:
@@ -62,17 +69,31 @@ def read_records(directory: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def find_existing(directory: str | Path, chash: str, code_version: str, host: str) -> Path | None:
-    """A record of this config made by the same code on the same host, if any (for resume)."""
+#: statuses a re-run would reproduce: only these are reused on resume (error, timeout, killed, nan
+#: and unavailable may come out otherwise after a fix, a longer timeout or an install)
+REUSABLE = frozenset({"ok", "unsupported", "oom"})
+#: what must match between a record's ``env`` and this run's for the record to be reused: the
+#: measuring code, the variant's own source (third-party plugins included), torch, and the machine
+FINGERPRINT = ("code_version", "variant_code", "torch", "host", "cpu_model", "gpu_name")
+
+
+def find_existing(directory: str | Path, chash: str, env: dict[str, Any]) -> Path | None:
+    """A record of this config (hash ``chash``) that resume may reuse, if any: its status is in
+    :data:`REUSABLE` and its environment matches ``env`` on every :data:`FINGERPRINT` field."""
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    for path in sorted(directory.glob(f"{chash}-*.json")):
+    for path in sorted(directory.glob(f"{chash}-*.json"), reverse=True):  # newest first
         try:
             rec = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError) as exc:
+            print(f"warning: skipping unreadable record {path}: {type(exc).__name__}: {exc}"[:300])
             continue
-        env = rec.get("env", {})
-        if env.get("code_version") == code_version and env.get("host") == host:
+        if not isinstance(rec, dict) or not isinstance(rec.get("env"), dict):
+            print(f"warning: skipping {path}: not a record")
+            continue
+        if rec.get("status") not in REUSABLE:
+            continue
+        if all(rec["env"].get(k) == env.get(k) for k in FINGERPRINT):
             return path
     return None

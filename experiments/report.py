@@ -43,6 +43,25 @@ def _machines(df: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _ceilings(df: pd.DataFrame) -> list[str]:
+    """One line per (host, device, dtype) roofline in the store: GEMM FLOP/s and copy bandwidth."""
+    cols = ["env_host", "roofline_device", "roofline_dtype"]
+    if not all(c in df for c in cols) or "roofline_gemm_flops_per_s" not in df:
+        return []
+    lines = []
+    for (host, device, dtype), sub in df.dropna(subset=cols[1:]).groupby(cols, dropna=False):
+        gemm = pd.to_numeric(sub["roofline_gemm_flops_per_s"], errors="coerce")
+        copy = pd.to_numeric(sub.get("roofline_copy_bytes_per_s"), errors="coerce")
+        n = sub["roofline_gemm_n"].iloc[0] if "roofline_gemm_n" in sub else "?"
+        lo, hi = gemm.min() / 1e9, gemm.max() / 1e9
+        spread = f" (sweeps ranged {lo:.3g}-{hi:.3g})" if gemm.nunique() > 1 else ""
+        lines.append(
+            f"- {host} {device} {dtype}: GEMM {gemm.median() / 1e9:.3g} GFLOP/s (n={n}){spread}, "
+            f"copy {copy.median() / 1e9:.3g} GB/s"
+        )
+    return lines
+
+
 def _sources(inputs: Sequence[str | Path]) -> str:
     """The inputs in a few words: folders as given, record files counted per folder."""
     files = Counter(str(Path(p).parent) for p in inputs if Path(p).suffix == ".json")
@@ -65,6 +84,9 @@ def header(
         *_machines(df),
         "",
     ]
+    ceilings = _ceilings(df)
+    if ceilings:
+        lines += ["Ceilings measured in the sweeps (the records' median):", *ceilings, ""]
     workload = T.workload_line(shown)
     if workload:
         lines += [f"Workload in every table: {workload}.", ""]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -17,13 +19,24 @@ from hydra.types import RunMode
 from hydra.utils import get_class, to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from .environment import code_version, environment
-from .records import SCHEMA_VERSION, config_hash, find_existing, write_record
+from .environment import environment, variant_code_version
+from .records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
 from .schema import register_schema, validate
 
 log = logging.getLogger("attnbench")
 
 MANIFEST = "manifest.jsonl"
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def handle_sigterm() -> None:
+    """SIGTERM (``kill``, a scheduler ending the job) stops the sweep as Ctrl-C does: the running job's
+    child is killed and nothing half-measured is written. Only the main thread can install it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def register_hydra_pieces() -> None:
@@ -49,6 +62,8 @@ def job_label(cfg: dict[str, Any], name: str) -> str:
         parts.insert(0, f"task={cfg['task'].get('name', '?')}")
     if cfg.get("kv_len"):
         parts.append(f"Nk={cfg['kv_len']}")
+    if cfg.get("tokens"):
+        parts.append(f"B={cfg['batch']}")  # from the token budget
     # a task job trains (mode does not apply) and its seed is what tells its runs apart
     parts += [f"seed={cfg['seed']}" if cfg.get("task") else cfg["mode"], cfg["dtype"], cfg["device"]]
     if cfg["causal"]:
@@ -89,6 +104,7 @@ def _fail(msg: str) -> None:
 
 def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     """Measure the job described by ``dcfg``; returns its record (None if the config is invalid)."""
+    handle_sigterm()
     t_job = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
@@ -98,6 +114,8 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         return None
     try:
         validate(cfg)
+        if cfg.get("tokens"):  # a fixed token budget: the batch follows the length
+            cfg["batch"] = max(1, cfg["tokens"] // cfg["seq_len"])
         cls = get_class(cfg["variant"]["_target_"])
         # build once here: a bad knob (window=-1) is a one-line error before any child is spawned
         from .job import build_variant
@@ -116,8 +134,9 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     sweep_dir = Path(hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.runtime.output_dir)
     records_dir = Path(to_absolute_path(cfg["records_dir"]))
     env = environment()
+    env["variant_code"] = variant_code_version(cls)
 
-    existing = find_existing(records_dir, chash, code_version(), env["host"]) if cfg["resume"] else None
+    existing = find_existing(records_dir, chash, env) if cfg["resume"] else None
     if existing is not None:
         log.info("[%s] already measured: %s (resume=false to measure again)", label, existing)
         print(f"[{label}] skipped: already measured ({existing.name})")
@@ -126,17 +145,29 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
 
     from .job import precheck
 
+    # the device's ceilings, once per sweep and (device, dtype): the first job that runs measures them
+    roof_path = sweep_dir / f"roofline-{cfg['device']}-{cfg['dtype']}.json"
+    want_roof = bool(cfg.get("roofline", True)) and not cfg.get("task") and not roof_path.exists()
     result = precheck(cfg, variant)  # unsupported / unavailable without spawning a child
     if result is not None:
         pass
     elif cfg["isolate"]:
         from .isolation import run_isolated
 
-        result = run_isolated(cfg, cfg["timeout_s"])
+        result = run_isolated(cfg, cfg["timeout_s"], roofline=want_roof)
     else:
         from .isolation import run_inline
 
-        result = run_inline(cfg)
+        result = run_inline(cfg, roofline=want_roof)
+    roof = result.get("roofline")
+    if roof and "error" not in roof:
+        write_json_atomic(roof_path, roof)
+    elif roof:
+        log.warning("[%s] roofline not measured: %s", label, roof["error"])
+    # what torch saw in a CUDA job's child fills in what nvidia-smi could not tell (resume compares
+    # the sweep's own view, so it is not overwritten)
+    for k, v in (result.get("env") or {}).items():
+        env.setdefault(k, v)
     record = {
         "schema_version": SCHEMA_VERSION,
         "variant_name": name,
@@ -148,6 +179,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         "variant": result.get("variant"),
         "figures": result.get("figures", {}),
         "env": env,
+        "roofline": _read_json(roof_path),
         "sweep_dir": str(sweep_dir),
         "started_at": started,
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -161,7 +193,16 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     _manifest(sweep_dir, chash, path, record["status"])
     print(summary_line(record))
     log.info("record: %s", path)
+    if record["status"] == "error" and hc.mode != RunMode.MULTIRUN:
+        raise SystemExit(1)  # a single run that failed says so; a sweep says so at its end
     return record
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _manifest(sweep_dir: Path, chash: str, path: Path, status: str) -> None:

@@ -36,6 +36,7 @@ class BenchConfig:
     device: Device = Device.cpu
     dtype: DType = DType.float32
     batch: int = 1
+    tokens: int | None = None  # tokens per batch: batch = max(1, tokens // seq_len), overriding batch
     heads: int = 8
     seq_len: int = 1024
     kv_len: int | None = None  # keys/values length for cross-attention (None: = seq_len)
@@ -49,6 +50,7 @@ class BenchConfig:
     min_run_time: float = 1.0  # seconds of timed runs per figure
     accuracy_rows: int = 256  # query rows checked against the float64 oracle
     cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only)
+    roofline: bool = True  # measure the device's GEMM FLOP/s and copy bandwidth once per sweep
     isolate: bool = True  # run each job in its own child process
     timeout_s: float = 600.0  # per job, with isolation
     resume: bool = True  # skip configs whose record (same code, same host) exists
@@ -71,7 +73,7 @@ def validate(cfg: dict[str, Any]) -> None:
     for name in _POSITIVE:
         if cfg[name] <= 0:
             raise ValueError(f"{name} must be > 0, got {cfg[name]}")
-    for name in ("kv_len", "v_head_dim", "threads"):
+    for name in ("kv_len", "v_head_dim", "threads", "tokens"):
         if cfg.get(name) is not None and cfg[name] <= 0:
             raise ValueError(f"{name} must be > 0 (or null), got {cfg[name]}")
     if not 0.0 <= cfg["padding"] < 1.0:

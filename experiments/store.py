@@ -28,6 +28,7 @@ WORKLOAD = [
     "dtype",
     "mode",
     "batch",
+    "tokens",
     "heads",
     "kv_len",
     "head_dim",
@@ -158,6 +159,8 @@ def _row(rec: dict[str, Any]) -> dict[str, Any]:
         row[f"fig_{k}" if k in row else k] = v
     for k, v in (rec.get("env") or {}).items():
         row[f"env_{k}"] = json.dumps(v, default=str) if isinstance(v, (dict, list)) else v
+    for k, v in (rec.get("roofline") or {}).items():  # the device's ceilings, measured in the sweep
+        row[f"roofline_{k}"] = v
     return row
 
 

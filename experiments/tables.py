@@ -26,7 +26,9 @@ MATCH_KEYS = [k for k in CELL_KEYS if k != "env_host"]  # what a baseline row is
 NO_RECORD = "–"
 FLOPS_NOTE = (
     "FLOPs count the useful (query, key) pairs each variant lets interact (2·D + 2·Dv per pair forward, "
-    "backward 2.5x forward; FlashAttention convention), not the work a blocked kernel actually does."
+    "backward 2.5x forward; FlashAttention convention), not the work a blocked kernel actually does. "
+    "The percentage beside GFLOP/s divides by the FLOP/s of a large matrix multiply in the same dtype, "
+    "measured on the same device in the same sweep (the record's roofline)."
 )
 LEGEND = (
     f"Cells without a number give the job's status (oom, unsupported, ...); `invalid` = the "
@@ -104,6 +106,8 @@ def select(df: pd.DataFrame, all_measurements: bool = False) -> pd.DataFrame:
 def group_keys(df: pd.DataFrame) -> list[str]:
     """device, dtype, mode, then every other workload field that takes several values in ``df``."""
     extra = [c for c in GROUP_EXTRA if c in df and df[c].astype(str).nunique(dropna=False) > 1]
+    if "tokens" in df and df["tokens"].notna().any():
+        extra = [c for c in extra if c != "batch"]  # batch = tokens // N: it follows the length
     return GROUP_BASE + extra
 
 
@@ -131,6 +135,8 @@ def workload_line(df: pd.DataFrame) -> str:
     same = []
     for c in [*WORKLOAD[3:], "seed"]:
         if c in df and len(df) and df[c].astype(str).nunique(dropna=False) == 1:
+            if c == "tokens" and pd.isna(df[c].iloc[0]):
+                continue  # no token budget: the batch is as given
             same.append(f"{c}={value_text(c, df[c].iloc[0])}")
     return ", ".join(same)
 
@@ -194,10 +200,11 @@ def speed_table(df: pd.DataFrame) -> Section:
         sec.parts.append(
             (f"{title}: median time, ms (IQR)", pivot_cells(sub, _value_cell(_time_text))),
         )
+        has_roof = _col(sub, "roofline_gemm_flops_per_s").notna().any()
         sec.parts.append(
             (
-                f"{title}: GFLOP/s",
-                pivot_cells(sub, _value_cell(lambda r: num(r.get("gflops_per_s", np.nan)))),
+                f"{title}: GFLOP/s" + (" (% of the same sweep's GEMM rate)" if has_roof else ""),
+                pivot_cells(sub, _value_cell(_gflops_text)),
             ),
         )
         if _col(sub, "fwd_graph_median_s").notna().any():  # CUDA jobs with cuda_graph=true
@@ -217,11 +224,24 @@ def speed_table(df: pd.DataFrame) -> Section:
             "q3_ms": t["q3_s"] * 1e3,
             "graph_ms": _col(df, "fwd_graph_median_s") * 1e3,
             "gflops_per_s": _col(df, "gflops_per_s"),
+            "pct_of_gemm": pct_of_gemm(df),
+            "gemm_gflops_per_s": _col(df, "roofline_gemm_flops_per_s") / 1e9,
             "tokens_per_s": _col(df, "tokens_per_s"),
             "flops": _col(df, "flops"),
         },
     )
     return sec
+
+
+def pct_of_gemm(df: pd.DataFrame) -> pd.Series:
+    """Useful FLOP/s as a percentage of the GEMM FLOP/s measured in the same sweep (NaN without one)."""
+    return 100 * _col(df, "gflops_per_s") * 1e9 / _col(df, "roofline_gemm_flops_per_s")
+
+
+def _gflops_text(row: pd.Series) -> str:
+    text = num(row.get("gflops_per_s", np.nan))
+    pct = 100 * row.get("gflops_per_s", np.nan) * 1e9 / row.get("roofline_gemm_flops_per_s", np.nan)
+    return f"{text} ({pct:.0f}%)" if pd.notna(pct) else text
 
 
 def _time_text(row: pd.Series) -> str:

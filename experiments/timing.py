@@ -49,23 +49,30 @@ def time_cpu(fn: Callable[[], object], min_run_time: float = 1.0, threads: int |
 def time_cuda(
     fn: Callable[[], object], min_run_time: float = 1.0, warmup: int = 5, flush_mib: int = 256
 ) -> Timing:
-    """Time ``fn`` on CUDA with events, flushing L2 by writing ``flush_mib`` MiB between runs."""
+    """Time ``fn`` on CUDA with events, flushing L2 by writing ``flush_mib`` MiB before each run.
+
+    ``fn`` must not synchronise: the host enqueues every repetition (flush, start event, ``fn``, end
+    event) without waiting, so the GPU runs them back to back and each window holds only ``fn``'s
+    kernels; one synchronisation after the last repetition. As ``triton.testing.do_bench`` does.
+    """
     flush = torch.empty(flush_mib * 2**20, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    # estimate one call to decide how many repetitions fill min_run_time
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
+    # estimate one call (median of 5) to decide how many repetitions fill min_run_time
+    est = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)]
+    for s, e in est:
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
     torch.cuda.synchronize()
-    one = max(start.elapsed_time(end) / 1e3, 1e-6)
+    one = max(statistics.median(s.elapsed_time(e) for s, e in est) / 1e3, 1e-6)
     reps = int(min(1000, max(10, min_run_time / one)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends, strict=True):
-        flush.zero_()  # evict what the last call left in L2
+        flush.zero_()  # evict what the last call left in L2, outside the window
         s.record()
         fn()
         e.record()
@@ -73,21 +80,30 @@ def time_cuda(
     return _summary([s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)])
 
 
-def time_cuda_graph(fn: Callable[[], object], min_run_time: float = 1.0) -> Timing | None:
-    """Time replays of ``fn`` captured in a CUDA graph (no launch overhead); None if it cannot be captured."""
+def time_cuda_graph(fn: Callable[[], object], min_run_time: float = 1.0) -> tuple[Timing | None, str | None]:
+    """Time replays of ``fn`` captured in a CUDA graph (no launch overhead).
+
+    Returns ``(timing, None)``, or ``(None, reason)`` when ``fn`` cannot be captured (a host
+    synchronisation inside it, a CPU-side decision on a GPU value, an op without capture support).
+    """
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
             for _ in range(3):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-    except Exception:  # capture is not possible for every op (e.g. CPU syncs); the figure is optional
-        return None
-    return time_cuda(graph.replay, min_run_time=min_run_time)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        try:
+            torch.cuda.synchronize()  # let the failed capture's stream settle before the next figure
+        except RuntimeError:
+            pass
+        return None, f"capture failed: {type(exc).__name__}: {text}"[:300]
+    return time_cuda(graph.replay, min_run_time=min_run_time), None
 
 
 def time_backward(
@@ -103,30 +119,56 @@ def time_backward(
     retained graph keeps every recomputed activation of checkpointed variants alive (O(N^2) memory
     for ``additive``), which is not what one training step does.
     """
-    cuda = device == "cuda"
+    if device == "cuda":
+        return _time_backward_cuda(forward, backward, min_run_time, min_reps)
     times: list[float] = []
     backward(forward())  # warm-up
     total = 0.0
     while len(times) < min_reps or total < min_run_time:
         graph = forward()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            backward(graph)
-            end.record()
-            torch.cuda.synchronize()
-            t = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            backward(graph)
-            t = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        backward(graph)
+        t = time.perf_counter() - t0
         del graph
         times.append(t)
         total += t
         if len(times) >= 1000:
             break
     return _summary(times)
+
+
+def _time_backward_cuda(
+    forward: Callable[[], object],
+    backward: Callable[[object], object],
+    min_run_time: float,
+    min_reps: int,
+    flush_mib: int = 256,
+) -> Timing:
+    """CUDA events around each backward; its forward and the L2 flush are enqueued before the start
+    event, and the host never waits inside the loop (one synchronisation per batch of repetitions)."""
+    flush = torch.empty(flush_mib * 2**20, dtype=torch.uint8, device="cuda")
+    backward(forward())  # warm-up
+    torch.cuda.synchronize()
+    times: list[float] = []
+    batch = min_reps
+    while True:
+        events = []
+        for _ in range(batch):
+            graph = forward()
+            flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            backward(graph)
+            e.record()
+            del graph
+            events.append((s, e))
+        torch.cuda.synchronize()
+        times += [s.elapsed_time(e) / 1e3 for s, e in events]
+        total = sum(times)
+        if total >= min_run_time or len(times) >= 1000:
+            return _summary(times)
+        # enough repetitions to fill the rest of min_run_time at the rate seen so far
+        batch = int(min(1000 - len(times), max(min_reps, (min_run_time - total) / (total / len(times)))))
 
 
 def time_call(fn: Callable[[], object], device: str, min_run_time: float = 1.0) -> Timing:

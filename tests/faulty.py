@@ -44,3 +44,13 @@ class CrashingAttention(NaiveAttention):
 
     def _attend(self, q, k, v, **kw):
         raise ZeroDivisionError("deliberate failure for the test")
+
+
+class NeedsHiddenGpuAttention(NaiveAttention):
+    """Fails unless every GPU is hidden from its process (as the CPU fork server arranges)."""
+
+    def _attend(self, q, k, v, **kw):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible != "":
+            raise RuntimeError(f"a GPU is visible: CUDA_VISIBLE_DEVICES={visible!r}")
+        return super()._attend(q, k, v, **kw)

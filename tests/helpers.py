@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 import variants
@@ -37,6 +38,20 @@ CASES = [
 ]
 
 
+NO_CUDA = "no CUDA GPU here (torch.cuda.is_available() is False); on a GPU machine run: pytest -m cuda"
+
+#: the devices the registry-wide tests run on: CUDA ones carry the ``cuda`` mark (``pytest -m cuda``)
+#: and are skipped, with the reason, where torch sees no GPU
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)],
+    ),
+]
+
+
 def variant_params() -> list[tuple[str, dict]]:
     """(name, knobs) for every registered variant and each of its example knob sets."""
     return [(n, dict(kn)) for n in variants.available() for kn in variants.get(n).example_knobs]
@@ -47,12 +62,14 @@ def param_id(p: tuple[str, dict]) -> str:
     return name + "".join(f"-{k}={v}" for k, v in knobs.items())
 
 
-def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0):
+def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0, device="cpu"):
+    """q, k, v and the mask keywords of ``case``, drawn on the CPU (the same numbers on every device)
+    and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(case.b, case.h, case.nq, case.d, generator=g, dtype=torch.float64)
     k = torch.randn(case.b, case.h, case.nk, case.d, generator=g, dtype=torch.float64)
     v = torch.randn(case.b, case.h, case.nk, case.dv, generator=g, dtype=torch.float64)
-    q, k, v = (t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
+    q, k, v = (t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
     kpm = None
     if case.padding:
         kpm = torch.ones(case.b, case.nk, dtype=torch.bool)
@@ -60,15 +77,16 @@ def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0):
     am = None
     if case.mask:
         am = torch.rand(case.b, case.h, case.nq, case.nk, generator=g) > 0.3
+    kpm, am = (None if m is None else m.to(device) for m in (kpm, am))
     return q, k, v, dict(causal=case.causal, key_padding_mask=kpm, attn_mask=am)
 
 
-def build(name: str, knobs: dict, case: Case) -> AttentionVariant:
+def build(name: str, knobs: dict, case: Case, device: str = "cpu") -> AttentionVariant:
     torch.manual_seed(1)  # learned variants get the same parameters in every test
-    return variants.build(name, heads=case.h, head_dim=case.d, **knobs)
+    return variants.build(name, heads=case.h, head_dim=case.d, **knobs).to(device)
 
 
-def workload(case: Case, dtype=torch.float32, backward=False) -> Workload:
+def workload(case: Case, dtype=torch.float32, backward=False, device="cpu") -> Workload:
     return Workload(
         batch=case.b,
         heads=case.h,
@@ -76,7 +94,7 @@ def workload(case: Case, dtype=torch.float32, backward=False) -> Workload:
         nk=case.nk,
         head_dim=case.d,
         v_head_dim=case.dv,
-        device="cpu",
+        device=device,
         dtype=dtype,
         causal=case.causal,
         key_padding=case.padding,

@@ -235,14 +235,16 @@ def test_flex_compiled_matches_the_oracle():
 def test_xformers_is_unsupported_on_cpu_with_its_own_reason():
     attn = variants.build("xformers")
     q = torch.randn(1, 2, 4, 8)
+    import importlib.util
+
+    missing = importlib.util.find_spec("xformers") is None
     with pytest.raises(Unsupported) as e:
         attn(q, q, q)
     msg = str(e.value)
     assert "\n" not in msg
-    import importlib.util
-
-    if importlib.util.find_spec("xformers") is None:
-        assert msg.startswith("xformers is not installed") and "pip install" in msg
+    assert msg.startswith("xformers does not run on device 'cpu'")
+    if missing:
+        assert "xformers is not installed" in msg and "pip install" in msg
     else:
         assert msg.startswith("xformers does not run on device 'cpu'")
         assert "device=cpu" in msg  # xFormers' own words, not ours
@@ -273,10 +275,27 @@ def test_xformers_missing_reads_as_an_install_hint(monkeypatch):
     monkeypatch.setattr(xf, "_IMPORT_ERROR", None)
     monkeypatch.setitem(sys.modules, "xformers", None)  # makes `import xformers...` raise ImportError
     monkeypatch.setitem(sys.modules, "xformers.ops", None)
-    attn = variants.build("xformers")
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(Unsupported, match=r"xformers is not installed: pip install"):
-        attn(q, q, q)
+    w = variants.Workload(1, 2, 4, 4, 8, 8, device="cuda", dtype=torch.float16)  # check() needs no GPU
+    with pytest.raises(variants.Unavailable, match=r"xformers is not installed: pip install"):
+        variants.build("xformers").check(w)
+
+
+def test_xformers_with_kernels_built_for_another_torch_is_unavailable_naming_versions(monkeypatch):
+    # what xformers' own loader leaves behind when its extension was built for another torch
+    info = SimpleNamespace(torch_version="2.10.0+cu128", cuda_version=1208, python_version="3.10.19")
+    failed = type("xFormersInvalidLibException", (Exception,), {})()
+    failed.build_info = info
+    fake_cpp_lib = SimpleNamespace(_cpp_library_load_exception=failed)
+    monkeypatch.setitem(sys.modules, "xformers", SimpleNamespace(_cpp_lib=fake_cpp_lib))
+    monkeypatch.setitem(sys.modules, "xformers._cpp_lib", fake_cpp_lib)
+    monkeypatch.setattr(xf, "load_xformers", lambda: SimpleNamespace())
+    w = variants.Workload(1, 2, 4, 4, 8, 8, device="cuda", dtype=torch.float16)
+    with pytest.raises(variants.Unavailable) as e:
+        variants.build("xformers").check(w)
+    msg = str(e.value)
+    assert "built for torch 2.10.0+cu128 (CUDA 12.0)" not in msg  # 1208 is CUDA 12.8
+    assert "built for torch 2.10.0+cu128 (CUDA 12.8)" in msg and torch.__version__ in msg
+    assert "\n" not in msg
 
 
 def test_xformers_not_implemented_message_is_summarised():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 import variants
-from experiments.isolation import run_isolated
+from experiments.environment import variant_code_version
+from experiments.isolation import context_for, run_isolated
 from experiments.job import build_variant, measure, precheck
-from experiments.records import read_records
+from experiments.records import find_existing, read_records, write_record
 from experiments.runner import register_hydra_pieces
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,8 +125,22 @@ def test_failures_become_statuses(target, status):
 
 
 def test_out_of_memory_is_a_status():
-    # naive at N=2^17 wants 2^34 scores per head: the allocator refuses, the job records 'oom'
-    res = measure(job_cfg(variant="naive", seq_len=2**17, heads=1, head_dim=8))
+    # naive at N=2^17 wants 2^34 fp32 scores (64 GiB) per head. On a large machine that would simply
+    # be allocated (and the test could bring the machine down), so the job runs in a child whose
+    # address space is capped at 6 GiB: the allocator is refused on any machine and the job says 'oom'
+    cfg = job_cfg(variant="naive", seq_len=2**17, heads=1, head_dim=8)
+    code = (
+        "import json, resource, sys\n"
+        "cap = 6 * 2**30\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
+        "from experiments.job import measure\n"
+        "print(json.dumps(measure(json.loads(sys.argv[1]))))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["status"] == "oom", res
 
 
@@ -171,6 +188,70 @@ def test_hang_becomes_timeout_and_kill_becomes_killed():
     assert res["status"] == "killed" and "SIGKILL" in res["reason"]
 
 
+def test_cpu_jobs_fork_from_a_server_that_sees_no_gpu_and_cuda_jobs_are_spawned():
+    # a process that queried CUDA poisons its forks; the CPU server must never see a GPU to query
+    cfg = job_cfg(variant="naive", **SMALL)
+    cfg["variant"]["_target_"] = "tests.faulty.NeedsHiddenGpuAttention"
+    res = run_isolated(cfg, timeout_s=120)
+    assert res["status"] == "ok", res
+    assert context_for("cuda").get_start_method() == "spawn"
+
+
+def _tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment holds ``ATTNBENCH_TEST_TAG=<tag>`` (the sweep and all it started)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if f"ATTNBENCH_TEST_TAG={tag}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _wait_gone(tag: str, timeout_s: float) -> list[int]:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        left = _tagged_pids(tag)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return _tagged_pids(tag)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killing_the_sweep_ends_its_job_and_fork_server(tmp_path, sig):
+    tag = f"{os.getpid()}-{sig.name}"
+    cmd = [
+        sys.executable,
+        "run.py",
+        "-m",
+        "variant=naive",
+        "variant._target_=tests.faulty.HangingAttention",
+        *[f"{k}={v}" for k, v in SMALL.items()],
+        f"records_dir={tmp_path / 'records'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ATTNBENCH_TEST_TAG=tag)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while len(_tagged_pids(tag)) < 3 and time.time() < deadline:  # sweep, fork server, job
+            time.sleep(0.2)
+        assert len(_tagged_pids(tag)) >= 3, "the job never started"
+        proc.send_signal(sig)
+        proc.wait(30)
+        assert _wait_gone(tag, 15) == [], "processes outlived the sweep"
+        assert not list((tmp_path / "records").glob("*.json")), "an interrupted job left a record"
+    finally:
+        for pid in _tagged_pids(tag):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+
+
 def run_sweep(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
@@ -185,27 +266,91 @@ def run_sweep(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
-def test_real_sweep_survives_failures_and_resumes(tmp_path):
+def test_real_sweep_survives_failures_fails_on_error_and_resumes(tmp_path):
     small = [f"{k}={v}" for k, v in SMALL.items()]
     targets = (
         "variant._target_=variants.naive.NaiveAttention,"
         "tests.faulty.CrashingAttention,tests.faulty.NaNAttention"
     )
     p = run_sweep(tmp_path, "variant=naive", targets, *small, "seq_len=32,64")
-    assert p.returncode == 0, p.stderr[-2000:]
+    # every job ran and was recorded, then the sweep failed because two of them ended 'error'
+    assert p.returncode == 1, p.stderr[-2000:]
     assert "sweep finished: 6 job(s)" in p.stdout  # on_multirun_end ran after the failing jobs
+    assert "2 job(s) ended 'error'" in p.stderr
     recs = read_records(tmp_path / "records")
     assert sorted(r["status"] for r in recs) == ["error", "error", "nan", "nan", "ok", "ok"]
     assert not list((tmp_path / "records").glob(".tmp-*"))
-    # interrupt: lose two records, run the same sweep again: only those two are measured
-    for r in [r for r in recs if r["status"] != "ok"][:2]:
-        Path(r["_path"]).unlink()
+    # the same sweep again: only the two 'ok' records are reused; error and nan are measured again
     p = run_sweep(tmp_path, "variant=naive", targets, *small, "seq_len=32,64")
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.count("skipped: already measured") == 4
-    assert len(read_records(tmp_path / "records")) == 6
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert p.stdout.count("skipped: already measured") == 2
+    assert len(read_records(tmp_path / "records")) == 10
     manifest = (tmp_path / "sweep" / "manifest.jsonl").read_text().splitlines()
     assert len(manifest) == 12 and all(json.loads(line)["record"] for line in manifest)
+    # nan is a finding about the variant, not a failure of the sweep
+    nan_only = "variant._target_=variants.naive.NaiveAttention,tests.faulty.NaNAttention"
+    p = run_sweep(tmp_path / "b", "variant=naive", nan_only, *small, "seq_len=32")
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def _record(tmp_path, status, **env_changes):
+    env = {
+        "code_version": "c1",
+        "variant_code": "v1",
+        "torch": "2.13.0",
+        "host": "h",
+        "cpu_model": "cpu",
+        "gpu_name": None,
+    }
+    rec = {"config_hash": "abc", "status": status, "started_at": status, "env": {**env, **env_changes}}
+    return write_record(rec, tmp_path), env
+
+
+@pytest.mark.parametrize("status", ["ok", "unsupported", "oom"])
+def test_resume_reuses_a_deterministic_status_made_the_same_way(tmp_path, status):
+    path, env = _record(tmp_path, status)
+    assert find_existing(tmp_path, "abc", env) == path
+    assert find_existing(tmp_path, "abd", env) is None  # another config
+
+
+@pytest.mark.parametrize("status", ["error", "timeout", "killed", "nan", "unavailable"])
+def test_resume_measures_again_after_a_status_a_rerun_may_change(tmp_path, status):
+    _, env = _record(tmp_path, status)
+    assert find_existing(tmp_path, "abc", env) is None
+
+
+@pytest.mark.parametrize("field", ["code_version", "variant_code", "torch", "host", "cpu_model", "gpu_name"])
+def test_resume_measures_again_when_code_torch_or_machine_changed(tmp_path, field):
+    _, env = _record(tmp_path, "ok", **{field: "something else"})
+    assert find_existing(tmp_path, "abc", env) is None
+
+
+def test_resume_survives_junk_named_like_a_record(tmp_path, capsys):
+    (tmp_path / "abc-zz-1.json").write_bytes(bytes(range(256)))  # not UTF-8
+    (tmp_path / "abc-zz-2.json").write_text("[1, 2]")  # JSON, not a record
+    path, env = _record(tmp_path, "ok")
+    assert find_existing(tmp_path, "abc", env) == path
+    out = capsys.readouterr().out
+    assert "abc-zz-1.json" in out and "abc-zz-2.json" in out
+    assert len(read_records(tmp_path)) == 1
+
+
+def test_records_are_readable_by_others(tmp_path):
+    path, _ = _record(tmp_path, "ok")
+    assert path.stat().st_mode & 0o044 == 0o044
+
+
+def test_a_changed_plugin_kernel_is_a_new_variant_code_version(tmp_path, monkeypatch):
+    import importlib
+
+    mod = tmp_path / "myplugin.py"
+    mod.write_text("from variants.naive import NaiveAttention\nclass Mine(NaiveAttention):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = variant_code_version(importlib.import_module("myplugin").Mine)
+    mod.write_text("from variants.naive import NaiveAttention\nclass Mine(NaiveAttention):\n    x = 1\n")
+    importlib.reload(sys.modules["myplugin"])
+    assert variant_code_version(sys.modules["myplugin"].Mine) != first
+    assert variant_code_version(variants.get("naive")) != first
 
 
 def test_bad_value_is_one_line_error_before_work(tmp_path):

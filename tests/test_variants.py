@@ -1,7 +1,9 @@
 """Registry-wide correctness tests: every registered variant is checked against the float64 oracle.
 
 A new variant (built-in or third-party) is covered with no edit here; its ``example_knobs`` give it a
-non-trivial pattern at these small sizes.
+non-trivial pattern at these small sizes. Every test that runs a variant runs on each device of
+``DEVICES``: the CUDA cases carry the ``cuda`` mark (``pytest -m cuda`` on a GPU machine) and are
+skipped with the reason where there is no GPU. The oracle always runs in float64 on the same device.
 """
 
 from __future__ import annotations
@@ -12,18 +14,29 @@ import torch
 import variants
 from variants import Unsupported, full_attention_reference, oracle
 
-from .helpers import CASES, build, flags_allow, make_inputs, param_id, rel_err, variant_params, workload
+from .helpers import (
+    CASES,
+    DEVICES,
+    build,
+    flags_allow,
+    make_inputs,
+    param_id,
+    rel_err,
+    variant_params,
+    workload,
+)
 
 PARAMS = variant_params()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_forward_matches_oracle_fp32(vp, case):
+def test_forward_matches_oracle_fp32(vp, case, device):
     name, knobs = vp
-    attn = build(name, knobs, case)
-    q, k, v, kw = make_inputs(case)
-    w = workload(case)
+    attn = build(name, knobs, case, device)
+    q, k, v, kw = make_inputs(case, device=device)
+    w = workload(case, device=device)
     if not flags_allow(type(attn), w):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw)
@@ -34,19 +47,20 @@ def test_forward_matches_oracle_fp32(vp, case):
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c.id)
-def test_low_precision_error_within_2x_sdpa_math(vp, dtype, case):
+def test_low_precision_error_within_2x_sdpa_math(vp, dtype, case, device):
     name, knobs = vp
-    attn = build(name, knobs, case)
-    q, k, v, kw = make_inputs(case, dtype=dtype)
-    if not flags_allow(type(attn), workload(case, dtype)):
+    attn = build(name, knobs, case, device)
+    q, k, v, kw = make_inputs(case, dtype=dtype, device=device)
+    if not flags_allow(type(attn), workload(case, dtype, device=device)):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw)
         return
     err = rel_err(attn(q, k, v, **kw), oracle(attn, q, k, v, **kw))
-    math = variants.build("sdpa", backend="math")
+    math = variants.build("sdpa", backend="math")  # the same device's math kernel sets the bar
     math_err = rel_err(math(q, k, v, **kw), full_attention_reference(q, k, v, **kw))
     # one unit of rounding of the output is the floor: below it both errors are noise
     floor = torch.finfo(dtype).eps
@@ -56,17 +70,19 @@ def test_low_precision_error_within_2x_sdpa_math(vp, dtype, case):
 def _grads(attn, q, k, v, kw, fn):
     out = fn(q, k, v)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    g = g.to(out.device)
     params = [p for p in attn.parameters() if p.requires_grad]
     return torch.autograd.grad(out, [q, k, v, *params], g.to(out.dtype), allow_unused=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4], CASES[5]], ids=lambda c: c.id)
-def test_gradients_match_oracle_fp32(vp, case):
+def test_gradients_match_oracle_fp32(vp, case, device):
     name, knobs = vp
-    attn = build(name, knobs, case)
-    q, k, v, kw = make_inputs(case, requires_grad=True)
-    if not flags_allow(type(attn), workload(case, backward=True)):
+    attn = build(name, knobs, case, device)
+    q, k, v, kw = make_inputs(case, requires_grad=True, device=device)
+    if not flags_allow(type(attn), workload(case, backward=True, device=device)):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw).sum().backward()
         return
@@ -78,30 +94,32 @@ def test_gradients_match_oracle_fp32(vp, case):
             assert rel_err(gg, ww) <= 1e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
-def test_gradcheck_float64(vp):
+def test_gradcheck_float64(vp, device):
     name, knobs = vp
     from .helpers import Case
 
     case = Case("tiny", b=1, h=2, nq=12, nk=12, d=3, dv=2, causal=True, padding=True)
-    attn = build(name, knobs, case).double()
-    q, k, v, kw = make_inputs(case, dtype=torch.float64, requires_grad=True)
-    if not flags_allow(type(attn), workload(case, torch.float64, backward=True)):
-        pytest.skip(f"{name}: no float64 backward on cpu by its declared capabilities")
+    attn = build(name, knobs, case, device).double()
+    q, k, v, kw = make_inputs(case, dtype=torch.float64, requires_grad=True, device=device)
+    if not flags_allow(type(attn), workload(case, torch.float64, backward=True, device=device)):
+        pytest.skip(f"{name}: no float64 backward on {device} by its declared capabilities")
     assert torch.autograd.gradcheck(lambda a, b, c: attn(a, b, c, **kw), (q, k, v), atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
-def test_fully_masked_rows_are_zero_with_finite_grads(vp):
+def test_fully_masked_rows_are_zero_with_finite_grads(vp, device):
     name, knobs = vp
     from .helpers import Case
 
     case = Case("empty", padding=True)
-    attn = build(name, knobs, case)
-    q, k, v, kw = make_inputs(case, requires_grad=True)
+    attn = build(name, knobs, case, device)
+    q, k, v, kw = make_inputs(case, requires_grad=True, device=device)
     kw["key_padding_mask"][0] = False  # batch element 0 has no real key at all
     cls = type(attn)
-    if not flags_allow(cls, workload(case, backward=True)):
+    if not flags_allow(cls, workload(case, backward=True, device=device)):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw)
         return
@@ -114,27 +132,29 @@ def test_fully_masked_rows_are_zero_with_finite_grads(vp):
     assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
-def test_fully_masked_rows_from_attn_mask(vp):
+def test_fully_masked_rows_from_attn_mask(vp, device):
     name, knobs = vp
     case = CASES[4]
-    attn = build(name, knobs, case)
-    q, k, v, kw = make_inputs(case)
+    attn = build(name, knobs, case, device)
+    q, k, v, kw = make_inputs(case, device=device)
     kw["attn_mask"][:, :, 3] = False  # query 3 sees nothing in every batch and head
-    if not flags_allow(type(attn), workload(case)):
+    if not flags_allow(type(attn), workload(case, device=device)):
         pytest.skip(f"{name} declares no arbitrary-mask support (checked in test_forward)")
     out = attn(q, k, v, **kw)
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
-def test_causal_does_not_leak_the_future(vp):
+def test_causal_does_not_leak_the_future(vp, device):
     name, knobs = vp
     case = CASES[1]
-    attn = build(name, knobs, case)
-    q, k, v, kw = make_inputs(case)
-    if not flags_allow(type(attn), workload(case)):
+    attn = build(name, knobs, case, device)
+    q, k, v, kw = make_inputs(case, device=device)
+    if not flags_allow(type(attn), workload(case, device=device)):
         pytest.skip(f"{name} declares no causal support (checked in test_forward)")
     t = 13
     out = attn(q, k, v, **kw)
@@ -173,10 +193,11 @@ def test_unknown_knob_is_a_clear_error():
         variants.build("naive", window=3)
 
 
-def test_causal_with_cross_is_unsupported_everywhere():
+@pytest.mark.parametrize("device", DEVICES)
+def test_causal_with_cross_is_unsupported_everywhere(device):
     case = CASES[5]
     for name, knobs in PARAMS:
-        attn = build(name, knobs, case)
-        q, k, v, _ = make_inputs(case)
+        attn = build(name, knobs, case, device)
+        q, k, v, _ = make_inputs(case, device=device)
         with pytest.raises(Unsupported):
             attn(q, k, v, causal=True)

@@ -8,7 +8,7 @@
 
 from importlib import import_module
 
-from .base import AttentionVariant, Unsupported, Workload
+from .base import AttentionVariant, Unavailable, Unsupported, Workload
 from .reference import full_attention_reference, oracle, reference_attention
 from .registry import ENTRY_POINT_GROUP, UnknownVariant, available, build, get, register
 
@@ -31,6 +31,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AttentionVariant",
     "UnknownVariant",
+    "Unavailable",
     "Unsupported",
     "Workload",
     "available",

@@ -20,6 +20,11 @@ class Unsupported(Exception):
     """Raised by :meth:`AttentionVariant.check` before any work, with a human-readable reason."""
 
 
+class Unavailable(Exception):
+    """The device or a library the variant needs is not there, or cannot load (a fact about the
+    machine, not the variant); the reason says what is missing and how to get it."""
+
+
 @dataclass(frozen=True)
 class Workload:
     """Everything a variant needs to know to decide whether it can run, without any tensor."""

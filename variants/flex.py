@@ -29,7 +29,12 @@ row sum is 0 and it writes 0), compiled and not, so no fix-up pass is needed (te
 per (shape, causal, mask tensors and their in-place version). The compiled function is
 ``torch.compile(flex_attention, dynamic=False)``: one specialised kernel per shape, so a length sweep
 recompiles (and Dynamo falls back to eager after its recompile limit unless the caller resets it).
-On CUDA the Triton kernels need ``block`` to be a multiple of their tile size (128 is safe).
+On CUDA the Triton kernels need the block mask's tiles to be a multiple of their own tile (up to
+128, chosen per GPU; a 64 block is refused on an H100). So on CUDA the block mask uses 128-wide tiles
+unless ``block`` is a multiple of 128: the window and full patterns do not depend on the tile, and a
+sparse layout of smaller blocks (``block`` dividing 128) is expressed exactly by its predicate inside
+partly used tiles (fewer tiles are skipped than the layout allows; the record's ``tile`` says which
+ran). Other sparse block sizes are :class:`Unsupported` on CUDA.
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ from typing import Any
 
 import torch
 
-from .base import AttentionVariant
+from .base import AttentionVariant, Unsupported, Workload
 from .registry import register
 from .sparse import BlockSparseAttention
 
 PATTERNS = ("full", "window", "sparse")
 _LOW = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _CACHE_SIZE = 8  # block masks kept per module: one per (shape, mask) a benchmark cycles through
+CUDA_TILE = 128  # a block-mask tile every GPU's flex kernel configuration divides
 
 
 @register("flex")
@@ -79,11 +85,32 @@ class FlexAttention(AttentionVariant):
         self.window = window
         self.block = block
         self.compile = compile
+        self.tile_ran: int | None = None  # the block mask's tile size of the last call
         self._flex: Callable[..., torch.Tensor] | None = None  # compiled (or plain) flex_attention
         self._masks: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
         # the sparse pattern's layout comes from the 'sparse' variant itself (one definition);
         # a plain attribute, not a submodule, so it stays out of this module's state
         self.__dict__["_sparse"] = BlockSparseAttention(block=block) if pattern == "sparse" else None
+
+    def tile(self, device: str) -> int:
+        """The block mask's tile size on ``device`` (see the module docstring)."""
+        if device != "cuda" or self.block % CUDA_TILE == 0:
+            return self.block
+        return CUDA_TILE
+
+    def check(self, w: Workload) -> None:
+        super().check(w)
+        fits = CUDA_TILE % self.block == 0 or self.block % CUDA_TILE == 0
+        if w.device == "cuda" and self.pattern_name == "sparse" and not fits:
+            raise Unsupported(
+                f"flex pattern=sparse on CUDA needs block to divide {CUDA_TILE} or be a multiple of it "
+                f"(the Triton kernel's tiles); got block={self.block}"
+            )
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d["tile"] = self.tile_ran
+        return d
 
     def knobs(self) -> dict[str, object]:
         return {
@@ -179,7 +206,7 @@ class FlexAttention(AttentionVariant):
                 ok = ok & p(bi, hi, qi, ki)
             return ok
 
-        bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=self.block)
+        bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=self.tile(q.device.type))
         self._masks[key] = (bm, tensors)
         if len(self._masks) > _CACHE_SIZE:
             self._masks.popitem(last=False)
@@ -196,6 +223,7 @@ class FlexAttention(AttentionVariant):
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         bm = self._block_mask(q, k, causal, key_padding_mask, attn_mask)
+        self.tile_ran = self.tile(q.device.type) if bm is not None else None
         with warnings.catch_warnings():
             # uncompiled use is a deliberate choice here (compile=False), not a mistake to warn about
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")

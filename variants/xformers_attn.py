@@ -19,7 +19,10 @@ Time ``O(B H Nq Nk D)``; memory ``O(B H N D)`` plus the bias (``O(B Nk)`` for ke
 ``O(B H Nq Nk)`` for a full ``attn_mask`` or key padding with causal).
 
 xFormers is imported lazily (never when ``variants`` is imported) with its import-time warning
-silenced; without CUDA it is :class:`Unsupported` with the reason xFormers itself gives.
+silenced. Not installed, not importable, or installed with compiled extensions that do not load
+(xFormers wheels are built for one torch release: 0.0.35 for torch 2.10 with CUDA 12.8) it is
+:class:`Unavailable`, naming the versions it was built for; on the CPU it is :class:`Unsupported`
+(its kernels are CUDA-only), with the reason xFormers itself gives.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionVariant, Unsupported, Workload
+from .base import AttentionVariant, Unavailable, Unsupported, Workload
 from .registry import register
 
 INSTALL_HINT = "pip install 'attnbench[xformers]'"
@@ -65,21 +68,21 @@ _IMPORT_ERROR: str | None = None
 
 
 def load_xformers() -> ModuleType:
-    """``xformers.ops``, imported once and quietly; :class:`Unsupported` if it cannot be imported."""
+    """``xformers.ops``, imported once and quietly; :class:`Unavailable` if it cannot be imported."""
     global _XOPS, _IMPORT_ERROR
     if _XOPS is not None:
         return _XOPS
     if _IMPORT_ERROR is not None:
-        raise Unsupported(_IMPORT_ERROR)
+        raise Unavailable(_IMPORT_ERROR)
     try:
         with quiet_xformers():
             import xformers.ops as xops
     except ImportError:
         _IMPORT_ERROR = f"xformers is not installed: {INSTALL_HINT}"
-        raise Unsupported(_IMPORT_ERROR) from None
-    except Exception as exc:  # a broken install must read as unsupported, not crash a sweep
+        raise Unavailable(_IMPORT_ERROR) from None
+    except Exception as exc:  # a broken install must read as unavailable, not crash a sweep
         _IMPORT_ERROR = f"xformers could not be imported ({type(exc).__name__}: {_first_line(exc)})"
-        raise Unsupported(_IMPORT_ERROR) from None
+        raise Unavailable(_IMPORT_ERROR) from None
     _XOPS = xops
     return xops
 
@@ -125,6 +128,39 @@ def _extension_note() -> str:
         return ""
     lines = [s.strip() for s in str(exc).strip().splitlines()[:2]]
     return "; note: " + " ".join(lines)
+
+
+def extension_failure() -> str | None:
+    """Why xFormers' compiled extensions did not load, naming what they were built for, or None.
+
+    One line, e.g. "xformers 0.0.35 cannot load its compiled kernels: built for torch 2.10.0+cu128
+    (CUDA 12.8), this is torch 2.11.0+cu130; install the xformers release built for this torch".
+    """
+    try:
+        from xformers import _cpp_lib  # private: only read to explain a failure
+    except Exception:
+        return None
+    exc = getattr(_cpp_lib, "_cpp_library_load_exception", None)
+    if exc is None:
+        return None
+    from importlib import metadata
+
+    try:
+        version = metadata.version("xformers")
+    except metadata.PackageNotFoundError:
+        version = "?"
+    info = getattr(exc, "build_info", None)
+    if info is None:
+        built = f"{type(exc).__name__}: {_first_line(exc)}"
+    else:
+        cuda = info.cuda_version
+        # xFormers writes CUDA 12.8 as 1208
+        cuda_text = f" (CUDA {cuda // 100}.{cuda % 100})" if isinstance(cuda, int) else ""
+        built = f"built for torch {info.torch_version}{cuda_text}"
+    return (
+        f"xformers {version} cannot load its compiled kernels: {built}, this is torch {torch.__version__}; "
+        "install the xformers release built for this torch (or the torch it was built for)"
+    )
 
 
 _PROBED: dict[tuple[str, torch.dtype], str | None] = {}
@@ -215,13 +251,19 @@ class XFormersAttention(AttentionVariant):
         self.op_bw_ran = None
 
     def check(self, w: Workload) -> None:
+        if w.device not in self.devices:  # a fact about the variant, whatever is installed
+            try:
+                reason = (
+                    probe(w.device, w.dtype)
+                    or "not declared for this device (this suite runs it on cuda only)"
+                )
+            except Unavailable as exc:
+                reason = str(exc)
+            raise Unsupported(f"xformers does not run on device '{w.device}': {reason}")
         load_xformers()
-        if w.device not in self.devices:
-            reason = probe(w.device, w.dtype)
-            raise Unsupported(
-                f"xformers does not run on device '{w.device}': "
-                + (reason or "not declared for this device (this suite runs it on cuda only)")
-            )
+        failure = extension_failure()
+        if failure is not None:
+            raise Unavailable(failure)
         super().check(w)
         reason = probe(w.device, w.dtype)
         if reason is not None:
