@@ -14,6 +14,7 @@ watchdog thread ends it when the sweep's process is gone (the fork server's chil
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -21,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .job import measure
@@ -77,6 +79,24 @@ def context_for(device: str) -> Any:
     return mp.get_context("spawn")
 
 
+@contextlib.contextmanager
+def _standard_start_method(ctx: Any) -> Iterator[None]:
+    """Let a child start from inside a process whose global start method is not a standard one.
+
+    A launcher's worker may set its own (joblib's loky workers set ``loky``); a child is told the
+    parent's global method and fails to set it ("cannot find context for 'loky'") before the job
+    runs. For the start only, the global method is the child's own context.
+    """
+    default = mp.context._default_context  # private, but the one place the global method lives
+    saved = default._actual_context
+    if saved is not None and saved.get_start_method() not in mp.get_all_start_methods():
+        default._actual_context = ctx
+    try:
+        yield
+    finally:
+        default._actual_context = saved
+
+
 def run_isolated(cfg: dict[str, Any], timeout_s: float, roofline: bool = False) -> dict[str, Any]:
     """``measure(cfg, roofline)`` in a fresh child process; adds statuses ``timeout`` and ``killed``.
 
@@ -87,7 +107,8 @@ def run_isolated(cfg: dict[str, Any], timeout_s: float, roofline: bool = False) 
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(cfg, send, os.getpid(), roofline), daemon=True)
     t0 = time.perf_counter()
-    proc.start()
+    with _standard_start_method(ctx):
+        proc.start()
     send.close()  # so recv sees EOF if the child dies
     result: dict[str, Any] | None = None
     try:

@@ -241,7 +241,9 @@ def pct_of_gemm(df: pd.DataFrame) -> pd.Series:
 def _gflops_text(row: pd.Series) -> str:
     text = num(row.get("gflops_per_s", np.nan))
     pct = 100 * row.get("gflops_per_s", np.nan) * 1e9 / row.get("roofline_gemm_flops_per_s", np.nan)
-    return f"{text} ({pct:.0f}%)" if pd.notna(pct) else text
+    if pd.isna(pct):
+        return text
+    return f"{text} ({pct:.0f}%)" if pct >= 10 else f"{text} ({pct:.2g}%)"
 
 
 def _time_text(row: pd.Series) -> str:

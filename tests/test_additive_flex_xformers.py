@@ -205,6 +205,32 @@ def test_flex_block_masks_are_cached_and_follow_in_place_edits():
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
 
 
+@pytest.mark.parametrize("causal,padding", [(False, False), (True, True)])
+def test_flex_sparse_blocks_inside_larger_tiles_keep_their_exact_pattern(monkeypatch, causal, padding):
+    # on CUDA a sparse layout of 64-blocks runs in 128-wide tiles; the same arrangement at CPU sizes
+    # (8-blocks in 32-wide tiles) must compute exactly the 8-block pattern, partial tiles included
+    monkeypatch.setattr(FlexAttention, "tile", lambda self, device: 32)
+    case = Case("tiles", b=2, h=2, nq=100, nk=100, d=8, dv=8, causal=causal, padding=padding)
+    attn = FlexAttention(pattern="sparse", block=8, compile=False)
+    q, k, v, kw = make_inputs(case)
+    out = attn(q, k, v, **kw)
+    assert attn.describe()["tile"] == 32
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    assert not attn.pattern(100, 100, causal).all()  # a real sparse pattern, not full attention
+
+
+def test_flex_tiles_on_cuda_and_block_sizes_the_gpu_kernel_cannot_take():
+    w = variants.Workload(1, 2, 256, 256, 64, 64, device="cuda", dtype=torch.float16)  # check(): no GPU
+    assert FlexAttention(pattern="sparse", block=64).tile("cuda") == 128
+    assert FlexAttention(pattern="sparse", block=256).tile("cuda") == 256
+    assert FlexAttention(pattern="window", block=64).tile("cuda") == 128
+    assert FlexAttention(pattern="sparse", block=64).tile("cpu") == 64
+    FlexAttention(pattern="sparse", block=64).check(w)
+    FlexAttention(pattern="window", block=96).check(w)  # the window does not depend on the tile
+    with pytest.raises(Unsupported, match="block=96"):
+        FlexAttention(pattern="sparse", block=96).check(w)
+
+
 def test_flex_refuses_float64_and_cpu_backward():
     attn = FlexAttention(pattern="window", window=2, compile=False)
     q = torch.randn(1, 2, 8, 4, dtype=torch.float64)

@@ -368,8 +368,7 @@ def test_joblib_launcher_runs_a_sweep(tmp_path):
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
         "variant=naive,chunked",
-        "isolate=false",
-        *[f"{k}={v}" for k, v in SMALL.items()],
+        *[f"{k}={v}" for k, v in SMALL.items()],  # isolated (the default): children of loky workers
     )
     assert p.returncode == 0, p.stderr[-2000:]
     recs = read_records(tmp_path / "records")
