@@ -3,9 +3,12 @@
 Thin glue: Hydra composes the config, :func:`experiments.runner.run_job` measures one job.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
+from experiments.preflight import preflight
 from experiments.runner import register_hydra_pieces, run_job
 
 register_hydra_pieces()
@@ -17,4 +20,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = preflight(sys.argv)  # one-line errors for bad values before Hydra composes anything
     main()

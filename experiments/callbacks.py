@@ -26,7 +26,7 @@ def manifest_entries(sweep_dir: Path) -> list[dict[str, Any]]:
     for line in path.read_text().splitlines():
         try:
             entry = json.loads(line)
-            entry["record"] = Path(entry["record"])
+            entry["record"] = None if entry["record"] is None else Path(entry["record"])
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
         out.append(entry)
@@ -34,8 +34,9 @@ def manifest_entries(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def manifest_records(sweep_dir: Path) -> list[Path]:
-    """Record paths listed in a sweep's manifest (skipped jobs point at their older record)."""
-    return [e["record"] for e in manifest_entries(sweep_dir)]
+    """Record paths listed in a sweep's manifest (skipped jobs point at their older record; a job
+    whose config was refused has no record)."""
+    return [e["record"] for e in manifest_entries(sweep_dir) if e["record"] is not None]
 
 
 def count_jobs(config: DictConfig) -> int | None:
@@ -49,9 +50,14 @@ def count_jobs(config: DictConfig) -> int | None:
         counts: dict[str, int] = {}
         for o in OverridesParser.create().parse_overrides(overrides):
             v = o.value()
-            if isinstance(v, Glob):  # only config groups take glob(): count the group's files
+            if isinstance(v, Glob):  # only config groups take glob(): count the group's options
                 group = Path(__file__).resolve().parent.parent / "conf" / o.key_or_group
-                counts[o.key_or_group] = len(v.filter([p.stem for p in group.glob("*.yaml")]))
+                names = {p.stem for p in group.glob("*.yaml")}
+                if o.key_or_group == "variant":
+                    from .preflight import known_variants
+
+                    names |= set(known_variants())  # plugins have generated config nodes
+                counts[o.key_or_group] = len(v.filter(sorted(names)))
             elif o.is_sweep_override():
                 counts[o.key_or_group] = len(list(o.sweep_string_iterator()))
             else:
@@ -75,7 +81,16 @@ class SweepCallback(Callback):
         return {**self.__dict__, "bar": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.utils import to_absolute_path
         from tqdm import tqdm
+
+        from .records_lock import RecordsDirError, prepare
+
+        try:  # before the first job: nothing measured may be lost to an unusable folder
+            prepare(Path(to_absolute_path(config.records_dir)), Path(config.hydra.sweep.dir))
+        except RecordsDirError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
 
         # tqdm draws only on a terminal: no bar in logs or CI
         self.bar = tqdm(total=count_jobs(config), desc="sweep", unit="job", disable=not sys.stderr.isatty())
@@ -89,14 +104,17 @@ class SweepCallback(Callback):
             self.bar.close()
         sweep_dir = Path(config.hydra.sweep.dir)
         entries = manifest_entries(sweep_dir)
-        records = [e["record"] for e in entries]
+        records = [e["record"] for e in entries if e["record"] is not None]
         print(f"\nsweep finished: {len(records)} job(s); records listed in {sweep_dir / 'manifest.jsonl'}")
         if config.get("report", True) and records:
             from .report import report_paths
 
             report_paths(records, out_dir=sweep_dir / "report")
         errors = sum(e.get("status") == "error" for e in entries)
-        if errors:
+        refused = sum(e.get("status") == "invalid_config" for e in entries)
+        if errors or refused:
             # after every record and the report are written: a sweep with a broken job fails
-            print(f"{errors} job(s) ended 'error' (see the status table): exit code 1", file=sys.stderr)
+            why = [f"{errors} job(s) ended 'error' (see the status table)"] if errors else []
+            why += [f"{refused} job(s) had an invalid config (see the error lines above)"] if refused else []
+            print(f"{'; '.join(why)}: exit code 1", file=sys.stderr)
             raise SystemExit(1)

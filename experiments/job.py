@@ -19,6 +19,7 @@ from variants import AttentionVariant, Unavailable, Unsupported, Workload
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
 from .environment import torch_gpu_info
 from .inputs import DTYPES, make_inputs
+from .machine_load import load_average, others_cores, snapshot
 from .memory import peak_bytes
 from .timing import Timing, time_backward, time_call, time_cuda_graph
 
@@ -82,6 +83,7 @@ def measure(cfg: dict[str, Any], roofline: bool = False) -> dict[str, Any]:
     """
     result: dict[str, Any] = {"status": "ok", "reason": None, "variant": None, "figures": {}}
     t0 = time.perf_counter()
+    load_start, busy_start = load_average(), snapshot()
     try:
         if cfg.get("task"):
             from .tasks.train import measure_task  # task accuracy: train and evaluate a small model
@@ -96,6 +98,9 @@ def measure(cfg: dict[str, Any], roofline: bool = False) -> dict[str, Any]:
         if result["status"] == "error":
             result["traceback"] = traceback.format_exc(limit=8)
     result["measure_s"] = time.perf_counter() - t0  # harness overhead = job wall time - this
+    # how busy the rest of the machine was: a job timed beside other work is flagged in the tables
+    result["figures"]["load_avg_1m"] = load_start
+    result["figures"]["others_cpu_cores"] = others_cores(busy_start, snapshot())
     if cfg["device"] == "cuda" and torch.cuda.is_available():
         result["env"] = torch_gpu_info()
     if roofline and not cfg.get("task"):

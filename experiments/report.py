@@ -84,6 +84,10 @@ def header(
         *_machines(df),
         "",
     ]
+    skipped = [f"- unreadable: {u}" for u in df.attrs.get("unreadable", [])]
+    skipped += [f"- not a record: {u}" for u in df.attrs.get("not_records", [])]
+    if skipped:
+        lines += [f"Skipped {len(skipped)} file(s) that hold no usable record:", *skipped, ""]
     ceilings = _ceilings(df)
     if ceilings:
         lines += ["Ceilings measured in the sweeps (the records' median):", *ceilings, ""]

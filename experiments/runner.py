@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -18,6 +19,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import get_class, to_absolute_path
 from omegaconf import DictConfig, OmegaConf
+
+from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registered_name
 
 from .environment import environment, variant_code_version
 from .records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
@@ -39,9 +42,41 @@ def handle_sigterm() -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
+def register_variant_configs() -> list[str]:
+    """A ``variant/<name>`` config node for every registered variant without a YAML file in
+    ``conf/variant`` (third-party plugins): ``_target_`` and the constructor's knobs with their
+    defaults (``???`` where there is none), so ``variant=<name>``, ``variant.<knob>=...`` and
+    ``'variant=glob(*)'`` include it. Returns the names it added."""
+    from hydra.core.config_store import ConfigStore
+
+    import variants
+
+    from .preflight import CONF
+
+    have = {p.stem for p in (CONF / "variant").glob("*.yaml")}
+    added = []
+    for name in variants.available():
+        if name in have:
+            continue
+        cls = variants.get(name)
+        node: dict[str, Any] = {"_target_": f"{cls.__module__}.{cls.__qualname__}"}
+        for knob, default in knob_defaults(cls).items():
+            if knob in SHAPE_HINTS:
+                node[knob] = "${" + knob + "}"  # a learned variant follows the workload's sizes
+            elif default is inspect.Parameter.empty:
+                node[knob] = "???"
+            elif default is None or isinstance(default, (bool, int, float, str)):
+                node[knob] = default
+        ConfigStore.instance().store(group="variant", name=name, node=node)
+        added.append(name)
+    return added
+
+
 def register_hydra_pieces() -> None:
-    """Schema in the ConfigStore and the ``${sweep_uid:}`` resolver (idempotent)."""
+    """Schema and plugin variant configs in the ConfigStore, and the ``${sweep_uid:}`` resolver
+    (idempotent)."""
     register_schema()
+    register_variant_configs()
     if not OmegaConf.has_resolver("sweep_uid"):
         # one id per sweep, shared with launcher workers through the environment
         OmegaConf.register_new_resolver(
@@ -95,11 +130,20 @@ def summary_line(rec: dict[str, Any]) -> str:
     return f"{head}: " + ", ".join(bits)
 
 
+def variant_label(cls: type) -> str:
+    """The registered name of ``cls``, or its import path when it is not itself registered (a
+    subclass of a registered variant is not that variant)."""
+    return registered_name(cls) or f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _fail(msg: str) -> None:
-    """A config error: one line, no traceback; ends a single run with exit code 1."""
+    """A config error: one line, no traceback; ends a single run with exit code 1, and makes a sweep
+    exit 1 at its end (the manifest notes it)."""
     print(f"error: {msg}", file=sys.stderr, flush=True)
-    if HydraConfig.get().mode != RunMode.MULTIRUN:
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
         raise SystemExit(1)
+    _manifest(Path(hc.sweep.dir), None, None, "invalid_config", reason=msg)
 
 
 def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
@@ -117,6 +161,8 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         if cfg.get("tokens"):  # a fixed token budget: the batch follows the length
             cfg["batch"] = max(1, cfg["tokens"] // cfg["seq_len"])
         cls = get_class(cfg["variant"]["_target_"])
+        name = variant_label(cls)
+        check_knobs(cls, cfg["variant"], name)
         # build once here: a bad knob (window=-1) is a one-line error before any child is spawned
         from .job import build_variant
 
@@ -127,12 +173,19 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         kind = "" if isinstance(cause, ValueError) else f"{type(cause).__name__}: "
         _fail(f"{kind}{text}")
         return None
-    name = getattr(cls, "name", "") or cls.__name__
     label = job_label(cfg, name)
     chash = config_hash(cfg)
     hc = HydraConfig.get()
     sweep_dir = Path(hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.runtime.output_dir)
     records_dir = Path(to_absolute_path(cfg["records_dir"]))
+    if hc.mode != RunMode.MULTIRUN:  # a sweep checked and locked its folder before its first job
+        from .records_lock import RecordsDirError, prepare
+
+        try:
+            prepare(records_dir, sweep_dir)
+        except RecordsDirError as exc:
+            _fail(str(exc))
+            return None
     env = environment()
     env["variant_code"] = variant_code_version(cls)
 
@@ -189,13 +242,30 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     if "traceback" in result:
         record["traceback"] = result["traceback"]
     record["job_wall_s"] = time.perf_counter() - t_job
-    path = write_record(record, records_dir)
+    path = _write_somewhere(record, records_dir, sweep_dir)
     _manifest(sweep_dir, chash, path, record["status"])
     print(summary_line(record))
     log.info("record: %s", path)
     if record["status"] == "error" and hc.mode != RunMode.MULTIRUN:
         raise SystemExit(1)  # a single run that failed says so; a sweep says so at its end
     return record
+
+
+def _write_somewhere(record: dict[str, Any], records_dir: Path, sweep_dir: Path) -> Path:
+    """Write the record to ``records_dir``; if that fails now (disk full, folder gone), to the sweep
+    folder, and as a last resort print it: a measurement is never lost to a write error."""
+    try:
+        return write_record(record, records_dir)
+    except OSError as exc:
+        print(f"error: could not write the record to {records_dir}: {exc}", file=sys.stderr, flush=True)
+    fallback = sweep_dir / "unwritten_records"
+    try:
+        path = write_record(record, fallback)
+        print(f"error: record written to {path} instead", file=sys.stderr, flush=True)
+        return path
+    except OSError:
+        print("RECORD " + json.dumps(record, default=str), flush=True)
+        raise
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -205,9 +275,14 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _manifest(sweep_dir: Path, chash: str, path: Path, status: str) -> None:
+def _manifest(
+    sweep_dir: Path, chash: str | None, path: Path | None, status: str, reason: str | None = None
+) -> None:
     """Append this job's record path to the sweep's manifest (one short line: an atomic append)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"config_hash": chash, "record": str(path), "status": status}) + "\n"
+    entry = {"config_hash": chash, "record": None if path is None else str(path), "status": status}
+    if reason is not None:
+        entry["reason"] = reason
+    line = json.dumps(entry) + "\n"
     with open(sweep_dir / MANIFEST, "a") as f:
         f.write(line)

@@ -78,5 +78,10 @@ def validate(cfg: dict[str, Any]) -> None:
             raise ValueError(f"{name} must be > 0 (or null), got {cfg[name]}")
     if not 0.0 <= cfg["padding"] < 1.0:
         raise ValueError(f"padding must be in [0, 1), got {cfg['padding']}")
+    if cfg["causal"] and cfg.get("kv_len") not in (None, cfg["seq_len"]):
+        raise ValueError(
+            f"causal=true needs kv_len = seq_len (or null): causal masking is defined for Nq == Nk; "
+            f"got seq_len={cfg['seq_len']}, kv_len={cfg['kv_len']}"
+        )
     if not isinstance(cfg.get("variant"), dict) or "_target_" not in cfg["variant"]:
         raise ValueError("variant must be chosen: variant=<name> (see conf/variant/)")

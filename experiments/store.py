@@ -172,7 +172,8 @@ def variant_labels(df: pd.DataFrame) -> pd.Series:
     inherits ``name``) is shown by its class name.
     """
     labels = pd.Series("", index=df.index, dtype=object)
-    base = df["variant_name"].astype(object).copy()
+    # an unregistered class is recorded by its import path: shown by its class name
+    base = df["variant_name"].astype(object).map(lambda n: n.rsplit(".", 1)[-1] if isinstance(n, str) else n)
     for _, sub in df.groupby("variant_name", dropna=False):
         targets = sub["variant_target"].unique()
         if len(targets) > 1:
@@ -297,6 +298,9 @@ def load(inputs: Iterable[str | Path], verbose: bool = True) -> pd.DataFrame:
         df = finish(df) if len(df) else df
     if verbose:
         print(summary_line(df, rep))
+    # for the report's header: files a reader of tables.md should know were skipped
+    df.attrs["unreadable"] = list(rep.unreadable)
+    df.attrs["not_records"] = list(rep.not_records)
     return df
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .machine_load import LOADED_CORES
 from .store import CELL_KEYS, WORKLOAD, is_false, status_counts
 
 GROUP_BASE = ["device", "dtype", "mode"]
@@ -32,7 +33,9 @@ FLOPS_NOTE = (
 )
 LEGEND = (
     f"Cells without a number give the job's status (oom, unsupported, ...); `invalid` = the "
-    f"correctness check failed, so its figures are not shown; `{NO_RECORD}` = no job was run there."
+    f"correctness check failed, so its figures are not shown; `{NO_RECORD}` = no job was run there; "
+    f"a time marked `*` was measured while other processes kept more than {LOADED_CORES:g} CPU cores "
+    "busy on average (the record's `others_cpu_cores`): it may be inflated."
 )
 
 
@@ -228,6 +231,7 @@ def speed_table(df: pd.DataFrame) -> Section:
             "gemm_gflops_per_s": _col(df, "roofline_gemm_flops_per_s") / 1e9,
             "tokens_per_s": _col(df, "tokens_per_s"),
             "flops": _col(df, "flops"),
+            "others_cpu_cores": _col(df, "others_cpu_cores"),
         },
     )
     return sec
@@ -249,7 +253,9 @@ def _gflops_text(row: pd.Series) -> str:
 def _time_text(row: pd.Series) -> str:
     # one timed block (or one run) gives q1 == q3: printing 0 would read as "no noise at all"
     spread = "n/a" if row["iqr_ms"] == 0 else num(row["iqr_ms"])
-    return f"{num(row['time_ms'])} ({spread})"
+    busy = pd.to_numeric(row.get("others_cpu_cores"), errors="coerce")
+    mark = " *" if pd.notna(busy) and busy > LOADED_CORES else ""
+    return f"{num(row['time_ms'])} ({spread}){mark}"
 
 
 def _col(df: pd.DataFrame, name: str) -> pd.Series:

@@ -1,6 +1,7 @@
 """The report: store, tables, scaling fit, plots and the CLI, checked against the records themselves.
 
-One small real sweep (three ``run.py -m`` subprocesses in parallel, isolate=false) feeds every test:
+One small real sweep (three ``run.py -m`` subprocesses in parallel, isolate=false, each into its own
+subfolder of one records folder) feeds every test:
 naive and a deliberately wrong variant (figures invalid), sdpa with a backend the CPU lacks
 (unsupported), and local_window with two window sizes (knob labels). The local_window sweep runs with
 report=true, so the end-of-multirun report is exercised too.
@@ -50,7 +51,8 @@ def sweep(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = {}
     for name, args in SWEEPS.items():
-        cmd = [sys.executable, "run.py", "-m", *args, *SMALL, f"records_dir={tmp / 'records'}"]
+        # one records folder per sweep: a folder takes one sweep at a time (its lock)
+        cmd = [sys.executable, "run.py", "-m", *args, *SMALL, f"records_dir={tmp / 'records' / name}"]
         cmd += [f"hydra.sweep.dir={tmp / name}"]
         if "report=true" not in args:
             cmd.append("report=false")
@@ -67,7 +69,7 @@ def sweep(tmp_path_factory):
 
 def raw_records(folder: Path) -> list[dict]:
     """The records as plain JSON, read without the code under test."""
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(folder.rglob("*.json"))]
 
 
 def cell(section: T.Section, heading_part: str, variant: str, n: int) -> str:
@@ -98,7 +100,7 @@ def test_store_keeps_every_record_and_prints_counts(sweep, capsys):
     assert "loaded 12 record(s)" in printed
     assert "ok 8" in printed and "ok (invalid) 2" in printed and "unsupported 2" in printed
     assert sorted(df["path"].map(lambda p: Path(p).name)) == sorted(
-        p.name for p in (tmp / "records").glob("*.json")
+        p.name for p in (tmp / "records").rglob("*.json")
     )
     # config fields and environment are columns
     assert {"device", "dtype", "mode", "seq_len", "heads", "env_host", "env_torch", "fwd_median_s"} <= set(
@@ -206,7 +208,7 @@ def test_knob_settings_are_distinct_rows_only_when_they_differ(sweep):
         "local_window(window=4)",
         "local_window(window=16)",
     }
-    one = [r for r in (tmp / "records").glob("*.json") if '"window": 4' in r.read_text()]
+    one = [r for r in (tmp / "records").rglob("*.json") if '"window": 4' in r.read_text()]
     assert set(store.load(one, verbose=False)["variant"]) == {"local_window"}
 
 
@@ -294,7 +296,7 @@ def test_baseline_ratios(sweep, tmp_path):
 
 def test_partial_sweep_loads_what_is_there(sweep, tmp_path, capsys):
     tmp, _ = sweep
-    recs = sorted((tmp / "records").glob("*.json"))
+    recs = sorted((tmp / "records").rglob("*.json"))
     for p in recs[:3]:
         (tmp_path / p.name).write_text(p.read_text())
     (tmp_path / "cut.json").write_text(recs[3].read_text()[:100])  # a record cut short by a crash
@@ -345,3 +347,22 @@ def test_default_out_dir_is_inside_the_input(sweep):
     tmp, _ = sweep
     assert report.default_out_dir([tmp / "records"]) == tmp / "records" / "report"
     assert report.main([str(tmp / "nowhere")]) == 1  # no records: says so, exit status 1
+
+
+def test_loaded_times_are_marked_and_skipped_files_are_named_in_the_report(sweep, tmp_path):
+    tmp, _ = sweep
+    recs = [r for r in raw_records(tmp / "records") if r["status"] == "ok" and label(r) == "naive"]
+    for i, r in enumerate(recs):
+        r["figures"]["others_cpu_cores"] = 1.2 if r["config"]["seq_len"] == 64 else 0.1
+        write_record({**r, "started_at": f"{r['started_at']}{i}"}, tmp_path / "recs")
+    (tmp_path / "recs" / "junk.json").write_bytes(b"\x8b\x00 not json")
+    (tmp_path / "recs" / "list.json").write_text("[1, 2]")
+    out = tmp_path / "out"
+    report.report_paths([tmp_path / "recs"], out, plots=False, echo=False)
+    text = (out / "tables.md").read_text()
+    assert "- unreadable: " + str(tmp_path / "recs" / "junk.json") in text
+    assert "- not a record: " + str(tmp_path / "recs" / "list.json") in text
+    shown = T.select(store.load([tmp_path / "recs"], verbose=False))
+    speed = T.speed_table(shown)
+    assert cell(speed, "median time", "naive", 64).endswith(" *")  # measured beside 1.2 busy cores
+    assert not cell(speed, "median time", "naive", 128).endswith("*")

@@ -361,6 +361,164 @@ def test_bad_value_is_one_line_error_before_work(tmp_path):
     assert not list(tmp_path.glob("*.json"))
 
 
+def _install_plugin(root: Path) -> None:
+    """A third-party package on the path with an ``attnbench.variants`` entry point (a dist-info
+    folder next to it is what pip would leave) and no YAML in this repo."""
+    (root / "myplug").mkdir()
+    (root / "myplug" / "__init__.py").write_text(
+        "from variants import register\n"
+        "from variants.naive import NaiveAttention\n\n"
+        "@register('myplug_attn')\n"
+        "class MyPlugAttention(NaiveAttention):\n"
+        "    def __init__(self, temperature: float = 1.0, tag: str = 'x') -> None:\n"
+        "        super().__init__()\n"
+        "        self.temperature, self.tag = temperature, tag\n"
+    )
+    dist = root / "myplug-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myplug\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[attnbench.variants]\nmyplug_attn = myplug\n")
+
+
+def test_entry_point_plugin_is_a_variant_choice_with_knobs(tmp_path):
+    _install_plugin(tmp_path)
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    cmd = [
+        sys.executable,
+        "run.py",
+        "-m",
+        "variant=glob(myplug*)",  # the glob sees the plugin's generated config node
+        "variant.temperature=2.0",  # a knob without '+'
+        *small,
+        f"records_dir={tmp_path / 'records'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "report=false",
+    ]
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (rec,) = read_records(tmp_path / "records")
+    assert rec["status"] == "ok" and rec["variant_name"] == "myplug_attn"
+    assert rec["config"]["variant"]["temperature"] == 2.0
+    bad = subprocess.run(
+        [sys.executable, "run.py", "variant=myplug_attn", "variant.temprature=2", f"records_dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == "error: unknown knob 'temprature' for myplug_attn; knobs: temperature, tag"
+
+
+def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
+    from experiments.runner import variant_label
+    from tests.faulty import CrashingAttention
+
+    assert variant_label(CrashingAttention) == "tests.faulty.CrashingAttention"
+    assert variant_label(variants.get("naive")) == "naive"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["variant=nosuch"], "error: unknown variant 'nosuch'; known variants: additive, "),
+        (["dtype=fp8"], "error: dtype=fp8: expected one of float32, float64, bfloat16, float16"),
+        (
+            ["variant=local_window", "variant.windo=3"],
+            "error: unknown knob 'windo' for local_window; knobs: ",
+        ),
+        (
+            ["variant=local_window", "variant.window=16.0"],
+            "error: local_window knob window must be int, got 16.0",
+        ),
+        (["causal=true", "kv_len=512"], "error: causal=true needs kv_len = seq_len (or null)"),
+    ],
+)
+def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, message):
+    p = subprocess.run(
+        [sys.executable, "run.py", *args, f"records_dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 1
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith(message), p.stderr
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_second_sweep_into_a_busy_records_dir_is_refused_before_work(tmp_path):
+    from experiments import records_lock
+
+    records = tmp_path / "records"
+    records.mkdir()
+    # another sweep holds the folder: a real process, holding the real lock
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from experiments.records_lock import acquire\n"
+            f"acquire(Path({str(records)!r}), Path('elsewhere')); print('held', flush=True); time.sleep(120)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        p = run_sweep(tmp_path, "variant=naive", *[f"{k}={v}" for k, v in SMALL.items()])
+        assert p.returncode == 1
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith(f"error: records_dir {records} is in use by another sweep (pid {holder.pid}")
+        assert not list(records.glob("*.json"))
+    finally:
+        holder.kill()
+        holder.wait()
+    # once the holder is gone (however it ended) the folder is free: no stale lock
+    p = run_sweep(tmp_path, "variant=naive", *[f"{k}={v}" for k, v in SMALL.items()])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert len(read_records(records)) == 1
+    assert records_lock.LOCK_NAME not in [p.name for p in records.glob("*.json")]
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_an_unusable_records_dir_is_one_line_before_any_measurement(tmp_path, kind):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    target = blocker if kind == "a file" else blocker / "records"
+    for args in (["-m", "variant=naive,sdpa"], ["variant=naive"]):  # a sweep and a single run
+        cmd = [sys.executable, "run.py", *args, *[f"{k}={v}" for k, v in SMALL.items()]]
+        cmd += [
+            f"records_dir={target}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            f"hydra.run.dir={tmp_path}/run",
+        ]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith(f"error: records_dir {target} ")
+        assert "[naive" not in p.stdout  # nothing was measured
+
+
+def test_jobs_record_how_busy_the_rest_of_the_machine_was():
+    threads = torch.get_num_threads()  # measure() pins the job's thread count in this process
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        # one thread: the job and the spinning process each have a core of their own
+        busy = measure(job_cfg(variant="naive", **{**SMALL, "min_run_time": 0.5, "threads": 1}))["figures"]
+    finally:
+        burner.kill()
+        burner.wait()
+    quiet = measure(job_cfg(variant="naive", **{**SMALL, "min_run_time": 0.5, "threads": 1}))["figures"]
+    torch.set_num_threads(threads)
+    assert busy["others_cpu_cores"] > 0.6  # one spinning process is one core
+    assert quiet["others_cpu_cores"] < busy["others_cpu_cores"] - 0.5
+    assert busy["load_avg_1m"] >= 0
+
+
 def test_joblib_launcher_runs_a_sweep(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     p = run_sweep(

@@ -201,3 +201,35 @@ def test_causal_with_cross_is_unsupported_everywhere(device):
         q, k, v, _ = make_inputs(case, device=device)
         with pytest.raises(Unsupported):
             attn(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_inputs_that_cannot_be_attention_are_one_clear_error(vp):
+    name, knobs = vp
+    attn = build(name, knobs, CASES[0])
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="non-empty"):
+        attn(q[:, :, :0], q[:, :, :0], q[:, :, :0])  # N = 0
+    with pytest.raises(ValueError, match="one dtype"):
+        attn(q, q.double(), q)
+
+
+def test_sdpa_auto_finds_its_kernel_once_per_kind_of_call(monkeypatch):
+    import variants.sdpa as sdpa_mod
+
+    spies = []
+    real = sdpa_mod._KernelSpy
+
+    class CountingSpy(real):
+        def __init__(self):
+            super().__init__()
+            spies.append(self)
+
+    monkeypatch.setattr(sdpa_mod, "_KernelSpy", CountingSpy)
+    attn = variants.build("sdpa")
+    q = torch.randn(1, 2, 16, 8)
+    for _ in range(3):
+        attn(q, q, q)
+    assert len(spies) == 1 and attn.backend_ran == "flash"  # the fused CPU kernel, found once
+    attn(q[:, :, :8], q[:, :, :8], q[:, :, :8])  # another shape: asked again
+    assert len(spies) == 2

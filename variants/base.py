@@ -60,6 +60,15 @@ class Workload:
                 f"{tuple(v.shape)}"
             )
         b, h, nq, d = q.shape
+        if 0 in (*q.shape, *k.shape, *v.shape):
+            raise ValueError(
+                f"q, k, v need non-empty B, H, N and D; got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
+            )
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
         if k.shape[:2] != (b, h) or k.shape[3] != d:
             raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, H or D")
         if v.shape[:3] != k.shape[:3]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import types
+import typing
 import warnings
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -83,6 +85,71 @@ def get(name: str) -> type[AttentionVariant]:
     except KeyError:
         known = ", ".join(available())
         raise UnknownVariant(f"unknown attention variant '{name}'; known variants: {known}") from None
+
+
+def registered_name(cls: type) -> str | None:
+    """The name ``cls`` itself is registered under, or None (a subclass of a registered variant is
+    not that variant: it inherits ``name`` but is not in the registry under it)."""
+    _load_entry_points()
+    name = getattr(cls, "name", "")
+    return name if name and _REGISTRY.get(name) is cls else None
+
+
+SHAPE_HINTS = ("heads", "head_dim")  # workload sizes a learned variant needs; dropped by others
+
+
+def knob_defaults(cls: type[AttentionVariant]) -> dict[str, object]:
+    """The constructor's knobs and their defaults (``inspect.Parameter.empty`` where there is none)."""
+    params = inspect.signature(cls.__init__).parameters
+    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {n: p.default for n, p in params.items() if n != "self" and p.kind not in skip}
+
+
+def _allowed_types(hint: object) -> tuple[type, ...] | None:
+    """Python types a knob annotated ``hint`` accepts (None: not checked). int excludes bool; a float
+    knob takes an int."""
+    args = (
+        typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        else (hint,)
+    )
+    out: list[type] = []
+    for a in args:
+        if a is type(None) or a in (int, bool, str):
+            out.append(a)
+        elif a is float:
+            out += [float, int]
+        else:
+            return None
+    return tuple(out)
+
+
+def check_knobs(cls: type[AttentionVariant], knobs: dict[str, object], label: str) -> None:
+    """Raise ``ValueError`` (one line) for a knob ``cls`` does not take or a value of the wrong type.
+
+    ``label`` names the variant in the message. Shape hints and ``_target_`` are not knobs.
+    """
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepted = list(knob_defaults(cls))
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # unresolvable annotations: names are still checked
+        hints = {}
+    for key, value in knobs.items():
+        if key == "_target_" or (key in SHAPE_HINTS and key not in params):
+            continue
+        if key not in params:
+            if takes_any:
+                continue
+            raise ValueError(f"unknown knob '{key}' for {label}; knobs: {', '.join(accepted) or 'none'}")
+        allowed = _allowed_types(hints.get(key))
+        if allowed is None:
+            continue
+        wrong_bool = isinstance(value, bool) and bool not in allowed
+        if wrong_bool or not isinstance(value, allowed):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in dict.fromkeys(allowed))
+            raise ValueError(f"{label} knob {key} must be {names}, got {value!r}")
 
 
 def build(name: str, **knobs: object) -> AttentionVariant:

@@ -1,0 +1,64 @@
+"""How busy the rest of the machine was while a job measured: CPU time used by other processes.
+
+A timing taken while another sweep, a build or a browser ran on the same cores is slower for reasons
+that have nothing to do with the variant. Linux counts every core's busy time (``/proc/stat``) and
+this process's own (``/proc/self/stat``); the difference over the job's wall time is the number of
+cores the rest of the machine kept busy. Elsewhere the figures are None.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+#: above this many cores' worth of other processes' work, a job's times are flagged in the tables
+LOADED_CORES = 0.5
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass
+class Snapshot:
+    wall: float
+    busy: int | None  # jiffies every core spent busy (not idle or waiting for I/O), machine-wide
+    own: int | None  # jiffies this process (all its threads) spent on a core
+
+
+def _machine_busy() -> int | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal: guests are in user
+
+
+def _own() -> int | None:
+    try:
+        with open("/proc/self/stat") as f:
+            # the command name may hold spaces: fields are counted after its closing parenthesis
+            rest = f.read().rsplit(")", 1)[1].split()
+        return int(rest[11]) + int(rest[12])  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def snapshot() -> Snapshot:
+    return Snapshot(time.perf_counter(), _machine_busy(), _own())
+
+
+def others_cores(start: Snapshot, end: Snapshot) -> float | None:
+    """Average number of cores other processes kept busy between two snapshots (None off Linux)."""
+    if None in (start.busy, start.own, end.busy, end.own) or end.wall <= start.wall:
+        return None
+    others = (end.busy - start.busy) - (end.own - start.own)  # type: ignore[operator]
+    return max(0.0, others / _HZ / (end.wall - start.wall))
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,63 @@
+"""Command-line checks before Hydra composes anything: bad values get one line, not Hydra's page.
+
+``run.py`` passes ``sys.argv`` through :func:`preflight`, which
+
+- refuses an unknown variant (``variant=nosuch``) or an enum value the schema does not know
+  (``dtype=fp8``) with one line naming what is known, and exit code 1;
+- turns ``variant.<knob>=<value>`` into ``++variant.<knob>=<value>``, so a knob the variant's config
+  file does not list reaches the runner, which names the variant's real knobs in one line
+  (``unknown knob 'windo' for local_window; knobs: window, block``) instead of Hydra asking for ``+``.
+
+Sweep syntax that is not a plain comma list (``glob(...)``, ``range(...)``, ``choice(...)``) is
+left to Hydra.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from enum import Enum
+from pathlib import Path
+
+from .schema import Device, DType, Mode
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+_ENUMS: dict[str, type[Enum]] = {"device": Device, "dtype": DType, "mode": Mode}
+_PLAIN = re.compile(r"^[^()\[\]{}'\"$]*$")  # a plain value or comma list, no sweep functions
+
+
+def known_variants() -> list[str]:
+    """Names ``variant=`` accepts: the config files in ``conf/variant`` and every registered variant."""
+    import variants
+
+    return sorted({p.stem for p in (CONF / "variant").glob("*.yaml")} | set(variants.available()))
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def preflight(argv: list[str]) -> list[str]:
+    """``argv`` with variant knobs made force-add overrides; exits with one line on a bad value."""
+    out = [argv[0]]
+    for arg in argv[1:]:
+        key, eq, value = arg.partition("=")
+        if not eq or key.startswith(("-", "~")) or key.startswith("hydra"):
+            out.append(arg)
+            continue
+        bare = key.lstrip("+")
+        if bare == "variant" and _PLAIN.match(value):
+            known = known_variants()
+            for name in value.split(","):
+                if name not in known:
+                    _fail(f"unknown variant '{name}'; known variants: {', '.join(known)}")
+        elif bare in _ENUMS and _PLAIN.match(value):
+            allowed = [e.value for e in _ENUMS[bare]]
+            for v in value.split(","):
+                if v not in allowed:
+                    _fail(f"{bare}={v}: expected one of {', '.join(allowed)}")
+        elif bare.startswith("variant.") and not key.startswith("+"):
+            arg = "++" + arg  # add or override: the runner checks the knob against the variant
+        out.append(arg)
+    return out
