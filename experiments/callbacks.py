@@ -7,8 +7,12 @@ results about the variant or the machine, recorded as data, not failures of the 
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -71,19 +75,23 @@ def count_jobs(config: DictConfig) -> int | None:
 
 
 class SweepCallback(Callback):
-    """Progress over a multirun (terminal only) and, at its end, the report of its records."""
+    """Before a multirun: check and lock the records folder, follow the manifest (progress and the
+    summary lines of jobs run elsewhere). After it, or when interrupted: the report of its records,
+    and exit status 1 if a job ended ``error``."""
 
     def __init__(self) -> None:
         self.bar: Any = None
+        self.follower: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # launchers pickle the callbacks into their workers: a live bar cannot go with them
-        return {**self.__dict__, "bar": None}
+        # launchers pickle the callbacks into their workers: a live bar or thread cannot go with them
+        return {**self.__dict__, "bar": None, "follower": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.utils import to_absolute_path
         from tqdm import tqdm
 
+        from .progress import ManifestFollower
         from .records_lock import RecordsDirError, prepare
 
         try:  # before the first job: nothing measured may be lost to an unusable folder
@@ -91,15 +99,42 @@ class SweepCallback(Callback):
         except RecordsDirError as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-
+        warn_parallel_timing(config)
         # tqdm draws only on a terminal: no bar in logs or CI
         self.bar = tqdm(total=count_jobs(config), desc="sweep", unit="job", disable=not sys.stderr.isatty())
+        write = tqdm.write if not self.bar.disable else print
+        self.follower = ManifestFollower(Path(config.hydra.sweep.dir), self.bar, write).start()
+        if threading.current_thread() is threading.main_thread():
+            handler = functools.partial(self._interrupted, config)
+            signal.signal(signal.SIGINT, handler)
+            signal.signal(signal.SIGTERM, handler)
 
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
+    def _interrupted(self, config: DictConfig, signum: int, frame: Any) -> None:
+        """Ctrl-C or SIGTERM of the submitting process: stop every job, report what finished."""
+        from .progress import stop_jobs
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends at once
+        launcher = config.hydra.launcher
+        slurm_name = launcher.get("name") if "Slurm" in str(launcher.get("_target_", "")) else None
+        stopped = stop_jobs(slurm_name)
+        print(
+            f"\ninterrupted by {signal.Signals(signum).name}: stopped {stopped} job process(es)"
+            + (f", cancelled Slurm jobs named {slurm_name}" if slurm_name else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            self._finish(config)
+        except SystemExit:
+            pass
+        os._exit(128 + signum)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._finish(config)
+
+    def _finish(self, config: DictConfig) -> None:
+        if self.follower is not None:
+            self.follower.stop()
         if self.bar is not None:
             self.bar.close()
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -118,3 +153,24 @@ class SweepCallback(Callback):
             why += [f"{refused} job(s) had an invalid config (see the error lines above)"] if refused else []
             print(f"{'; '.join(why)}: exit code 1", file=sys.stderr)
             raise SystemExit(1)
+
+
+def warn_parallel_timing(config: DictConfig) -> None:
+    """One warning line when a launcher will time several jobs at once on one machine."""
+    launcher = config.hydra.launcher
+    target = str(launcher.get("_target_", ""))
+    if config.get("task"):
+        return  # training for accuracy: parallel jobs are fine
+    parallel = None
+    if "Joblib" in target and launcher.get("n_jobs", 1) not in (1, None):
+        parallel = f"hydra.launcher.n_jobs={launcher.get('n_jobs')}"
+    elif "LocalLauncher" in target and (count_jobs(config) or 2) > 1:
+        parallel = "hydra/launcher=submitit_local (it starts every job at once)"
+    if parallel:
+        print(
+            f"warning: {parallel} times several jobs at once on this machine: they slow each other down. "
+            "Records count the jobs measuring beside each one (concurrent_jobs) and tables mark their "
+            "times; for clean timings run them one at a time (the default launcher, or hydra/launcher=slurm)",
+            file=sys.stderr,
+            flush=True,
+        )

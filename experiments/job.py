@@ -7,6 +7,7 @@ config as a plain dict (see conf/config.yaml for the fields).
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 import traceback
@@ -122,6 +123,18 @@ def _roofline(cfg: dict[str, Any]) -> dict[str, Any]:
         return {"error": classify(exc)[1]}
 
 
+def job_threads(cfg: dict[str, Any]) -> int:
+    """The job's torch thread count, always set explicitly: ``threads``, or every CPU this process
+    may run on (its affinity: the machine, or a Slurm allocation), never a launcher worker's limit
+    (joblib's workers run with one)."""
+    if cfg.get("threads"):
+        return int(cfg["threads"])
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS
+        return os.cpu_count() or 1
+
+
 def workload(cfg: dict[str, Any]) -> Workload:
     """The :class:`Workload` a job config describes."""
     nq = cfg["seq_len"]
@@ -166,8 +179,7 @@ def precheck(cfg: dict[str, Any], variant: AttentionVariant) -> dict[str, Any] |
 def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     device = cfg["device"]
     _check_device(device)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg["threads"]))
+    torch.set_num_threads(job_threads(cfg))
     w = workload(cfg)
     dtype, nq, nk, dv, backward = w.dtype, w.nq, w.nk, w.v_head_dim, w.backward
     torch.manual_seed(cfg["seed"])

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registered_name
 
+from .concurrency import measuring
 from .environment import environment, variant_code_version
 from .records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
 from .schema import register_schema, validate
@@ -38,7 +39,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 def handle_sigterm() -> None:
     """SIGTERM (``kill``, a scheduler ending the job) stops the sweep as Ctrl-C does: the running job's
     child is killed and nothing half-measured is written. Only the main thread can install it."""
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # the sweep's own handler stays
         signal.signal(signal.SIGTERM, _interrupt)
 
 
@@ -143,7 +146,7 @@ def _fail(msg: str) -> None:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         raise SystemExit(1)
-    _manifest(Path(hc.sweep.dir), None, None, "invalid_config", reason=msg)
+    _manifest(Path(hc.sweep.dir), None, None, "invalid_config", reason=msg, line=f"error: {msg}")
 
 
 def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
@@ -188,12 +191,14 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
             return None
     env = environment()
     env["variant_code"] = variant_code_version(cls)
+    env["launcher"] = _launcher_name(hc)
 
     existing = find_existing(records_dir, chash, env) if cfg["resume"] else None
     if existing is not None:
         log.info("[%s] already measured: %s (resume=false to measure again)", label, existing)
-        print(f"[{label}] skipped: already measured ({existing.name})")
-        _manifest(sweep_dir, chash, existing, "skipped")
+        line = f"[{label}] skipped: already measured ({existing.name})"
+        _say(line)
+        _manifest(sweep_dir, chash, existing, "skipped", line=line)
         return json.loads(existing.read_text())
 
     from .job import precheck
@@ -202,16 +207,15 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     roof_path = sweep_dir / f"roofline-{cfg['device']}-{cfg['dtype']}.json"
     want_roof = bool(cfg.get("roofline", True)) and not cfg.get("task") and not roof_path.exists()
     result = precheck(cfg, variant)  # unsupported / unavailable without spawning a child
-    if result is not None:
-        pass
-    elif cfg["isolate"]:
-        from .isolation import run_isolated
+    if result is None:
+        from .isolation import run_inline, run_isolated
 
-        result = run_isolated(cfg, cfg["timeout_s"], roofline=want_roof)
-    else:
-        from .isolation import run_inline
-
-        result = run_inline(cfg, roofline=want_roof)
+        with measuring() as concurrent:  # other jobs measuring on this host meanwhile
+            if cfg["isolate"]:
+                result = run_isolated(cfg, cfg["timeout_s"], roofline=want_roof)
+            else:
+                result = run_inline(cfg, roofline=want_roof)
+            result.setdefault("figures", {})["concurrent_jobs"] = concurrent()
     roof = result.get("roofline")
     if roof and "error" not in roof:
         write_json_atomic(roof_path, roof)
@@ -243,8 +247,9 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         record["traceback"] = result["traceback"]
     record["job_wall_s"] = time.perf_counter() - t_job
     path = _write_somewhere(record, records_dir, sweep_dir)
-    _manifest(sweep_dir, chash, path, record["status"])
-    print(summary_line(record))
+    line = summary_line(record)
+    _manifest(sweep_dir, chash, path, record["status"], line=line)
+    _say(line)
     log.info("record: %s", path)
     if record["status"] == "error" and hc.mode != RunMode.MULTIRUN:
         raise SystemExit(1)  # a single run that failed says so; a sweep says so at its end
@@ -268,6 +273,23 @@ def _write_somewhere(record: dict[str, Any], records_dir: Path, sweep_dir: Path)
         raise
 
 
+def _say(line: str) -> None:
+    """A job's line for the terminal, unless this process's manifest follower shows it (above the
+    progress bar) once the manifest has it."""
+    from .progress import following
+
+    if not following():
+        print(line, flush=True)
+
+
+def _launcher_name(hc: Any) -> str:
+    """The Hydra launcher running this job, e.g. ``BasicLauncher`` or ``JoblibLauncher``."""
+    try:
+        return str(hc.launcher._target_).rsplit(".", 1)[-1]
+    except Exception:  # a single run has the basic launcher too; never fail a job over a label
+        return "BasicLauncher"
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -276,13 +298,22 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _manifest(
-    sweep_dir: Path, chash: str | None, path: Path | None, status: str, reason: str | None = None
+    sweep_dir: Path,
+    chash: str | None,
+    path: Path | None,
+    status: str,
+    reason: str | None = None,
+    line: str | None = None,
 ) -> None:
-    """Append this job's record path to the sweep's manifest (one short line: an atomic append)."""
+    """Append this job's record path to the sweep's manifest (one short line: an atomic append), with
+    the job's summary ``line`` for the submitting process to show (:mod:`experiments.progress`)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     entry = {"config_hash": chash, "record": None if path is None else str(path), "status": status}
+    entry["pid"] = os.getpid()
     if reason is not None:
         entry["reason"] = reason
+    if line is not None:
+        entry["line"] = line
     line = json.dumps(entry) + "\n"
     with open(sweep_dir / MANIFEST, "a") as f:
         f.write(line)

@@ -46,7 +46,7 @@ class BenchConfig:
     padding: float = 0.0  # fraction of keys that are padding, in [0, 1)
     mode: Mode = Mode.fwd
     seed: int = 0
-    threads: int | None = None  # None: torch's default
+    threads: int | None = None  # None: every CPU the job may run on (its affinity)
     min_run_time: float = 1.0  # seconds of timed runs per figure
     accuracy_rows: int = 256  # query rows checked against the float64 oracle
     cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only)

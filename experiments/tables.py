@@ -34,8 +34,9 @@ FLOPS_NOTE = (
 LEGEND = (
     f"Cells without a number give the job's status (oom, unsupported, ...); `invalid` = the "
     f"correctness check failed, so its figures are not shown; `{NO_RECORD}` = no job was run there; "
-    f"a time marked `*` was measured while other processes kept more than {LOADED_CORES:g} CPU cores "
-    "busy on average (the record's `others_cpu_cores`): it may be inflated."
+    f"a time marked `*` was measured beside other work: other jobs of this suite measuring on the "
+    f"same host (`concurrent_jobs`), or other processes keeping more than {LOADED_CORES:g} CPU cores "
+    "busy on average (`others_cpu_cores`); it may be inflated."
 )
 
 
@@ -232,6 +233,7 @@ def speed_table(df: pd.DataFrame) -> Section:
             "tokens_per_s": _col(df, "tokens_per_s"),
             "flops": _col(df, "flops"),
             "others_cpu_cores": _col(df, "others_cpu_cores"),
+            "concurrent_jobs": _col(df, "concurrent_jobs"),
         },
     )
     return sec
@@ -254,7 +256,9 @@ def _time_text(row: pd.Series) -> str:
     # one timed block (or one run) gives q1 == q3: printing 0 would read as "no noise at all"
     spread = "n/a" if row["iqr_ms"] == 0 else num(row["iqr_ms"])
     busy = pd.to_numeric(row.get("others_cpu_cores"), errors="coerce")
-    mark = " *" if pd.notna(busy) and busy > LOADED_CORES else ""
+    beside = pd.to_numeric(row.get("concurrent_jobs"), errors="coerce")
+    loaded = (pd.notna(busy) and busy > LOADED_CORES) or (pd.notna(beside) and beside > 0)
+    mark = " *" if loaded else ""
     return f"{num(row['time_ms'])} ({spread}){mark}"
 
 

@@ -283,8 +283,9 @@ def measure_task(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     """
     device = cfg["device"]
     _check_device(device)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg["threads"]))
+    from ..job import job_threads
+
+    torch.set_num_threads(job_threads(cfg))
     if cfg["dtype"] not in _DTYPES:
         raise Unsupported(f"task training runs in float32 or float64, not {cfg['dtype']}")
     dtype = _DTYPES[cfg["dtype"]]

@@ -1,0 +1,121 @@
+"""Where a sweep stands, shown by the process that submitted it, whatever runs its jobs.
+
+Hydra calls ``on_job_end`` inside the launcher's workers (joblib, submitit, Ray), so a progress bar
+driven by it never moves, and the workers' summary lines go to their own logs. Every job appends one
+line to the sweep's manifest (``manifest.jsonl``) as its record lands; :class:`ManifestFollower`
+reads that file from the submitting process, advances the bar and prints every job's summary line
+above it (a job run in this process leaves its line to the follower: see :func:`following`).
+
+Interrupting the submitting process (Ctrl-C, SIGTERM) stops the sweep's jobs: :func:`stop_jobs` kills
+every process this one started (each job's isolated child dies with its parent) and cancels the
+sweep's Slurm jobs by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_active = threading.Event()  # set while a follower runs in this process
+
+
+def following() -> bool:
+    """True when this process shows the sweep's job lines itself (a job should not print its own)."""
+    return _active.is_set()
+
+
+class ManifestFollower:
+    """Polls ``<sweep_dir>/manifest.jsonl`` in a thread; ``bar`` (tqdm or None) counts the jobs."""
+
+    def __init__(
+        self, sweep_dir: Path, bar: Any = None, write: Callable[[str], None] = print, poll_s: float = 0.5
+    ) -> None:
+        self.path = sweep_dir / "manifest.jsonl"
+        self.bar = bar
+        self.write = write
+        self.poll_s = poll_s
+        self.done = 0
+        self._offset = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="attnbench-progress", daemon=True)
+        self._lock = threading.Lock()
+
+    def start(self) -> ManifestFollower:
+        _active.set()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop following, after reading what the manifest holds now."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self.poll()
+        _active.clear()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        """Read the manifest's complete new lines: count them, print other processes' summaries."""
+        with self._lock:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self._offset)
+                    chunk = f.read()
+            except OSError:
+                return
+            end = chunk.rfind(b"\n") + 1  # a line still being appended waits for the next poll
+            self._offset += end
+            for raw in chunk[:end].splitlines():
+                try:
+                    entry = json.loads(raw)
+                except ValueError:
+                    continue
+                self.done += 1
+                if self.bar is not None:
+                    self.bar.update(1)
+                if entry.get("line"):
+                    self.write(entry["line"])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (children, their children, ...), from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def stop_jobs(slurm_job_name: str | None = None) -> int:
+    """Kill every process this one started and, given a Slurm job name, ``scancel`` those jobs.
+
+    Returns the number of local processes killed.
+    """
+    pids = descendants(os.getpid())
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if slurm_job_name and shutil.which("scancel"):
+        subprocess.run(["scancel", f"--name={slurm_job_name}"], capture_output=True, timeout=30, check=False)
+    return len(pids)
