@@ -10,13 +10,17 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from experiments.records import read_records
+
+from .test_runner import _tagged_pids, _wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["seq_len=64", "heads=2", "head_dim=16", "min_run_time=0.5", "report=false"]
@@ -72,3 +76,111 @@ def test_every_launcher_runs_isolated_jobs_from_a_terminal(tmp_path, launcher):
     else:  # parallel: the sweep warns, and the records say the jobs measured side by side
         assert "warning:" in out and "slow each other down" in out
         assert max(r["figures"]["concurrent_jobs"] for r in recs) >= 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupting_a_submitit_sweep_stops_every_job_and_reports_what_finished(tmp_path, sig):
+    pytest.importorskip(PLUGIN["submitit_local"])
+    tag = f"{os.getpid()}-launch-{sig.name}"
+    cmd = [
+        sys.executable,
+        "run.py",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "variant=naive",
+        "variant._target_=variants.naive.NaiveAttention,tests.faulty.HangingAttention",
+        "seq_len=64",
+        "heads=2",
+        "head_dim=16",
+        "min_run_time=0.05",
+        f"records_dir={tmp_path / 'records'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ATTNBENCH_TEST_TAG=tag)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.time() + 180
+        while not read_records(tmp_path / "records") and time.time() < deadline:  # naive is done
+            time.sleep(0.5)
+        assert read_records(tmp_path / "records"), "the quick job never finished"
+        time.sleep(1)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + sig, out[-2000:]
+        assert f"interrupted by {sig.name}" in out
+        assert _wait_gone(tag, 15) == [], "job processes outlived the interrupted sweep"
+        # what finished is kept and reported
+        (rec,) = read_records(tmp_path / "records")
+        assert rec["status"] == "ok"
+        assert (tmp_path / "sweep" / "report" / "tables.md").exists()
+    finally:
+        for pid in _tagged_pids(tag):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+
+
+def _slurm_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return p.returncode == 0 and any(s in p.stdout for s in ("idle", "mixed", "allocated"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-node Slurm with accounting, started by the project's own script if needed."""
+    if _slurm_up():
+        yield
+        return
+    if os.geteuid() != 0:
+        pytest.skip("starting a Slurm cluster needs root (scripts/slurm_cluster.sh start)")
+    p = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "slurm_cluster.sh"), "start"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if p.returncode in (2, 3):
+        pytest.skip(f"Slurm could not be installed here: {p.stdout.strip().splitlines()[-1:]}")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    yield
+    subprocess.run(
+        ["bash", str(ROOT / "scripts" / "slurm_cluster.sh"), "stop"], capture_output=True, timeout=120
+    )
+
+
+@pytest.mark.slow
+def test_a_sweep_through_a_real_slurm_cluster(tmp_path, slurm_cluster):
+    pytest.importorskip(PLUGIN["submitit_local"])
+    targets = "variants.naive.NaiveAttention,tests.faulty.CrashingAttention,tests.faulty.SelfKillingAttention"
+    args = ["-m", "hydra/launcher=slurm", "variant=naive", f"variant._target_={targets}", *SMALL]
+    args += [
+        "min_run_time=0.05",
+        f"records_dir={tmp_path / 'records'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    args[args.index("report=false")] = "report=true"
+    p = subprocess.run(
+        [sys.executable, "run.py", *args],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]  # the crashing job is an error
+    statuses = {
+        r["config"]["variant"]["_target_"].rsplit(".", 1)[-1]: r for r in read_records(tmp_path / "records")
+    }
+    assert {k: r["status"] for k, r in statuses.items()} == {
+        "NaiveAttention": "ok",
+        "CrashingAttention": "error",
+        "SelfKillingAttention": "killed",
+    }
+    assert all(r["env"]["launcher"] == "SlurmLauncher" for r in statuses.values())
+    # every job's line reached the submitting process; the report of the whole sweep was written
+    assert "[naive N=64 fwd float32 cpu] ok" in p.stdout
+    assert (tmp_path / "sweep" / "report" / "tables.md").exists()
+    assert list((tmp_path / "sweep" / ".submitit").glob("*/*_log.out")), "submitit keeps each job's log"
