@@ -366,3 +366,25 @@ def test_loaded_times_are_marked_and_skipped_files_are_named_in_the_report(sweep
     speed = T.speed_table(shown)
     assert cell(speed, "median time", "naive", 64).endswith(" *")  # measured beside 1.2 busy cores
     assert not cell(speed, "median time", "naive", 128).endswith("*")
+
+
+def test_two_hosts_merge_into_one_report_without_mixing_their_figures(sweep, tmp_path):
+    tmp, _ = sweep
+    naive = [r for r in raw_records(tmp / "records") if label(r) == "naive"]
+    for host, scale in (("alpha", 1.0), ("beta", 3.0)):
+        for r in naive:
+            r2 = json.loads(json.dumps(r))
+            r2["env"]["host"] = host
+            r2["figures"]["fwd_median_s"] = r["figures"]["fwd_median_s"] * scale
+            write_record(r2, tmp_path / host)  # one records folder per machine
+    shown = T.select(store.load([tmp_path / "alpha", tmp_path / "beta"], verbose=False))
+    assert set(shown["env_host"]) == {"alpha", "beta"}
+    speed = T.speed_table(shown)
+    times = [(h, tab) for h, tab in speed.parts if "median time" in h]
+    assert len(times) == 2 and {("host=alpha" in h) + 2 * ("host=beta" in h) for h, _ in times} == {1, 2}
+    n = naive[0]["config"]["seq_len"]
+    by_host = {
+        ("alpha" if "host=alpha" in h else "beta"): float(t.loc["naive", f"N={n}"].split()[0])
+        for h, t in times
+    }
+    assert by_host["beta"] == pytest.approx(3 * by_host["alpha"], rel=0.01)  # each cell is one machine's
