@@ -20,7 +20,8 @@ def running_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"attnbench-running-{uid}"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one owned by another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -38,7 +39,7 @@ def others_measuring(folder: Path | None = None) -> int:
         pid = int(marker.name) if marker.name.isdigit() else -1
         if pid == os.getpid():
             continue
-        if pid > 0 and _alive(pid):
+        if pid > 0 and pid_alive(pid):
             n += 1
         else:
             marker.unlink(missing_ok=True)

@@ -25,19 +25,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .concurrency import pid_alive
 from .job import measure
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else (cannot be ours, but do not kill a job)
-        return True
-    return True
 
 
 def die_with(pid: int, poll_s: float = 1.0) -> None:
@@ -52,11 +43,11 @@ def die_with(pid: int, poll_s: float = 1.0) -> None:
 
     def watch() -> None:
         while True:
-            if not _alive(pid):
+            if not pid_alive(pid):
                 os._exit(1)
             time.sleep(poll_s)
 
-    if not _alive(pid):  # the parent died before the kernel was asked
+    if not pid_alive(pid):  # the parent died before the kernel was asked
         os._exit(1)
     threading.Thread(target=watch, name="attnbench-watchdog", daemon=True).start()
 
