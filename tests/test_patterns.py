@@ -13,12 +13,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import variants
-from variants import Unsupported, full_attention_reference, oracle
+from variants import Unsupported, Workload, full_attention_reference, oracle
 from variants.axial import AxialAttention
 from variants.local_window import LocalWindowAttention
 from variants.sparse import BlockSparseAttention
 
-from .helpers import rel_err
+from .helpers import Case, make_inputs, rel_err
 
 
 def _inputs(n, *, b=2, h=2, d=8, dv=6, padding=False, seed=0, requires_grad=False):
@@ -318,3 +318,31 @@ def test_axial_largest_buffer_grows_like_n_to_the_1_5():
     attn = AxialAttention()  # square grids: 16 x 16, then 32 x 32
     small, large = _largest_buffer(attn, 256, False), _largest_buffer(attn, 1024, False)
     assert large / small <= 8.8  # N^1.5 at 4x the length; N^2 would be 16
+
+
+@pytest.mark.parametrize("causal,padding", [(False, False), (True, True)])
+def test_local_window_flex_impl_computes_the_band(causal, padding):
+    from variants.flex import FlexAttention
+
+    lw = LocalWindowAttention(window=5, block=8, impl="flex")
+    # eager FlexAttention: this checks the wiring (pattern, tiles, masks), not the compiler
+    lw.__dict__["_flex"] = FlexAttention(pattern="window", window=5, block=8, compile=False)
+    case = Case("flex_impl", b=2, h=2, nq=40, nk=40, d=8, dv=8, causal=causal, padding=padding)
+    q, k, v, kw = make_inputs(case)
+    out = lw(q, k, v, **kw)
+    assert lw.describe()["impl_ran"] == "flex"
+    assert rel_err(out, oracle(lw, q, k, v, **kw)) <= 1e-5
+
+
+def test_local_window_impl_choice_and_its_limits():
+    lw = LocalWindowAttention()
+    assert lw.choose_impl("cpu") == "sdpa" and lw.choose_impl("cuda") == "flex"
+    w = Workload(1, 2, 64, 64, 8, 8, device="cuda", dtype=torch.bfloat16, backward=True)
+    lw.check(w)  # flex has a backward on CUDA
+    flex = LocalWindowAttention(impl="flex")
+    with pytest.raises(Unsupported, match="no backward on the CPU"):
+        flex.check(Workload(1, 2, 64, 64, 8, 8, backward=True))
+    with pytest.raises(Unsupported, match="float64"):
+        flex.check(Workload(1, 2, 64, 64, 8, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        LocalWindowAttention(impl="triton")

@@ -10,10 +10,25 @@ strided views of them (``unfold``; the batched matmul copies each span once, ``(
 block`` times the size of K), so every block is scored in one batched matmul and no ``N x N``
 matrix exists, forward or backward.
 
+Three implementations of the same pattern, chosen by the ``impl`` knob (``impl_ran`` in the record):
+
+- ``sdpa``: the spans are copied out (``(block + 2 window) / block`` times the size of K and V) and
+  every block is one "head" of PyTorch's fused ``scaled_dot_product_attention`` with an additive band
+  mask of shape ``(1, nb, block, span)`` shared by all batch elements and heads (4-D, so the CPU picks
+  its fused flash kernel; a 3-D mask sends it to the unfused math path, 2.6x slower here). Scores,
+  softmax and the weighted sum stay inside the kernel, forward and backward.
+- ``blocked``: the same spans scored with batched matmuls and an in-place softmax in plain PyTorch
+  (the reference implementation: every step visible).
+- ``flex``: FlexAttention's compiled kernel with the window as a block mask (:mod:`variants.flex`);
+  no backward on the CPU; compiles once per shape.
+- ``auto`` (default): ``flex`` on CUDA (a Triton kernel that skips tiles outside the band), ``sdpa``
+  on the CPU (no compile, and faster there than compiled flex at N=2048-8192).
+
 Shapes: ``q (B, H, N, D)``, ``k (B, H, N, D)``, ``v (B, H, N, Dv)`` -> ``(B, H, N, Dv)``; self-attention
 only (``Nq == Nk``), with causal and key padding masks, no arbitrary ``attn_mask``.
-Time ``O(B H N (block + 2 window) D)``; memory ``O(B H N (block + 2 window))`` for the blocked scores:
-both linear in ``N`` at a fixed window. Low-precision inputs are accumulated in float32.
+Time ``O(B H N (block + 2 window) D)``; memory ``O(N (block + 2 window))`` for the shared mask
+(``O(B H N (block + 2 window))`` with key padding, or for the ``blocked`` scores): linear in ``N`` at a
+fixed window. ``blocked`` accumulates low-precision inputs in float32.
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionVariant
+from .base import AttentionVariant, Unsupported, Workload
 from .masks import softmax_blocked_, zero_empty_rows
 from .registry import register
 
@@ -37,6 +52,9 @@ def band_pairs(nq: int, nk: int, window: int, causal: bool) -> int:
     return sum(max(0, min(nq, nk + d) - max(0, d)) for d in range(lo, hi + 1))
 
 
+IMPLS = ("auto", "sdpa", "blocked", "flex")
+
+
 @register("local_window")
 class LocalWindowAttention(AttentionVariant):
     """Sliding-window attention of radius ``window``, scored in query blocks of ``block`` rows."""
@@ -44,19 +62,50 @@ class LocalWindowAttention(AttentionVariant):
     exact = False  # an approximation of full attention; its oracle is the softmax over the band
     supports_attn_mask = False
     supports_cross = False
-    example_knobs = ({"window": 3, "block": 4}, {"window": 5}, {"window": 2, "block": 5})
+    example_knobs = (
+        {"window": 3, "block": 4},
+        {"window": 5},
+        {"window": 2, "block": 5},
+        {"window": 3, "block": 4, "impl": "blocked"},
+    )
 
-    def __init__(self, window: int = 128, block: int | None = None) -> None:
+    def __init__(self, window: int = 128, block: int | None = None, impl: str = "auto") -> None:
         super().__init__()
         if window < 0:
             raise ValueError(f"window must be >= 0 (a radius in tokens), got {window}")
         if block is not None and block < 1:
             raise ValueError(f"block must be >= 1 or None, got {block}")
+        if impl not in IMPLS:
+            raise ValueError(f"local_window impl must be one of {', '.join(IMPLS)}; got '{impl}'")
         self.window = window
         self.block = block
+        self.impl = impl
+        self.impl_ran: str | None = None
+        self.__dict__["_flex"] = None  # built on first use; not a submodule (no state of its own)
 
     def knobs(self) -> dict[str, object]:
-        return {"window": self.window, "block": self.block}
+        return {"window": self.window, "block": self.block, "impl": self.impl}
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d["impl_ran"] = self.impl_ran
+        return d
+
+    def choose_impl(self, device: str) -> str:
+        """The implementation a call on ``device`` uses (``auto`` resolved)."""
+        if self.impl != "auto":
+            return self.impl
+        return "flex" if device == "cuda" else "sdpa"
+
+    def check(self, w: Workload) -> None:
+        super().check(w)
+        impl = self.choose_impl(w.device)
+        if impl == "flex":
+            # the flex variant's own facts: compiled kernels refuse float64, no CPU backward
+            if w.dtype == torch.float64:
+                raise Unsupported("local_window impl=flex does not support float64 (compiled kernels)")
+            if w.backward and w.device == "cpu":
+                raise Unsupported("local_window impl=flex has no backward on the CPU (FlexAttention)")
 
     def _block_size(self, n: int, window: int) -> int:
         # a block as wide as the window keeps the span (block + 2w) within 3x the useful band (2w + 1)
@@ -65,47 +114,108 @@ class LocalWindowAttention(AttentionVariant):
         return max(1, min(b, n))
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
-        bsz, h, n, d = q.shape
+        impl = self.choose_impl(q.device.type)
+        self.impl_ran = impl
+        if impl == "flex":
+            return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        if impl == "sdpa":
+            return self._sdpa_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        return self._blocked_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+    def _geometry(self, n: int, causal: bool) -> tuple[int, int, int, int, int, int]:
+        """``(w, b, nb, n_pad, span, right)``: clipped window, block, blocks, padded length, keys a
+        block can see, right padding of K/V so that ``unfold`` yields exactly ``nb`` spans."""
         w = min(self.window, n - 1)  # a wider window sees nothing more
         b = self._block_size(n, w)
         nb = -(-n // b)  # number of query blocks
         n_pad = nb * b
-        span = b + w if causal else b + 2 * w  # keys a query block can see
-        right = n_pad - n + (0 if causal else w)  # so that unfold yields exactly nb spans
+        span = b + w if causal else b + 2 * w
+        right = n_pad - n + (0 if causal else w)
+        return w, b, nb, n_pad, span, right
 
+    def _blocked_mask(
+        self, n: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        """True where query row ``r`` of block ``c`` may not see span slot ``t``: ``(nb, b, span)``, or
+        ``(B, 1, nb, b, span)`` with key padding."""
+        w, b, nb, n_pad, span, right = self._geometry(n, causal)
+        # query r of a block vs span slot t: i - j = r + w - t, independent of the block, so the
+        # band is one (b, span) matrix shared by all blocks
+        r = torch.arange(b, device=device)[:, None]  # (b, 1)
+        t = torch.arange(span, device=device)[None, :]  # (1, span)
+        outside = (t < r) | (t > r + (w if causal else 2 * w))  # (b, span)
+        # which span slots are not real keys (the padding added around K, or key padding), per block
+        absent = torch.ones(w + n_pad + right, dtype=torch.bool, device=device)  # (Lp,)
+        absent[w : w + n] = False
+        if key_padding_mask is not None:
+            absent = absent | ~F.pad(key_padding_mask.to(device), (w, n_pad - n + right))  # (B, Lp)
+        absent = absent.unfold(-1, span, b)  # (nb, span) or (B, nb, span)
+        if absent.dim() == 3:
+            return outside | absent[:, None, :, None, :]  # (B, 1, nb, b, span)
+        return outside | absent[:, None, :]  # (nb, b, span)
+
+    def _spans(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
+        """``x (B, H, N, E)`` padded and cut into the overlapping key spans: ``(B, H, nb, E, span)``,
+        a strided view (no copy yet)."""
+        w, b, _, _, span, right = self._geometry(x.shape[2], causal)
+        xp = F.pad(x, (0, 0, w, right))  # (B, H, w + Np + right, E)
+        # the span of block c holds padded positions [c*b, c*b + span), i.e. tokens c*b - w + t
+        return xp.unfold(2, span, b)  # (B, H, nb, E, span)
+
+    def _sdpa_attend(self, q, k, v, *, causal, key_padding_mask):
+        bsz, h, n, d = q.shape
+        dv = v.shape[-1]
+        _, b, nb, n_pad, span, _ = self._geometry(n, causal)
+        qp = F.pad(q, (0, 0, 0, n_pad - n)) if n_pad > n else q  # (B, H, Np, D)
+        qb = qp.reshape(bsz * h, nb, b, d)  # (B*H, nb, b, D): each block is one "head" of SDPA
+        ks = self._spans(k, causal).transpose(-2, -1).reshape(bsz * h, nb, span, d)  # copy
+        vs = self._spans(v, causal).transpose(-2, -1).reshape(bsz * h, nb, span, dv)  # copy
+        blocked = self._blocked_mask(n, causal, key_padding_mask, q.device)
+        if blocked.dim() == 5:  # key padding: one mask per batch element, repeated over heads
+            blocked = blocked.expand(bsz, h, nb, b, span).reshape(bsz * h, nb, b, span)
+        else:
+            blocked = blocked[None]  # (1, nb, b, span): 4-D, the CPU's fused kernel takes it
+        # a row that sees no key (padding all around) would come out NaN: let it see slot 0, then
+        # zero it (which also zeroes its gradients)
+        empty = blocked.all(dim=-1, keepdim=True)  # (B*H|1, nb, b, 1)
+        if bool(empty.any()):
+            blocked = blocked & ~(empty & (torch.arange(span, device=q.device) == 0))
+        else:
+            empty = None
+        bias = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill_(blocked, float("-inf"))
+        out = F.scaled_dot_product_attention(qb, ks, vs, attn_mask=bias)  # (B*H, nb, b, Dv)
+        if empty is not None:
+            out = out.masked_fill(empty, 0.0)
+        out = out.reshape(bsz, h, n_pad, dv)  # (B, H, Np, Dv)
+        return out[:, :, :n]  # padded queries dropped
+
+    def _blocked_attend(self, q, k, v, *, causal, key_padding_mask):
+        bsz, h, n, d = q.shape
+        _, b, nb, n_pad, _, _ = self._geometry(n, causal)
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         # scale q before the matmul: in low precision q k^T could overflow first
         qs = q.to(work) * d**-0.5  # (B, H, N, D)
         if n_pad > n:  # (F.pad copies even when there is nothing to pad)
             qs = F.pad(qs, (0, 0, 0, n_pad - n))  # (B, H, Np, D)
         qb = qs.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
-        kp = F.pad(k.to(work), (0, 0, w, right))  # (B, H, w + Np + right, D)
-        vp = F.pad(v.to(work), (0, 0, w, right))  # (B, H, w + Np + right, Dv)
-        # the span of block c holds padded positions [c*b, c*b + span), i.e. tokens c*b - w + t
-        ku = kp.unfold(2, span, b)  # (B, H, nb, D, span): already K^T per block
-        vu = vp.unfold(2, span, b).transpose(-2, -1)  # (B, H, nb, span, Dv)
-
-        # query r of a block vs span slot t: i - j = r + w - t, independent of the block, so the
-        # band is one (b, span) matrix shared by all blocks (True = blocked, to mask in place)
-        r = torch.arange(b, device=q.device)[:, None]  # (b, 1)
-        t = torch.arange(span, device=q.device)[None, :]  # (1, span)
-        outside = (t < r) | (t > r + (w if causal else 2 * w))  # (b, span)
-        # which span slots are not real keys (the padding added above, or key padding), per block
-        absent = torch.ones(w + n_pad + right, dtype=torch.bool, device=q.device)  # (Lp,)
-        absent[w : w + n] = False
-        if key_padding_mask is not None:
-            absent = absent | ~F.pad(key_padding_mask.to(q.device), (w, n_pad - n + right))  # (B, Lp)
-        absent = absent.unfold(-1, span, b)  # (nb, span) or (B, nb, span)
-        if absent.dim() == 3:
-            blocked = outside | absent[:, None, :, None, :]  # (B, 1, nb, b, span)
-        else:
-            blocked = outside | absent[:, None, :]  # (nb, b, span)
-
+        ku = self._spans(k.to(work), causal)  # (B, H, nb, D, span): already K^T per block
+        vu = self._spans(v.to(work), causal).transpose(-2, -1)  # (B, H, nb, span, Dv)
+        blocked = self._blocked_mask(n, causal, key_padding_mask, q.device)
         # the scores are not kept: softmax overwrites them, and only p is needed afterwards
         p = softmax_blocked_(qb @ ku, blocked)  # (B, H, nb, b, span)
         out = zero_empty_rows(p @ vu, blocked)  # (B, H, nb, b, Dv)
         out = out.reshape(bsz, h, n_pad, v.shape[-1])  # (B, H, Np, Dv)
         return out[:, :, :n].to(q.dtype)  # padded queries dropped
+
+    def _flex_attend(self, q, k, v, *, causal, key_padding_mask):
+        if self._flex is None:
+            from .flex import FlexAttention
+
+            # tiles of 128 (or the block, if given): the band is the predicate, the tile only how
+            # much the kernel can skip
+            flex = FlexAttention(pattern="window", window=self.window, block=self.block or 128)
+            self.__dict__["_flex"] = flex
+        return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
         i = torch.arange(nq)[:, None]  # (Nq, 1)
