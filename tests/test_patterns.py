@@ -346,3 +346,26 @@ def test_local_window_impl_choice_and_its_limits():
         flex.check(Workload(1, 2, 64, 64, 8, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="impl must be one of"):
         LocalWindowAttention(impl="triton")
+
+
+@pytest.mark.parametrize(
+    "name,knobs", [("local_window", {"window": 3, "block": 4}), ("sparse", {"block": 4})]
+)
+@pytest.mark.parametrize("causal,padding", [(False, False), (True, True)])
+def test_fused_pattern_paths_in_chunks_of_one_block_match_the_oracle(
+    monkeypatch, name, knobs, causal, padding
+):
+    import variants.masks as masks
+
+    monkeypatch.setattr(masks, "CHUNK_BYTES", 1)  # every query block its own call of the fused kernel
+    case = Case("chunks", b=2, h=2, nq=37, nk=37, d=8, dv=8, causal=causal, padding=padding)
+    q, k, v, kw = make_inputs(case, requires_grad=True)
+    attn = variants.build(name, **knobs)
+    out = attn(q, k, v, **kw)
+    assert attn.describe()["impl_ran"] == "sdpa"
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(oracle(attn, q, k, v, **kw), (q, k, v), g.double())
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) <= 1e-4

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant, Unsupported, Workload
-from .masks import softmax_blocked_, zero_empty_rows
+from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .registry import register
 
 
@@ -167,26 +167,26 @@ class LocalWindowAttention(AttentionVariant):
         dv = v.shape[-1]
         _, b, nb, n_pad, span, _ = self._geometry(n, causal)
         qp = F.pad(q, (0, 0, 0, n_pad - n)) if n_pad > n else q  # (B, H, Np, D)
-        qb = qp.reshape(bsz * h, nb, b, d)  # (B*H, nb, b, D): each block is one "head" of SDPA
-        ks = self._spans(k, causal).transpose(-2, -1).reshape(bsz * h, nb, span, d)  # copy
-        vs = self._spans(v, causal).transpose(-2, -1).reshape(bsz * h, nb, span, dv)  # copy
-        blocked = self._blocked_mask(n, causal, key_padding_mask, q.device)
-        if blocked.dim() == 5:  # key padding: one mask per batch element, repeated over heads
-            blocked = blocked.expand(bsz, h, nb, b, span).reshape(bsz * h, nb, b, span)
-        else:
-            blocked = blocked[None]  # (1, nb, b, span): 4-D, the CPU's fused kernel takes it
-        # a row that sees no key (padding all around) would come out NaN: let it see slot 0, then
-        # zero it (which also zeroes its gradients)
-        empty = blocked.all(dim=-1, keepdim=True)  # (B*H|1, nb, b, 1)
-        if bool(empty.any()):
-            blocked = blocked & ~(empty & (torch.arange(span, device=q.device) == 0))
-        else:
-            empty = None
-        bias = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill_(blocked, float("-inf"))
-        out = F.scaled_dot_product_attention(qb, ks, vs, attn_mask=bias)  # (B*H, nb, b, Dv)
-        if empty is not None:
-            out = out.masked_fill(empty, 0.0)
-        out = out.reshape(bsz, h, n_pad, dv)  # (B, H, Np, Dv)
+        qb = qp.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
+        ku = self._spans(k, causal)  # (B, H, nb, D, span), a view
+        vu = self._spans(v, causal)  # (B, H, nb, Dv, span), a view
+        blocked = self._blocked_mask(n, causal, key_padding_mask, q.device)  # (nb|B, ..., b, span)
+        # spans are copied out a chunk of blocks at a time (see masks.CHUNK_BYTES)
+        per_block = bsz * h * (span * (d + dv) + b * span) * q.element_size()
+        step = blocks_per_chunk(per_block, nb)
+        outs = []
+        for s in range(0, nb, step):
+            m = min(step, nb - s)
+            kc = ku[:, :, s : s + m].transpose(-2, -1).reshape(bsz * h, m, span, d)  # (B*H, m, span, D)
+            vc = vu[:, :, s : s + m].transpose(-2, -1).reshape(bsz * h, m, span, dv)  # (B*H, m, span, Dv)
+            if blocked.dim() == 5:  # key padding: one mask per batch element, repeated over heads
+                bc = blocked[:, :, s : s + m].expand(bsz, h, m, b, span).reshape(bsz * h, m, b, span)
+            else:
+                bc = blocked[None, s : s + m]  # (1, m, b, span): 4-D, the CPU's fused kernel takes it
+            # each block is one "head" of SDPA
+            out = sdpa_blocked(qb[:, :, s : s + m].reshape(bsz * h, m, b, d), kc, vc, bc)  # (B*H, m, b, Dv)
+            outs.append(out.view(bsz, h, m * b, dv))
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, H, Np, Dv)
         return out[:, :, :n]  # padded queries dropped
 
     def _blocked_attend(self, q, k, v, *, causal, key_padding_mask):

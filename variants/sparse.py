@@ -29,8 +29,12 @@ Shapes: ``q (B, H, N, D)``, ``k (B, H, N, D)``, ``v (B, H, N, Dv)`` -> ``(B, H, 
 only, with causal and key padding masks, no arbitrary ``attn_mask``. With ``S = 2 window_blocks + 1
 + global_blocks + ceil(nb / stride_blocks) + random_blocks`` slots, time ``O(B H N (S +
 global_blocks) block D)`` and memory ``O(B H N (S + global_blocks) block)``: linear in ``N`` at a
-fixed pattern without a stride. Low-precision inputs are
-accumulated in float32.
+fixed pattern without a stride.
+
+The gathered blocks are scored by ``impl``: ``sdpa`` (``auto``) makes every query block one "head" of
+PyTorch's fused ``scaled_dot_product_attention`` with a 4-D additive mask (scores, softmax and the
+weighted sum inside the kernel, forward and backward); ``blocked`` does the same with batched matmuls
+and an in-place softmax in plain PyTorch, accumulating low-precision inputs in float32.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant
-from .masks import softmax_blocked_, zero_empty_rows
+from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .registry import register
+
+IMPLS = ("auto", "sdpa", "blocked")
 
 
 def block_layout(
@@ -106,6 +112,7 @@ class BlockSparseAttention(AttentionVariant):
         {"block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1},
         {"block": 5, "window_blocks": 0, "global_blocks": 1, "random_blocks": 2, "seed": 3},
         {"block": 3, "window_blocks": 1, "global_blocks": 0, "random_blocks": 1, "stride_blocks": 3},
+        {"block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "impl": "blocked"},
     )
 
     def __init__(
@@ -116,8 +123,11 @@ class BlockSparseAttention(AttentionVariant):
         random_blocks: int = 1,
         seed: int = 0,
         stride_blocks: int = 0,
+        impl: str = "auto",
     ) -> None:
         super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"sparse impl must be one of {', '.join(IMPLS)}; got '{impl}'")
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if min(window_blocks, global_blocks, random_blocks, stride_blocks) < 0:
@@ -131,6 +141,8 @@ class BlockSparseAttention(AttentionVariant):
         self.random_blocks = random_blocks
         self.seed = seed
         self.stride_blocks = stride_blocks
+        self.impl = impl
+        self.impl_ran: str | None = None
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def knobs(self) -> dict[str, object]:
@@ -141,7 +153,17 @@ class BlockSparseAttention(AttentionVariant):
             "random_blocks": self.random_blocks,
             "seed": self.seed,
             "stride_blocks": self.stride_blocks,
+            "impl": self.impl,
         }
+
+    def choose_impl(self, device: str) -> str:
+        """The implementation a call on ``device`` uses (``auto`` resolved: ``sdpa``)."""
+        return "sdpa" if self.impl == "auto" else self.impl
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d["impl_ran"] = self.impl_ran
+        return d
 
     def layout(self, n: int, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index, valid)`` key-block table ``(nb, S)`` for length ``n`` (see :func:`block_layout`)."""
@@ -159,6 +181,7 @@ class BlockSparseAttention(AttentionVariant):
         return self._tables[nb, causal]
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        self.impl_ran = self.choose_impl(q.device.type)
         bsz, h, n, d = q.shape
         dv = v.shape[-1]
         b = self.block
@@ -176,9 +199,7 @@ class BlockSparseAttention(AttentionVariant):
         index, valid = index.to(dev), valid.to(dev)
 
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        # scale q before the matmul: in low precision q k^T could overflow first
-        qs = q.to(work) * d**-0.5  # (B, H, N, D)
-        kw, vw = k.to(work), v.to(work)
+        kw, vw = k.to(work), v.to(work)  # (no copy in float32)
         kpm = key_padding_mask.to(dev) if key_padding_mask is not None else None
         outs = []
 
@@ -190,21 +211,23 @@ class BlockSparseAttention(AttentionVariant):
             if kpm is not None:
                 pad = ~kpm[:, None, None, :]  # (B, 1, 1, N)
                 blocked = pad if blocked is None else blocked | pad  # (B, 1, ng|1, N)
-            p = softmax_blocked_(qs[:, :, :ng] @ kw.transpose(-2, -1), blocked)  # (B, H, ng, N)
+            # scale q before the matmul: in low precision q k^T could overflow first
+            qg = q[:, :, :ng].to(work) * d**-0.5  # (B, H, ng, D)
+            p = softmax_blocked_(qg @ kw.transpose(-2, -1), blocked)  # (B, H, ng, N)
             outs.append(zero_empty_rows(p @ vw, blocked))  # (B, H, ng, Dv)
 
         # the other query blocks: each against its own gathered key blocks
         if ng < n:
             nr = nb - g  # number of non-global query blocks
-            if n_pad > n:  # (F.pad copies even when there is nothing to pad)
-                qs, kw, vw = (F.pad(x, (0, 0, 0, n_pad - n)) for x in (qs, kw, vw))  # (B, H, Np, *)
-            qb = qs.view(bsz, h, nb, b, d)[:, :, g:]  # (B, H, nr, b, D)
-            kb = kw.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
-            vb = vw.view(bsz, h, nb, b, dv)  # (B, H, nb, b, Dv)
             idx = index[g:]  # (nr, S)
-            # index_select copies whole blocks; it is faster than advanced indexing here
-            kg = kb.index_select(2, idx.reshape(-1)).view(bsz, h, nr, slots * b, d)  # (B, H, nr, S*b, D)
-            vg = vb.index_select(2, idx.reshape(-1)).view(bsz, h, nr, slots * b, dv)  # (B, H, nr, S*b, Dv)
+            sdpa = self.choose_impl(dev.type) == "sdpa"
+            # sdpa: native dtype, unscaled (the kernel scales); blocked: scaled, accumulated in `work`
+            qx, kx, vx = (q, k, v) if sdpa else (q.to(work) * d**-0.5, kw, vw)
+            if n_pad > n:  # (F.pad copies even when there is nothing to pad)
+                qx, kx, vx = (F.pad(x, (0, 0, 0, n_pad - n)) for x in (qx, kx, vx))  # (B, H, Np, *)
+            qb = qx.view(bsz, h, nb, b, d)[:, :, g:]  # (B, H, nr, b, D)
+            kb = kx.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
+            vb = vx.view(bsz, h, nb, b, dv)  # (B, H, nb, b, Dv)
 
             # token index of every gathered key; a slot is unusable if invalid or past the end
             key_tok = (idx[:, :, None] * b + torch.arange(b, device=dev)).reshape(nr, slots * b)  # (nr, S*b)
@@ -218,9 +241,36 @@ class BlockSparseAttention(AttentionVariant):
                 blocked = blocked | (key_tok[:, None, :] > q_tok)  # (nr, b, S*b) or (B, nr, b, S*b)
             if blocked.dim() == 4:
                 blocked = blocked[:, None]  # (B, 1, nr, b|1, S*b)
-            # the scores are not kept: softmax overwrites them, and only p is needed afterwards
-            p = softmax_blocked_(qb @ kg.transpose(-2, -1), blocked)  # (B, H, nr, b, S*b)
-            out = zero_empty_rows(p @ vg, blocked)  # (B, H, nr, b, Dv)
+            blocked = blocked.expand(*blocked.shape[:-2], b, slots * b)  # (..., nr, b, S*b)
+
+            # gathered a chunk of query blocks at a time (see masks.CHUNK_BYTES)
+            per_block = bsz * h * slots * b * (d + dv + b) * q.element_size()
+            step = blocks_per_chunk(per_block, nr) if sdpa else nr
+            outs_r = []
+            for s in range(0, nr, step):
+                m = min(step, nr - s)
+                ii = idx[s : s + m].reshape(-1)  # (m*S,)
+                # index_select copies whole blocks; it is faster than advanced indexing here
+                kg = kb.index_select(2, ii).view(bsz, h, m, slots * b, d)  # (B, H, m, S*b, D)
+                vg = vb.index_select(2, ii).view(bsz, h, m, slots * b, dv)  # (B, H, m, S*b, Dv)
+                bc = blocked[..., s : s + m, :, :]  # (m, b, S*b) or (B, 1, m, b, S*b)
+                if sdpa:  # every query block is one "head" of the fused kernel, with a 4-D mask
+                    if bc.dim() == 5:  # key padding: per batch element, repeated over heads
+                        bc = bc.expand(bsz, h, m, b, slots * b).reshape(bsz * h, m, b, slots * b)
+                    else:
+                        bc = bc[None]  # (1, m, b, S*b)
+                    o = sdpa_blocked(
+                        qb[:, :, s : s + m].reshape(bsz * h, m, b, d),  # (B*H, m, b, D)
+                        kg.view(bsz * h, m, slots * b, d),  # (B*H, m, S*b, D)
+                        vg.view(bsz * h, m, slots * b, dv),  # (B*H, m, S*b, Dv)
+                        bc,
+                    )  # (B*H, m, b, Dv)
+                else:
+                    # the scores are not kept: softmax overwrites them, only p is needed afterwards
+                    p = softmax_blocked_(qb[:, :, s : s + m] @ kg.transpose(-2, -1), bc)  # (B, H, m, b, S*b)
+                    o = zero_empty_rows(p @ vg, bc)  # (B, H, m, b, Dv)
+                outs_r.append(o.reshape(bsz, h, m * b, dv))
+            out = torch.cat(outs_r, dim=2) if len(outs_r) > 1 else outs_r[0]
             out = out.reshape(bsz, h, nr * b, dv)  # (B, H, nr*b, Dv)
             outs.append(out[:, :, : n - ng])  # padded queries dropped
         return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, N, Dv)
