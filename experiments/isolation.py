@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .concurrency import pid_alive
@@ -88,11 +88,20 @@ def _standard_start_method(ctx: Any) -> Iterator[None]:
         default._actual_context = saved
 
 
-def run_isolated(cfg: dict[str, Any], timeout_s: float, roofline: bool = False) -> dict[str, Any]:
+HEARTBEAT_S = 10.0  # a job running longer than this says so, every this many seconds
+
+
+def run_isolated(
+    cfg: dict[str, Any],
+    timeout_s: float,
+    roofline: bool = False,
+    heartbeat: Callable[[float], None] | None = None,
+) -> dict[str, Any]:
     """``measure(cfg, roofline)`` in a fresh child process; adds statuses ``timeout`` and ``killed``.
 
     Also reports ``wall_s``: wall time of the whole child (the caller subtracts the measurement
-    time to get the overhead).
+    time to get the overhead). ``heartbeat(elapsed_s)`` is called every :data:`HEARTBEAT_S` seconds
+    while the child runs (a long job shows it is alive).
     """
     ctx = context_for(cfg["device"])
     recv, send = ctx.Pipe(duplex=False)
@@ -103,7 +112,15 @@ def run_isolated(cfg: dict[str, Any], timeout_s: float, roofline: bool = False) 
     send.close()  # so recv sees EOF if the child dies
     result: dict[str, Any] | None = None
     try:
-        if recv.poll(timeout_s):
+        ready = False
+        while not ready:
+            left = timeout_s - (time.perf_counter() - t0)
+            if left <= 0:
+                break
+            ready = recv.poll(min(left, HEARTBEAT_S))
+            if not ready and heartbeat is not None and time.perf_counter() - t0 < timeout_s:
+                heartbeat(time.perf_counter() - t0)
+        if ready:
             try:
                 result = recv.recv()
             except EOFError:

@@ -31,6 +31,16 @@ def following() -> bool:
     return _active.is_set()
 
 
+def say(line: str) -> None:
+    """Print a line for the person watching: above the progress bar when this process draws one."""
+    if following():
+        from tqdm import tqdm
+
+        tqdm.write(line)
+    else:
+        print(line, flush=True)
+
+
 class ManifestFollower:
     """Polls ``<sweep_dir>/manifest.jsonl`` in a thread; ``bar`` (tqdm or None) counts the jobs."""
 

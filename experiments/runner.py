@@ -24,6 +24,7 @@ from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registere
 
 from .concurrency import measuring
 from .environment import environment, variant_code_version
+from .progress import say
 from .records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
 from .schema import register_schema, validate
 
@@ -212,7 +213,11 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
 
         with measuring() as concurrent:  # other jobs measuring on this host meanwhile
             if cfg["isolate"]:
-                result = run_isolated(cfg, cfg["timeout_s"], roofline=want_roof)
+
+                def alive(elapsed: float) -> None:
+                    say(f"[{label}] still running: {elapsed:.0f} s (timeout_s={cfg['timeout_s']:g})")
+
+                result = run_isolated(cfg, cfg["timeout_s"], roofline=want_roof, heartbeat=alive)
             else:
                 result = run_inline(cfg, roofline=want_roof)
             result.setdefault("figures", {})["concurrent_jobs"] = concurrent()

@@ -178,6 +178,18 @@ def test_isolated_job_records_its_process_high_water_mark():
     assert f["peak_mib"] < f["process_max_rss_mib"] < f["peak_mib"] + 4096
 
 
+def test_a_long_job_shows_it_is_alive(monkeypatch):
+    import experiments.isolation as iso
+
+    monkeypatch.setattr(iso, "HEARTBEAT_S", 1.0)
+    cfg = job_cfg(variant="naive", **SMALL)
+    cfg["variant"]["_target_"] = "tests.faulty.HangingAttention"
+    beats = []
+    res = run_isolated(cfg, timeout_s=6, heartbeat=beats.append)
+    assert res["status"] == "timeout"
+    assert len(beats) >= 2 and beats == sorted(beats) and beats[-1] < 6  # (the start takes a while)
+
+
 def test_hang_becomes_timeout_and_kill_becomes_killed():
     cfg = job_cfg(variant="naive", **SMALL)
     cfg["variant"]["_target_"] = "tests.faulty.HangingAttention"
