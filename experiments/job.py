@@ -49,6 +49,9 @@ def _timing_fields(prefix: str, t: Timing | None) -> dict[str, float | int | Non
         f"{prefix}_q1_s": t.q1_s,
         f"{prefix}_q3_s": t.q3_s,
         f"{prefix}_reps": t.reps,
+        f"{prefix}_samples": t.samples,
+        f"{prefix}_unstable": not t.stable,  # too few samples, or an IQR above 10% of the median
+        f"{prefix}_cpu_per_wall": t.cpu_per_wall,
     }
 
 

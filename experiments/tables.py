@@ -36,7 +36,8 @@ LEGEND = (
     f"correctness check failed, so its figures are not shown; `{NO_RECORD}` = no job was run there; "
     f"a time marked `*` was measured beside other work: other jobs of this suite measuring on the "
     f"same host (`concurrent_jobs`), or other processes keeping more than {LOADED_CORES:g} CPU cores "
-    "busy on average (`others_cpu_cores`); it may be inflated."
+    "busy on average (`others_cpu_cores`); it may be inflated. `unstable`: the timed runs never reached "
+    "an IQR within 10% of the median (or fewer than 4 samples) in the figure's time budget."
 )
 
 
@@ -82,14 +83,17 @@ def usable(df: pd.DataFrame) -> pd.Series:
 
 
 def mode_times(df: pd.DataFrame) -> pd.DataFrame:
-    """``time_s``, ``iqr_s``, ``q1_s``, ``q3_s`` of each row's own mode (fwd or fwd_bwd)."""
+    """``time_s``, ``iqr_s``, ``q1_s``, ``q3_s`` and ``unstable`` of each row's own mode (fwd or fwd_bwd)."""
     out = pd.DataFrame(index=df.index, columns=["time_s", "iqr_s", "q1_s", "q3_s"], dtype=float)
+    out["unstable"] = False
     for mode in df["mode"].dropna().unique():
         rows = df["mode"] == mode
-        for col in out.columns:
+        for col in ["time_s", "iqr_s", "q1_s", "q3_s"]:
             src = f"{mode}_{col.replace('time', 'median')}"
             if src in df:
                 out.loc[rows, col] = pd.to_numeric(df.loc[rows, src], errors="coerce")
+        if f"{mode}_unstable" in df:  # records from before the flag existed count as stable
+            out.loc[rows, "unstable"] = df.loc[rows, f"{mode}_unstable"].map(lambda v: v is True)
     return out
 
 
@@ -199,7 +203,7 @@ def speed_table(df: pd.DataFrame) -> Section:
         FLOPS_NOTE + " Time: median of the timed runs of the mode, in ms, with the interquartile range; "
         "IQR n/a = one timed block, so no spread was measured.",
     )
-    df = df.assign(time_ms=t["time_s"] * 1e3, iqr_ms=t["iqr_s"] * 1e3)
+    df = df.assign(time_ms=t["time_s"] * 1e3, iqr_ms=t["iqr_s"] * 1e3, unstable=t["unstable"])
     for title, sub in groups(df, keys):
         sec.parts.append(
             (f"{title}: median time, ms (IQR)", pivot_cells(sub, _value_cell(_time_text))),
@@ -224,6 +228,7 @@ def speed_table(df: pd.DataFrame) -> Section:
         {
             "time_ms": df["time_ms"],
             "iqr_ms": df["iqr_ms"],
+            "unstable": df["unstable"],
             "q1_ms": t["q1_s"] * 1e3,
             "q3_ms": t["q3_s"] * 1e3,
             "graph_ms": _col(df, "fwd_graph_median_s") * 1e3,
@@ -259,6 +264,8 @@ def _time_text(row: pd.Series) -> str:
     beside = pd.to_numeric(row.get("concurrent_jobs"), errors="coerce")
     loaded = (pd.notna(busy) and busy > LOADED_CORES) or (pd.notna(beside) and beside > 0)
     mark = " *" if loaded else ""
+    if row.get("unstable") is True:
+        mark += " unstable"
     return f"{num(row['time_ms'])} ({spread}){mark}"
 
 

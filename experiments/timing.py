@@ -1,8 +1,15 @@
 """Timing one callable: median and inter-quartile range over many repetitions.
 
-CPU: ``torch.utils.benchmark.Timer.blocked_autorange`` (warm-up, blocks of runs sized from a
+CPU: ``torch.utils.benchmark.Timer.adaptive_autorange`` (warm-up, blocks of runs sized from a
 first estimate, thread count pinned to the current one). CUDA: CUDA events around each repetition,
 with the L2 cache flushed in between, and optionally a CUDA-graph replay figure.
+
+Every figure repeats until it is stable (at least :data:`MIN_SAMPLES` samples and an IQR within
+:data:`STABLE_IQR` of the median) or its budget runs out: :data:`BUDGET_FACTOR` times
+``min_run_time``, stretched so that a slow call still gets its samples, at most
+:data:`MAX_BUDGET_S`. A figure that is still not stable says so (:attr:`Timing.stable`); the tables
+mark it. Each figure also records its process CPU time over its wall time (:attr:`Timing.cpu_per_wall`:
+about the thread count on a quiet machine, less when the cores were shared).
 """
 
 from __future__ import annotations
@@ -15,35 +22,70 @@ from dataclasses import dataclass
 import torch
 import torch.utils.benchmark as tbench
 
+STABLE_IQR = 0.10  # a figure is stable when its IQR is within this fraction of its median ...
+MIN_SAMPLES = 4  # ... over at least this many samples (blocks on the CPU, calls on CUDA)
+BUDGET_FACTOR = 5.0  # a figure may take this many times min_run_time to become stable ...
+MAX_BUDGET_S = 60.0  # ... stretched for slow calls up to this many seconds
+
 
 @dataclass
 class Timing:
-    """Seconds per call: median and quartiles over ``reps`` repetitions (blocks on CPU)."""
+    """Seconds per call: median and quartiles over ``samples`` samples of ``reps`` calls in all."""
 
     median_s: float
     q1_s: float
     q3_s: float
     reps: int
+    samples: int = 1
+    cpu_per_wall: float | None = None
 
     @property
     def iqr_s(self) -> float:
         return self.q3_s - self.q1_s
+
+    @property
+    def stable(self) -> bool:
+        """Enough samples, and an IQR within ``STABLE_IQR`` of the median."""
+        return self.samples >= MIN_SAMPLES and self.iqr_s <= STABLE_IQR * self.median_s
+
+
+def is_stable(times: list[float]) -> bool:
+    """Whether per-call ``times`` already make a stable figure (see :class:`Timing`)."""
+    return len(times) >= MIN_SAMPLES and _summary(times).stable
+
+
+def budget_s(min_run_time: float, one_call_s: float) -> float:
+    """Seconds a figure may take to become stable: enough for its samples even when a call is slow."""
+    return min(MAX_BUDGET_S, max(BUDGET_FACTOR * min_run_time, (MIN_SAMPLES + 0.5) * one_call_s))
 
 
 def _summary(times: list[float]) -> Timing:
     """Median and quartiles of per-call ``times`` (seconds), one repetition each."""
     times = sorted(times)
     q1, med, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
-    return Timing(median_s=med, q1_s=q1, q3_s=q3, reps=len(times))
+    return Timing(median_s=med, q1_s=q1, q3_s=q3, reps=len(times), samples=len(times))
 
 
 def time_cpu(fn: Callable[[], object], min_run_time: float = 1.0, threads: int | None = None) -> Timing:
-    """Time ``fn`` on the CPU with ``Timer.blocked_autorange`` (it warms up first)."""
+    """Time ``fn`` on the CPU with ``Timer.adaptive_autorange``: blocks of calls until the figure is
+    stable or its budget (:func:`budget_s`) is spent."""
+    t0 = time.perf_counter()
+    fn()  # warm-up, and a first estimate of one call
+    budget = budget_s(min_run_time, time.perf_counter() - t0)
     timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads or torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=min_run_time)
+    c0, w0 = time.process_time(), time.perf_counter()
+    m = timer.adaptive_autorange(threshold=STABLE_IQR, min_run_time=min_run_time, max_run_time=budget)
+    cpu_per_wall = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
     times = sorted(m.times)  # per-call seconds, one per block
     q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
-    return Timing(median_s=m.median, q1_s=q1, q3_s=q3, reps=len(times) * m.number_per_run)
+    return Timing(
+        median_s=m.median,
+        q1_s=q1,
+        q3_s=q3,
+        reps=len(times) * m.number_per_run,
+        samples=len(times),
+        cpu_per_wall=cpu_per_wall,
+    )
 
 
 def time_cuda(
@@ -69,15 +111,24 @@ def time_cuda(
     torch.cuda.synchronize()
     one = max(statistics.median(s.elapsed_time(e) for s, e in est) / 1e3, 1e-6)
     reps = int(min(1000, max(10, min_run_time / one)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends, strict=True):
-        flush.zero_()  # evict what the last call left in L2, outside the window
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return _summary([s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)])
+    budget = budget_s(min_run_time, one)
+    times: list[float] = []
+    c0, w0 = time.process_time(), time.perf_counter()
+    while True:  # batches of reps until the figure is stable or its budget is spent
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for s, e in zip(starts, ends, strict=True):
+            flush.zero_()  # evict what the last call left in L2, outside the window
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        times += [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)]
+        if is_stable(times) or sum(times) >= budget or len(times) >= 10_000:
+            break
+    t = _summary(times)
+    t.cpu_per_wall = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
+    return t
 
 
 def time_cuda_graph(fn: Callable[[], object], min_run_time: float = 1.0) -> tuple[Timing | None, str | None]:
@@ -122,9 +173,13 @@ def time_backward(
     if device == "cuda":
         return _time_backward_cuda(forward, backward, min_run_time, min_reps)
     times: list[float] = []
+    t0 = time.perf_counter()
     backward(forward())  # warm-up
+    budget = budget_s(min_run_time, time.perf_counter() - t0)
     total = 0.0
-    while len(times) < min_reps or total < min_run_time:
+    c0, w0 = time.process_time(), time.perf_counter()
+    # enough calls, then on until stable or out of budget
+    while len(times) < min_reps or total < min_run_time or (not is_stable(times) and total < budget):
         graph = forward()
         t0 = time.perf_counter()
         backward(graph)
@@ -134,7 +189,9 @@ def time_backward(
         total += t
         if len(times) >= 1000:
             break
-    return _summary(times)
+    summary = _summary(times)
+    summary.cpu_per_wall = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
+    return summary
 
 
 def _time_backward_cuda(
@@ -147,8 +204,10 @@ def _time_backward_cuda(
     """CUDA events around each backward; its forward and the L2 flush are enqueued before the start
     event, and the host never waits inside the loop (one synchronisation per batch of repetitions)."""
     flush = torch.empty(flush_mib * 2**20, dtype=torch.uint8, device="cuda")
+    t0 = time.perf_counter()
     backward(forward())  # warm-up
     torch.cuda.synchronize()
+    budget = budget_s(min_run_time, time.perf_counter() - t0)
     times: list[float] = []
     batch = min_reps
     while True:
@@ -165,7 +224,8 @@ def _time_backward_cuda(
         torch.cuda.synchronize()
         times += [s.elapsed_time(e) / 1e3 for s, e in events]
         total = sum(times)
-        if total >= min_run_time or len(times) >= 1000:
+        done = total >= min_run_time and (is_stable(times) or total >= budget)
+        if done or len(times) >= 1000:
             return _summary(times)
         # enough repetitions to fill the rest of min_run_time at the rate seen so far
         batch = int(min(1000 - len(times), max(min_reps, (min_run_time - total) / (total / len(times)))))

@@ -355,6 +355,7 @@ def test_loaded_times_are_marked_and_skipped_files_are_named_in_the_report(sweep
     for i, r in enumerate(recs):
         r["figures"]["others_cpu_cores"] = 1.2 if r["config"]["seq_len"] == 64 else 0.1
         r["figures"]["concurrent_jobs"] = 0  # (the fixture's three sweeps did run side by side)
+        r["figures"]["fwd_unstable"] = r["config"]["seq_len"] == 128
         write_record({**r, "started_at": f"{r['started_at']}{i}"}, tmp_path / "recs")
     (tmp_path / "recs" / "junk.json").write_bytes(b"\x8b\x00 not json")
     (tmp_path / "recs" / "list.json").write_text("[1, 2]")
@@ -367,6 +368,8 @@ def test_loaded_times_are_marked_and_skipped_files_are_named_in_the_report(sweep
     speed = T.speed_table(shown)
     assert cell(speed, "median time", "naive", 64).endswith(" *")  # measured beside 1.2 busy cores
     assert not cell(speed, "median time", "naive", 128).endswith("*")
+    assert cell(speed, "median time", "naive", 128).endswith(" unstable")  # its timed runs never settled
+    assert "unstable" not in cell(speed, "median time", "naive", 64)
     # the fixture's parallel sweeps: jobs that measured beside another job of the suite are marked
     fixture = T.speed_table(T.select(store.load([tmp / "records"], verbose=False)))
     recs = [r for r in raw_records(tmp / "records") if r["status"] == "ok" and r["figures"]["valid"]]
