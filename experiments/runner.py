@@ -255,7 +255,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     line = summary_line(record)
     _manifest(sweep_dir, chash, path, record["status"], line=line)
     _say(line)
-    log.info("record: %s", path)
+    log.debug("record: %s", path)  # the manifest lists it; the terminal shows the summary line
     if record["status"] == "error" and hc.mode != RunMode.MULTIRUN:
         raise SystemExit(1)  # a single run that failed says so; a sweep says so at its end
     return record
