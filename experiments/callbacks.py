@@ -102,8 +102,7 @@ class SweepCallback(Callback):
         warn_parallel_timing(config)
         # tqdm draws only on a terminal: no bar in logs or CI
         self.bar = tqdm(total=count_jobs(config), desc="sweep", unit="job", disable=not sys.stderr.isatty())
-        write = tqdm.write if not self.bar.disable else print
-        self.follower = ManifestFollower(Path(config.hydra.sweep.dir), self.bar, write).start()
+        self.follower = ManifestFollower(Path(config.hydra.sweep.dir), self.bar).start()
         if threading.current_thread() is threading.main_thread():
             handler = functools.partial(self._interrupted, config)
             signal.signal(signal.SIGINT, handler)

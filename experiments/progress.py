@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +43,10 @@ def say(line: str) -> None:
 class ManifestFollower:
     """Polls ``<sweep_dir>/manifest.jsonl`` in a thread; ``bar`` (tqdm or None) counts the jobs."""
 
-    def __init__(
-        self, sweep_dir: Path, bar: Any = None, write: Callable[[str], None] = print, poll_s: float = 0.5
-    ) -> None:
+    def __init__(self, sweep_dir: Path, bar: Any = None, poll_s: float = 0.5) -> None:
         self.path = sweep_dir / "manifest.jsonl"
         self.bar = bar
-        self.write = write
         self.poll_s = poll_s
-        self.done = 0
         self._offset = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="attnbench-progress", daemon=True)
@@ -75,7 +70,7 @@ class ManifestFollower:
             self.poll()
 
     def poll(self) -> None:
-        """Read the manifest's complete new lines: count them, print other processes' summaries."""
+        """Read the manifest's complete new lines: advance the bar, print each job's summary line."""
         with self._lock:
             try:
                 with open(self.path, "rb") as f:
@@ -90,11 +85,10 @@ class ManifestFollower:
                     entry = json.loads(raw)
                 except ValueError:
                     continue
-                self.done += 1
                 if self.bar is not None:
                     self.bar.update(1)
                 if entry.get("line"):
-                    self.write(entry["line"])
+                    say(entry["line"])
 
 
 def descendants(pid: int) -> list[int]:

@@ -24,7 +24,7 @@ from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registere
 
 from .concurrency import measuring
 from .environment import environment, variant_code_version
-from .progress import say
+from .progress import following, say
 from .records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
 from .schema import register_schema, validate
 
@@ -46,11 +46,11 @@ def handle_sigterm() -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
-def register_variant_configs() -> list[str]:
+def register_variant_configs() -> None:
     """A ``variant/<name>`` config node for every registered variant without a YAML file in
     ``conf/variant`` (third-party plugins): ``_target_`` and the constructor's knobs with their
     defaults (``???`` where there is none), so ``variant=<name>``, ``variant.<knob>=...`` and
-    ``'variant=glob(*)'`` include it. Returns the names it added."""
+    ``'variant=glob(*)'`` include it."""
     from hydra.core.config_store import ConfigStore
 
     import variants
@@ -58,7 +58,6 @@ def register_variant_configs() -> list[str]:
     from .preflight import CONF
 
     have = {p.stem for p in (CONF / "variant").glob("*.yaml")}
-    added = []
     for name in variants.available():
         if name in have:
             continue
@@ -72,8 +71,6 @@ def register_variant_configs() -> list[str]:
             elif default is None or isinstance(default, (bool, int, float, str)):
                 node[knob] = default
         ConfigStore.instance().store(group="variant", name=name, node=node)
-        added.append(name)
-    return added
 
 
 def register_hydra_pieces() -> None:
@@ -281,8 +278,6 @@ def _write_somewhere(record: dict[str, Any], records_dir: Path, sweep_dir: Path)
 def _say(line: str) -> None:
     """A job's line for the terminal, unless this process's manifest follower shows it (above the
     progress bar) once the manifest has it."""
-    from .progress import following
-
     if not following():
         print(line, flush=True)
 
@@ -314,7 +309,6 @@ def _manifest(
     the job's summary ``line`` for the submitting process to show (:mod:`experiments.progress`)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     entry = {"config_hash": chash, "record": None if path is None else str(path), "status": status}
-    entry["pid"] = os.getpid()
     if reason is not None:
         entry["reason"] = reason
     if line is not None:
