@@ -1,20 +1,78 @@
-"""Pattern variants against compiled FlexAttention with the same pattern and against dense SDPA.
+"""Pattern variants against FlexAttention with the same pattern and against dense SDPA (issue 12).
 
-Forward on the CPU (flex has no CPU backward), interleaved round by round in one process, median and
-min-max of the rounds per call; prints one row per length with the ratios issue 12 asks about.
+Contenders are timed interleaved, round by round, in one process; each cell is the median over the
+rounds and the min-max of the rounds. CPU: forward only (flex has no CPU backward), one wall-clock
+call per round. CUDA: the harness's CUDA-event timer (``experiments.timing.time_cuda``), forward or
+forward+backward. Prints one row per contender and length: ms, useful TFLOP/s (the variant's own
+pair count, DESIGN.md), and for flex the TFLOP/s over the tiles its block mask visits.
 
     python scripts/pattern_vs_flex.py --lengths 1024 2048 4096 8192 16384 --rounds 7
+    python scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 \\
+        --shape 1 8 64 --shape 4 16 128
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 import variants
+from experiments.timing import time_cuda
+from variants.flex import FlexAttention
+
+
+def contenders(window: int, block: int, device: str) -> dict[str, variants.AttentionVariant]:
+    """The variants compared; on CUDA the pattern variants' ``auto`` is flex, so their fused-SDPA
+    route is shown beside it."""
+    c = {
+        "local_window": variants.build("local_window", window=window),
+        "flex window": variants.build("flex", pattern="window", window=window, block=128),
+        "sparse": variants.build("sparse", block=block),
+        "flex sparse": variants.build("flex", pattern="sparse", block=block),
+        "sdpa (dense)": variants.build("sdpa"),
+    }
+    if device == "cuda":
+        c["local_window[sdpa]"] = variants.build("local_window", window=window, impl="sdpa")
+        c["sparse[sdpa]"] = variants.build("sparse", block=block, impl="sdpa")
+    else:
+        c["local_window[blocked]"] = variants.build("local_window", window=window, impl="blocked")
+    return {name: attn.to(device) for name, attn in c.items()}
+
+
+def visited_pairs(attn: variants.AttentionVariant, q: torch.Tensor, k: torch.Tensor) -> int | None:
+    """Pairs inside the tiles a flex block mask visits (partial and full tiles), per (batch, head)."""
+    flex = attn if isinstance(attn, FlexAttention) else getattr(attn, "_flex", None)
+    if flex is None:
+        return None
+    bm = flex._block_mask(q, k, False, None, None)
+    if bm is None:
+        return None
+    tiles = bm.kv_num_blocks.sum() + (bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0)
+    qt, kt = bm.BLOCK_SIZE
+    return int(tiles) * qt * kt // (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
+
+
+def call(
+    attn: variants.AttentionVariant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str
+) -> Callable:
+    if mode == "fwd":
+
+        def fwd() -> None:
+            with torch.no_grad():
+                attn(q, k, v)
+
+        return fwd
+    grad = torch.randn_like(q)
+
+    def fwd_bwd() -> None:
+        attn(q, k, v).backward(grad)
+
+    return fwd_bwd
 
 
 def main() -> None:
@@ -24,43 +82,93 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--block", type=int, default=64, help="sparse block (flex sparse uses the same)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--mode", default="fwd", choices=["fwd", "fwd_bwd"])
+    ap.add_argument("--shape", type=int, nargs=3, action="append", metavar=("B", "H", "D"))
+    ap.add_argument("--min-run-time", type=float, default=0.2, help="CUDA: seconds per timing")
+    ap.add_argument("--json", help="write every cell here")
     args = ap.parse_args()
+    if args.mode == "fwd_bwd" and args.device == "cpu":
+        ap.error("--mode fwd_bwd needs --device cuda (flex has no CPU backward)")
     torch.set_num_threads(args.threads)
-    print(f"B=1 H=8 D=64 fp32, fwd, {args.threads} threads, window {args.window}, sparse block {args.block}")
-    contenders = {
-        "local_window": variants.build("local_window", window=args.window),
-        "local_window[blocked]": variants.build("local_window", window=args.window, impl="blocked"),
-        "flex window": variants.build("flex", pattern="window", window=args.window, block=128),
-        "sparse": variants.build("sparse", block=args.block),
-        "flex sparse": variants.build("flex", pattern="sparse", block=args.block),
-        "sdpa (dense)": variants.build("sdpa"),
-    }
-    for n in args.lengths:
-        torch._dynamo.reset()  # one compiled kernel per length, never dynamo's eager fallback after 8
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, 8, n, 64, generator=g) for _ in range(3))
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        with torch.no_grad():
-            for attn in contenders.values():  # first calls: compile, caches
-                attn(q, k, v)
+    dtype = getattr(torch, args.dtype)
+    shapes = args.shape or [[1, 8, 64]]
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} threads"
+    print(
+        f"{args.device} ({where}), {args.dtype}, {args.mode}, window {args.window}, sparse block {args.block}"
+    )
+    rows = []
+    for bsz, h, d in shapes:
+        for n in args.lengths:
+            torch._dynamo.reset()  # one compiled kernel per shape, never dynamo's eager fallback after 8
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (
+                torch.randn(bsz, h, n, d, generator=g)
+                .to(args.device, dtype)
+                .requires_grad_(args.mode == "fwd_bwd")
+                for _ in range(3)
+            )
+            cs = contenders(args.window, args.block, args.device)
+            fns = {name: call(attn, q, k, v, args.mode) for name, attn in cs.items()}
+            times: dict[str, list[float]] = {name: [] for name in cs}
+            t_compile = {}
+            for name, fn in fns.items():  # first calls: compile, caches
+                t0 = time.perf_counter()
+                fn()
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                t_compile[name] = time.perf_counter() - t0
             for _ in range(args.rounds):
-                for name, attn in contenders.items():
-                    t0 = time.perf_counter()
-                    attn(q, k, v)
-                    times[name].append(time.perf_counter() - t0)
-        med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        cells = ", ".join(
-            f"{name} {med[name]:.3g} ms [{min(t) * 1e3:.3g}-{max(t) * 1e3:.3g}]" for name, t in times.items()
-        )
-        print(f"N={n}: {cells}")
-        print(
-            f"  ratios: local_window/flex {med['local_window'] / med['flex window']:.2f}, "
-            f"local_window/sdpa {med['local_window'] / med['sdpa (dense)']:.2f}, "
-            f"local_window/blocked {med['local_window'] / med['local_window[blocked]']:.2f}, "
-            f"sparse/flex {med['sparse'] / med['flex sparse']:.2f}, "
-            f"sparse/sdpa {med['sparse'] / med['sdpa (dense)']:.2f}",
-            flush=True,
-        )
+                for name, fn in fns.items():
+                    if args.device == "cuda":
+                        times[name].append(time_cuda(fn, min_run_time=args.min_run_time).median_s)
+                    else:
+                        t0 = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - t0)
+            per_pair = 4 * d * (3.5 if args.mode == "fwd_bwd" else 1.0)  # DESIGN.md: bwd = 2.5x fwd
+            med_dense = statistics.median(times["sdpa (dense)"])
+            print(f"B={bsz} H={h} D={d} N={n}:")
+            for name, attn in cs.items():
+                med = statistics.median(times[name])
+                useful = bsz * h * attn.num_pairs(n, n) * per_pair / med / 1e12
+                visited = visited_pairs(attn, q, k)
+                tiles = bsz * h * visited * per_pair / med / 1e12 if visited else None
+                row = {
+                    "name": name,
+                    "impl_ran": attn.describe().get("impl_ran"),
+                    "B": bsz,
+                    "H": h,
+                    "D": d,
+                    "N": n,
+                    "ms": med * 1e3,
+                    "min_ms": min(times[name]) * 1e3,
+                    "max_ms": max(times[name]) * 1e3,
+                    "useful_tflops": useful,
+                    "visited_tflops": tiles,
+                    "visited_share": visited / (n * n) if visited else None,
+                    "dense_over_this": med_dense / med,
+                    "first_call_s": t_compile[name],
+                }
+                rows.append(row)
+                extra = f", {tiles:.3g} TFLOP/s over visited tiles ({visited / n / n:.1%})" if tiles else ""
+                lo, hi = min(times[name]) * 1e3, max(times[name]) * 1e3
+                print(
+                    f"  {name:22s} {med * 1e3:9.3f} ms [{lo:.3g}-{hi:.3g}]"
+                    f"  {useful:8.3g} TFLOP/s useful{extra}; dense sdpa / this {med_dense / med:.2f}x",
+                    flush=True,
+                )
+            for a, b in (("local_window", "flex window"), ("sparse", "flex sparse")):
+                ratio = statistics.median(times[a]) / statistics.median(times[b])
+                print(f"  ratio {a} / {b}: {ratio:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"args": vars(args), "device_name": where, "torch": torch.__version__, "rows": rows},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

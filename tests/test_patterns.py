@@ -348,6 +348,36 @@ def test_local_window_impl_choice_and_its_limits():
         LocalWindowAttention(impl="triton")
 
 
+@pytest.mark.parametrize("causal,padding", [(False, False), (True, True)])
+def test_sparse_flex_impl_computes_its_own_layout(causal, padding):
+    from variants.flex import FlexAttention
+
+    # knobs unlike flex's defaults: the flex route must take this instance's layout, not its own
+    sp = BlockSparseAttention(block=4, window_blocks=0, global_blocks=1, random_blocks=2, seed=5, impl="flex")
+    flex = FlexAttention(pattern="sparse", block=4, compile=False)  # eager: the wiring, not the compiler
+    flex.__dict__["_sparse"] = sp
+    sp.__dict__["_flex"] = flex
+    case = Case("flex_impl", b=2, h=2, nq=40, nk=40, d=8, dv=8, causal=causal, padding=padding)
+    q, k, v, kw = make_inputs(case)
+    out = sp(q, k, v, **kw)
+    assert sp.describe()["impl_ran"] == "flex"
+    assert rel_err(out, oracle(sp, q, k, v, **kw)) <= 1e-5
+
+
+def test_sparse_impl_choice_and_its_limits():
+    assert BlockSparseAttention().choose_impl("cuda") == "flex"  # block 64 divides the 128 tile
+    assert BlockSparseAttention(block=256).choose_impl("cuda") == "flex"
+    assert BlockSparseAttention(block=96).choose_impl("cuda") == "sdpa"  # no tile fits: the fused path
+    assert BlockSparseAttention().choose_impl("cpu") == "sdpa"
+    flex = BlockSparseAttention(impl="flex")
+    with pytest.raises(Unsupported, match="no backward on the CPU"):
+        flex.check(Workload(1, 2, 64, 64, 8, 8, backward=True))
+    with pytest.raises(Unsupported, match="block to divide 128"):
+        BlockSparseAttention(block=96, impl="flex").check(
+            Workload(1, 2, 64, 64, 8, 8, device="cuda", dtype=torch.bfloat16)
+        )
+
+
 @pytest.mark.parametrize(
     "name,knobs", [("local_window", {"window": 3, "block": 4}), ("sparse", {"block": 4})]
 )

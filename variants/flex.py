@@ -47,13 +47,13 @@ from typing import Any
 import torch
 
 from .base import AttentionVariant, Unsupported, Workload
+from .masks import CUDA_TILE, fits_cuda_tile
 from .registry import register
 from .sparse import BlockSparseAttention
 
 PATTERNS = ("full", "window", "sparse")
 _LOW = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _CACHE_SIZE = 8  # block masks kept per module: one per (shape, mask) a benchmark cycles through
-CUDA_TILE = 128  # a block-mask tile every GPU's flex kernel configuration divides
 
 
 @register("flex")
@@ -100,8 +100,7 @@ class FlexAttention(AttentionVariant):
 
     def check(self, w: Workload) -> None:
         super().check(w)
-        fits = CUDA_TILE % self.block == 0 or self.block % CUDA_TILE == 0
-        if w.device == "cuda" and self.pattern_name == "sparse" and not fits:
+        if w.device == "cuda" and self.pattern_name == "sparse" and not fits_cuda_tile(self.block):
             raise Unsupported(
                 f"flex pattern=sparse on CUDA needs block to divide {CUDA_TILE} or be a multiple of it "
                 f"(the Triton kernel's tiles); got block={self.block}"

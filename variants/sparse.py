@@ -31,10 +31,14 @@ only, with causal and key padding masks, no arbitrary ``attn_mask``. With ``S = 
 global_blocks) block D)`` and memory ``O(B H N (S + global_blocks) block)``: linear in ``N`` at a
 fixed pattern without a stride.
 
-The gathered blocks are scored by ``impl``: ``sdpa`` (``auto``) makes every query block one "head" of
+The gathered blocks are scored by ``impl``: ``sdpa`` makes every query block one "head" of
 PyTorch's fused ``scaled_dot_product_attention`` with a 4-D additive mask (scores, softmax and the
 weighted sum inside the kernel, forward and backward); ``blocked`` does the same with batched matmuls
-and an in-place softmax in plain PyTorch, accumulating low-precision inputs in float32.
+and an in-place softmax in plain PyTorch, accumulating low-precision inputs in float32; ``flex`` runs
+this very layout as a FlexAttention block mask (:mod:`variants.flex`: a Triton kernel on CUDA that
+skips the tiles outside the layout, fwd and bwd; no backward on the CPU; no float64). ``auto``
+picks ``flex`` on CUDA when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
+``sdpa``. The record's ``impl_ran`` says which ran.
 """
 
 from __future__ import annotations
@@ -44,11 +48,18 @@ import random
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionVariant
-from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
+from .base import AttentionVariant, Unsupported, Workload
+from .masks import (
+    CUDA_TILE,
+    blocks_per_chunk,
+    fits_cuda_tile,
+    sdpa_blocked,
+    softmax_blocked_,
+    zero_empty_rows,
+)
 from .registry import register
 
-IMPLS = ("auto", "sdpa", "blocked")
+IMPLS = ("auto", "sdpa", "blocked", "flex")
 
 
 def block_layout(
@@ -144,6 +155,7 @@ class BlockSparseAttention(AttentionVariant):
         self.impl = impl
         self.impl_ran: str | None = None
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.__dict__["_flex"] = None  # built on first use; not a submodule (no state of its own)
 
     def knobs(self) -> dict[str, object]:
         return {
@@ -157,8 +169,24 @@ class BlockSparseAttention(AttentionVariant):
         }
 
     def choose_impl(self, device: str) -> str:
-        """The implementation a call on ``device`` uses (``auto`` resolved: ``sdpa``)."""
-        return "sdpa" if self.impl == "auto" else self.impl
+        """The implementation a call on ``device`` uses (``auto`` resolved, see the module docstring)."""
+        if self.impl != "auto":
+            return self.impl
+        return "flex" if device == "cuda" and fits_cuda_tile(self.block) else "sdpa"
+
+    def check(self, w: Workload) -> None:
+        super().check(w)
+        if self.choose_impl(w.device) == "flex":
+            # the flex variant's own limits (compiled kernels: no float64, no CPU backward, tiles)
+            if w.dtype == torch.float64:
+                raise Unsupported("sparse impl=flex does not support float64 (compiled kernels)")
+            if w.backward and w.device == "cpu":
+                raise Unsupported("sparse impl=flex has no backward on the CPU (FlexAttention)")
+            if w.device == "cuda" and not fits_cuda_tile(self.block):
+                raise Unsupported(
+                    f"sparse impl=flex on CUDA needs block to divide {CUDA_TILE} or be a multiple of it; "
+                    f"got block={self.block}"
+                )
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
@@ -180,8 +208,19 @@ class BlockSparseAttention(AttentionVariant):
             )
         return self._tables[nb, causal]
 
+    def _flex_attend(self, q, k, v, *, causal, key_padding_mask):
+        if self._flex is None:
+            from .flex import FlexAttention
+
+            flex = FlexAttention(pattern="sparse", block=self.block)
+            flex.__dict__["_sparse"] = self  # this instance's layout (all its knobs), one definition
+            self.__dict__["_flex"] = flex
+        return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         self.impl_ran = self.choose_impl(q.device.type)
+        if self.impl_ran == "flex":
+            return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         bsz, h, n, d = q.shape
         dv = v.shape[-1]
         b = self.block
