@@ -336,7 +336,13 @@ def test_local_window_flex_impl_computes_the_band(causal, padding):
 
 def test_local_window_impl_choice_and_its_limits():
     lw = LocalWindowAttention()
-    assert lw.choose_impl("cpu") == "sdpa" and lw.choose_impl("cuda") == "flex"
+    cuda = Workload(1, 2, 64, 64, 64, 64, device="cuda", dtype=torch.bfloat16)
+    assert lw.choose_impl(Workload(1, 2, 64, 64, 64, 64)) == "sdpa" and lw.choose_impl(cuda) == "flex"
+    # where flex's CUDA kernel refuses the workload, auto takes the fused SDPA path instead
+    assert lw.choose_impl(Workload(1, 2, 64, 64, 8, 8, device="cuda")) == "sdpa"
+    assert lw.choose_impl(Workload(1, 2, 64, 64, 64, 64, device="cuda", dtype=torch.float64)) == "sdpa"
+    with pytest.raises(Unsupported, match="head sizes of at least 16"):
+        LocalWindowAttention(impl="flex").check(Workload(1, 2, 64, 64, 8, 8, device="cuda"))
     w = Workload(1, 2, 64, 64, 8, 8, device="cuda", dtype=torch.bfloat16, backward=True)
     lw.check(w)  # flex has a backward on CUDA
     flex = LocalWindowAttention(impl="flex")
@@ -365,17 +371,23 @@ def test_sparse_flex_impl_computes_its_own_layout(causal, padding):
 
 
 def test_sparse_impl_choice_and_its_limits():
-    assert BlockSparseAttention().choose_impl("cuda") == "flex"  # block 64 divides the 128 tile
-    assert BlockSparseAttention(block=256).choose_impl("cuda") == "flex"
-    assert BlockSparseAttention(block=96).choose_impl("cuda") == "sdpa"  # no tile fits: the fused path
-    assert BlockSparseAttention().choose_impl("cpu") == "sdpa"
+    cuda = Workload(1, 2, 64, 64, 64, 64, device="cuda", dtype=torch.bfloat16)
+    assert BlockSparseAttention().choose_impl(cuda) == "flex"  # block 64 divides the 128 tile
+    assert BlockSparseAttention(block=256).choose_impl(cuda) == "flex"
+    assert BlockSparseAttention(block=96).choose_impl(cuda) == "sdpa"  # no tile fits: the fused path
+    assert (
+        BlockSparseAttention().choose_impl(Workload(1, 2, 64, 64, 16, 16, device="cuda", dtype=torch.float64))
+        == "sdpa"
+    )
+    assert BlockSparseAttention().choose_impl(Workload(1, 2, 64, 64, 8, 8, device="cuda")) == "sdpa"
+    assert BlockSparseAttention().choose_impl(Workload(1, 2, 64, 64, 64, 64)) == "sdpa"
     flex = BlockSparseAttention(impl="flex")
     with pytest.raises(Unsupported, match="no backward on the CPU"):
         flex.check(Workload(1, 2, 64, 64, 8, 8, backward=True))
     with pytest.raises(Unsupported, match="block to divide 128"):
-        BlockSparseAttention(block=96, impl="flex").check(
-            Workload(1, 2, 64, 64, 8, 8, device="cuda", dtype=torch.bfloat16)
-        )
+        BlockSparseAttention(block=96, impl="flex").check(cuda)
+    with pytest.raises(Unsupported, match="head sizes of at least 16"):
+        flex.check(Workload(1, 2, 64, 64, 8, 8, device="cuda"))
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from .base import AttentionVariant, Unsupported, Workload
-from .masks import CUDA_TILE, fits_cuda_tile
+from .flex_limits import CUDA_TILE, fits_cuda_tile, flex_refusal
 from .registry import register
 from .sparse import BlockSparseAttention
 
@@ -100,6 +100,8 @@ class FlexAttention(AttentionVariant):
 
     def check(self, w: Workload) -> None:
         super().check(w)
+        if w.device == "cuda" and self.compile and (why := flex_refusal(w)):
+            raise Unsupported(f"flex {why}")
         if w.device == "cuda" and self.pattern_name == "sparse" and not fits_cuda_tile(self.block):
             raise Unsupported(
                 f"flex pattern=sparse on CUDA needs block to divide {CUDA_TILE} or be a multiple of it "

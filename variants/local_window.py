@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant, Unsupported, Workload
+from .flex_limits import flex_refusal
 from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .registry import register
 
@@ -91,21 +92,17 @@ class LocalWindowAttention(AttentionVariant):
         d["impl_ran"] = self.impl_ran
         return d
 
-    def choose_impl(self, device: str) -> str:
-        """The implementation a call on ``device`` uses (``auto`` resolved)."""
+    def choose_impl(self, w: Workload) -> str:
+        """The implementation that runs ``w`` (``auto`` resolved: ``flex`` on CUDA where its kernel
+        takes the workload, else ``sdpa``)."""
         if self.impl != "auto":
             return self.impl
-        return "flex" if device == "cuda" else "sdpa"
+        return "flex" if w.device == "cuda" and flex_refusal(w) is None else "sdpa"
 
     def check(self, w: Workload) -> None:
         super().check(w)
-        impl = self.choose_impl(w.device)
-        if impl == "flex":
-            # the flex variant's own facts: compiled kernels refuse float64, no CPU backward
-            if w.dtype == torch.float64:
-                raise Unsupported("local_window impl=flex does not support float64 (compiled kernels)")
-            if w.backward and w.device == "cpu":
-                raise Unsupported("local_window impl=flex has no backward on the CPU (FlexAttention)")
+        if self.choose_impl(w) == "flex" and (why := flex_refusal(w)):
+            raise Unsupported(f"local_window impl=flex {why}")
 
     def _block_size(self, n: int, window: int) -> int:
         # a block as wide as the window keeps the span (block + 2w) within 3x the useful band (2w + 1)
@@ -114,7 +111,7 @@ class LocalWindowAttention(AttentionVariant):
         return max(1, min(b, n))
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
-        impl = self.choose_impl(q.device.type)
+        impl = self.choose_impl(Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask))
         self.impl_ran = impl
         if impl == "flex":
             return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)

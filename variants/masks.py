@@ -5,14 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CUDA_TILE = 128  # a FlexAttention block-mask tile every GPU's Triton kernel configuration divides
-
-
-def fits_cuda_tile(block: int) -> bool:
-    """Whether a layout of ``block``-wide blocks can be a FlexAttention block mask on CUDA: exactly
-    (``block`` a multiple of the tile) or through its predicate inside tiles (``block`` divides it)."""
-    return CUDA_TILE % block == 0 or block % CUDA_TILE == 0
-
 
 def combined_mask(
     batch: int,

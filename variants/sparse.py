@@ -49,14 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant, Unsupported, Workload
-from .masks import (
-    CUDA_TILE,
-    blocks_per_chunk,
-    fits_cuda_tile,
-    sdpa_blocked,
-    softmax_blocked_,
-    zero_empty_rows,
-)
+from .flex_limits import CUDA_TILE, fits_cuda_tile, flex_refusal
+from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .registry import register
 
 IMPLS = ("auto", "sdpa", "blocked", "flex")
@@ -168,20 +162,18 @@ class BlockSparseAttention(AttentionVariant):
             "impl": self.impl,
         }
 
-    def choose_impl(self, device: str) -> str:
-        """The implementation a call on ``device`` uses (``auto`` resolved, see the module docstring)."""
+    def choose_impl(self, w: Workload) -> str:
+        """The implementation that runs ``w`` (``auto`` resolved, see the module docstring)."""
         if self.impl != "auto":
             return self.impl
-        return "flex" if device == "cuda" and fits_cuda_tile(self.block) else "sdpa"
+        flex_ok = w.device == "cuda" and fits_cuda_tile(self.block) and flex_refusal(w) is None
+        return "flex" if flex_ok else "sdpa"
 
     def check(self, w: Workload) -> None:
         super().check(w)
-        if self.choose_impl(w.device) == "flex":
-            # the flex variant's own limits (compiled kernels: no float64, no CPU backward, tiles)
-            if w.dtype == torch.float64:
-                raise Unsupported("sparse impl=flex does not support float64 (compiled kernels)")
-            if w.backward and w.device == "cpu":
-                raise Unsupported("sparse impl=flex has no backward on the CPU (FlexAttention)")
+        if self.choose_impl(w) == "flex":
+            if why := flex_refusal(w):
+                raise Unsupported(f"sparse impl=flex {why}")
             if w.device == "cuda" and not fits_cuda_tile(self.block):
                 raise Unsupported(
                     f"sparse impl=flex on CUDA needs block to divide {CUDA_TILE} or be a multiple of it; "
@@ -218,7 +210,8 @@ class BlockSparseAttention(AttentionVariant):
         return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
-        self.impl_ran = self.choose_impl(q.device.type)
+        w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        self.impl_ran = self.choose_impl(w)
         if self.impl_ran == "flex":
             return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         bsz, h, n, d = q.shape
@@ -259,7 +252,7 @@ class BlockSparseAttention(AttentionVariant):
         if ng < n:
             nr = nb - g  # number of non-global query blocks
             idx = index[g:]  # (nr, S)
-            sdpa = self.choose_impl(dev.type) == "sdpa"
+            sdpa = self.impl_ran == "sdpa"
             # sdpa: native dtype, unscaled (the kernel scales); blocked: scaled, accumulated in `work`
             qx, kx, vx = (q, k, v) if sdpa else (q.to(work) * d**-0.5, kw, vw)
             if n_pad > n:  # (F.pad copies even when there is nothing to pad)
