@@ -186,6 +186,10 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     torch.set_num_threads(job_threads(cfg))
     w = workload(cfg)
     dtype, nq, nk, dv, backward = w.dtype, w.nq, w.nk, w.v_head_dim, w.backward
+    # one process may run many jobs (isolate=false): Dynamo's code compiled for earlier shapes counts
+    # against its recompile limit (8), past which compiled FlexAttention silently runs eagerly with the
+    # whole N x N score matrix (seen on an H100: sparse at N=16384 fwd+bwd 180 ms and 53 GB, not 3 ms)
+    torch._dynamo.reset()
     torch.manual_seed(cfg["seed"])
     variant = build_variant(cfg["variant"]).to(device=device)
     if any(True for _ in variant.parameters()):

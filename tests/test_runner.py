@@ -93,6 +93,24 @@ def test_ok_job_has_every_figure_and_a_correct_flop_count():
     assert f["peak_bytes"] >= 2 * 2 * 64 * 64 * 4
 
 
+def test_each_job_starts_from_a_clean_dynamo_cache():
+    # with isolate=false one process runs every job: code Dynamo compiled for earlier jobs must not
+    # count against its recompile limit (past it compiled flex silently runs eagerly, N x N scores)
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(1)
+        return gm.forward
+
+    f = torch.compile(lambda x: x + 1, backend=backend)
+    f(torch.ones(2))
+    f(torch.ones(2))
+    assert len(compiles) == 1  # cached
+    assert measure(job_cfg(variant="naive", **SMALL))["status"] == "ok"
+    f(torch.ones(2))
+    assert len(compiles) == 2  # compiled again: the job reset Dynamo
+
+
 def test_fwd_bwd_job_times_backward_alone_and_checks_gradients():
     res = measure(job_cfg(variant="chunked", mode="fwd_bwd", causal="true", **SMALL))
     f = res["figures"]

@@ -182,7 +182,7 @@ class LocalWindowAttention(AttentionVariant):
                 bc = blocked[None, s : s + m]  # (1, m, b, span): 4-D, the CPU's fused kernel takes it
             # each block is one "head" of SDPA
             out = sdpa_blocked(qb[:, :, s : s + m].reshape(bsz * h, m, b, d), kc, vc, bc)  # (B*H, m, b, Dv)
-            outs.append(out.view(bsz, h, m * b, dv))
+            outs.append(out.reshape(bsz, h, m * b, dv))  # CUDA SDPA may return a non-contiguous view
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, H, Np, Dv)
         return out[:, :, :n]  # padded queries dropped
 
