@@ -120,6 +120,70 @@ def test_additive_peak_memory_stays_below_four_score_tensors():
     assert cpu_peak_bytes(fwd_bwd) <= 4 * score
 
 
+def _plain_additive(qp, kp, v, w, allowed):
+    """The formula with autograd's own ops: tanh of the full (B,H,Nq,Nk,hid) sum, masked softmax."""
+    t = torch.tanh(qp[:, :, :, None, :] + kp[:, :, None, :, :])  # (B, H, Nq, Nk, hid)
+    scores = torch.einsum("bhqke,he->bhqk", t, w).masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row: zeros, as the convention says
+    return p @ v  # (B, H, Nq, Dv)
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0], ids=["exp_product", "sigmoid_fallback"])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_additive_function_gradients_against_float64_autograd(scale, step):
+    from variants.additive import _AdditiveFunction, _Masks
+
+    # causal, a padded key and a query row that sees no key; scale 30 puts |qp| past the exp-product
+    # path's limit (20), so the add-then-sigmoid path is the one checked
+    b, h, n, hid, dv = 2, 2, 7, 3, 2
+    g = torch.Generator().manual_seed(4)
+    qp, kp = (scale * torch.randn(b, h, n, hid, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64)
+    w = torch.randn(h, hid, generator=g, dtype=torch.float64)
+    kpm = torch.ones(b, n, dtype=torch.bool)
+    kpm[1, 0] = False  # query 0 of batch 1 sees only key 0: an empty row under causal
+    kpm[0, 4] = False
+    masks = _Masks(True, kpm[:, None, None, :], None)
+    assert (qp.abs().amax() > 20) == (scale > 1)
+    args = [t.clone().requires_grad_() for t in (qp, kp, v, w)]
+
+    def fn(*a):
+        return _AdditiveFunction.apply(*a, masks, step)
+
+    assert torch.autograd.gradcheck(fn, args, atol=1e-7)
+    allowed = torch.ones(n, n, dtype=torch.bool).tril() & kpm[:, None, None, :]  # (B, 1, N, N)
+    gout = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64)
+    plain = [t.clone().requires_grad_() for t in (qp, kp, v, w)]
+    want_out = _plain_additive(*plain, allowed)
+    got_out = fn(*args)
+    assert rel_err(got_out.detach(), want_out.detach()) <= 1e-12
+    assert got_out[1, :, 0].abs().max() == 0  # the empty row
+    got = torch.autograd.grad(got_out, args, gout)
+    want = torch.autograd.grad(want_out, plain, gout)
+    for name, gg, ww in zip(["qp", "kp", "v", "w"], got, want, strict=True):
+        assert torch.isfinite(gg).all(), name
+        assert rel_err(gg, ww) <= 1e-10, name
+
+
+def test_additive_large_projections_take_the_sigmoid_path_and_match_the_oracle():
+    # |W_q q| well past 20: the exp-product form would overflow, the fallback must still be exact
+    case = ADDITIVE_CASES[0]
+    q, k, v, kw = make_inputs(case, dtype=torch.float32, requires_grad=True)
+    torch.manual_seed(3)
+    attn = AdditiveAttention(heads=case.h, head_dim=case.d, hidden=6, chunk=4)
+    with torch.no_grad():
+        attn.w_q.mul_(40)
+    out = attn(q, k, v, **kw)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.detach(), oracle(attn, q, k, v, **kw)) <= 1e-5
+    got = torch.autograd.grad(out, [q, k, v], torch.ones_like(out))
+    want = torch.autograd.grad(
+        oracle(attn, q, k, v, **kw), [q, k, v], torch.ones_like(out, dtype=torch.float64)
+    )
+    for gg, ww in zip(got, want, strict=True):
+        assert rel_err(gg, ww) <= 1e-4
+
+
 def test_additive_checks_heads_and_head_dim():
     attn = AdditiveAttention(heads=3, head_dim=8, hidden=4)
     q = torch.randn(1, 3, 5, 6)
