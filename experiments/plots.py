@@ -342,6 +342,27 @@ def _example_variants() -> list[tuple[str, object | Exception]]:
     return out
 
 
+def _swept_variants(df: pd.DataFrame) -> list[tuple[str, object | Exception]]:
+    """``(title, variant or the exception building it)`` for every (variant, knobs) that ran ``ok`` in
+    ``df``, built with the knobs it ran with; empty if none did."""
+    import json
+
+    from hydra.utils import get_class
+
+    from variants.registry import construct
+
+    out: list[tuple[str, object | Exception]] = []
+    ran = df[df["status"] == "ok"].drop_duplicates(subset=["variant_key"]).sort_values("variant")
+    for _, row in ran.iterrows():
+        knobs = json.loads(row["knobs"]) if isinstance(row["knobs"], str) else {}
+        try:
+            built = construct(get_class(row["variant_target"]), heads=1, head_dim=16, **knobs)
+            out.append((str(row["variant"]), built))
+        except Exception as exc:  # a plugin not installed where the report is drawn, say
+            out.append((str(row["variant"]), exc))
+    return out
+
+
 def _grid(n_panels: int, size: float = 2.9) -> tuple[plt.Figure, np.ndarray]:
     cols = min(4, n_panels)
     rows = -(-n_panels // cols)
@@ -357,7 +378,7 @@ def _matrix_axes(ax: plt.Axes, title: str, n: int) -> None:
     ax.set_title("\n".join(w for line in title.split("\n") for w in textwrap.wrap(line, 34)), fontsize=9)
     ax.set_xlabel("key j", fontsize=8)
     ax.set_ylabel("query i", fontsize=8)
-    ticks = list(range(0, n, 16))
+    ticks = list(range(0, n, 16 if n <= 64 else n // 4))
     ax.set_xticks(ticks)
     ax.set_yticks(ticks)
     ax.tick_params(labelsize=7)
@@ -421,10 +442,17 @@ def attention_weights(variant: object, x: object) -> np.ndarray:
         return variants.oracle(variant, x, x, eye)[0, 0].numpy()
 
 
-def plot_weights(out_dir: Path, n: int = 48) -> Path:
-    """``attention_weights.png``: each variant's attention weights on one structured input."""
+def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
+    """``attention_weights.png``: the attention weights on one structured input of each variant that
+    ran in ``df``, with the knobs it ran with, at the sweep's shortest length (at most ``n_max``);
+    every registered variant with its example knobs at N = 48 when nothing ran."""
+    panels = _swept_variants(df) if len(df) else []
+    if panels:
+        n = int(min(n_max, df.loc[df["status"] == "ok", "seq_len"].min()))
+        which = "the variants that ran, with their knobs"
+    else:
+        n, which, panels = 48, "every registered variant, example knobs", _example_variants()
     x, where = structured_input(n)
-    panels = _example_variants()
     fig, axes = _grid(len(panels))
     image = None
     for ax, (title, var) in zip(axes.flat, panels, strict=False):  # the grid may have spare cells
@@ -437,8 +465,20 @@ def plot_weights(out_dir: Path, n: int = 48) -> Path:
         _matrix_axes(ax, title, n)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight (power scale)")
-    fig.suptitle(f"Attention weights (float64 oracle) at N = {n}; q = k random, {where}", fontsize=11)
+    fig.suptitle(
+        f"Attention weights (float64 oracle) of {which}, at N = {n}\nq = k random, {where}", fontsize=11
+    )
     return _save(fig, out_dir / "attention_weights.png")
+
+
+def _why_empty(fn: object, df: pd.DataFrame) -> str:
+    """Why plot ``fn`` had nothing to draw from ``df``, in a few words."""
+    usable = _usable_rows(df) if len(df) else df
+    if fn is plot_scaling and len(usable):
+        lengths = sorted(int(n) for n in usable["seq_len"].unique())
+        if len(lengths) < 2:
+            return f"scaling needs >= 2 lengths per variant (these records have only N={lengths[0]})"
+    return "no usable records"
 
 
 def write_all(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
@@ -448,17 +488,17 @@ def write_all(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     jobs = [(fn, (df, out)) for fn in (plot_time, plot_memory, plot_gflops, plot_scaling, plot_accuracy)]
-    jobs += [(plot_patterns, (out,)), (plot_weights, (out,))]
+    jobs += [(plot_patterns, (out,)), (plot_weights, (df, out))]
     for fn, args in jobs:
         name = fn.__name__.removeprefix("plot_")
         try:
-            path = fn(*args) if len(df) or len(args) == 1 else None
+            path = fn(*args) if len(df) or fn in (plot_patterns, plot_weights) else None
         except Exception as exc:
             plt.close("all")
             print(f"warning: {name} plot failed: {type(exc).__name__}: {exc}")
             continue
         if path is None:
-            print(f"note: {name} plot skipped: no usable records")
+            print(f"note: {name} plot skipped: {_why_empty(fn, df)}")
         else:
             written.append(path)
     return written

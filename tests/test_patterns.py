@@ -290,6 +290,41 @@ class _LargestBuffer(TorchDispatchMode):
         return out
 
 
+class _BackwardBytes(TorchDispatchMode):
+    """Bytes of every new (non-view) tensor ops produce while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t._is_view():
+                self.total += t.numel() * t.element_size()
+        return out
+
+
+@pytest.mark.parametrize(
+    "name,knobs", [("local_window", {"window": 4, "block": 4}), ("sparse", {"block": 4})]
+)
+def test_chunked_pattern_backward_does_work_linear_in_n(monkeypatch, name, knobs):
+    # chunks of one block: a backward that builds a full-size gradient per chunk is quadratic in N
+    import variants.masks as masks
+
+    monkeypatch.setattr(masks, "CHUNK_BYTES", 1)
+    attn = variants.build(name, **knobs)
+    produced = []
+    for n in (64, 256):
+        q, k, v, _ = _inputs(n, b=1, h=2, d=8, dv=8, requires_grad=True)
+        out = attn(q, k, v)
+        assert attn.describe()["impl_ran"] == "sdpa"
+        with _BackwardBytes() as spy:
+            out.sum().backward()
+        produced.append(spy.total)
+    assert produced[1] / produced[0] < 6, produced  # linear: 4x; one full-size gradient per chunk: 16x
+
+
 def _largest_buffer(attn, n, causal):
     q, k, v, kpm = _inputs(n, b=1, h=2, d=8, dv=8, padding=True, requires_grad=True)
     with _LargestBuffer() as spy:

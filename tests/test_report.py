@@ -343,6 +343,35 @@ def test_report_writes_tables_store_and_valid_pngs(sweep):
     assert len(pd.read_csv(cli_out / "store.csv")) == 12
 
 
+def test_weights_plot_draws_what_ran_with_its_knobs(sweep, monkeypatch):
+    tmp, _ = sweep
+    df = T.select(store.load([tmp / "records"], verbose=False))
+    ran = {r["variant_name"] for r in raw_records(tmp / "records") if r["status"] == "ok"}
+    panels = plots._swept_variants(df)
+    # one panel per (variant, knobs) that ran ok, none for the others, each built with its recorded knobs
+    assert {type(v).name for _, v in panels} == ran
+    windows = sorted(v.window for _, v in panels if type(v).name == "local_window")
+    recorded = {
+        r["config"]["variant"]["window"]
+        for r in raw_records(tmp / "records")
+        if r["variant_name"] == "local_window"
+    }
+    assert windows == sorted(recorded)
+    # the figure draws exactly those panels
+    drawn = []
+    monkeypatch.setattr(plots, "attention_weights", lambda v, x: drawn.append(v) or np.eye(x.shape[2]))
+    plots.plot_weights(df, tmp / "weights_plot")
+    assert len(drawn) == len(panels)
+
+
+def test_single_length_scaling_says_it_needs_two_lengths(sweep, capsys):
+    tmp, _ = sweep
+    df = T.select(store.load([tmp / "records"], verbose=False))
+    one = df[df["seq_len"] == df["seq_len"].min()]
+    plots.write_all(one, tmp / "one_length")
+    assert "scaling plot skipped: scaling needs >= 2 lengths" in capsys.readouterr().out
+
+
 def test_default_out_dir_is_inside_the_input(sweep):
     tmp, _ = sweep
     assert report.default_out_dir([tmp / "records"]) == tmp / "records" / "report"

@@ -158,7 +158,12 @@ def build(name: str, **knobs: object) -> AttentionVariant:
     Knobs the constructor does not take are dropped only if they are the shape hints ``heads`` and
     ``head_dim`` (which learned variants need); any other unknown knob is an error.
     """
-    cls = get(name)
+    return construct(get(name), **knobs)
+
+
+def construct(cls: type[AttentionVariant], **knobs: object) -> AttentionVariant:
+    """``cls(**knobs)``, registered or not, with the shape hints dropped as :func:`build` does."""
+    name = getattr(cls, "name", "") or cls.__name__
     params = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for hint in ("heads", "head_dim"):

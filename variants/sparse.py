@@ -279,12 +279,23 @@ class BlockSparseAttention(AttentionVariant):
             per_block = bsz * h * slots * b * (d + dv + b) * q.element_size()
             step = blocks_per_chunk(per_block, nr) if sdpa else nr
             outs_r = []
-            for s in range(0, nr, step):
+            # with autograd, every block is gathered at once and the chunks are split off: the
+            # backward of a gather (or a slice) is a zero tensor the size of its whole input, so one
+            # per chunk made fwd+bwd grow faster than N; split's backward concatenates once
+            once = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or q.requires_grad)
+            qbs = qb.split(step, dim=2)  # (B, H, m, b, D) each
+            if once:
+                kgs = kb.index_select(2, idx.reshape(-1)).split(step * slots, dim=2)  # (B, H, m*S, b, D)
+                vgs = vb.index_select(2, idx.reshape(-1)).split(step * slots, dim=2)  # (B, H, m*S, b, Dv)
+            for c, s in enumerate(range(0, nr, step)):
                 m = min(step, nr - s)
-                ii = idx[s : s + m].reshape(-1)  # (m*S,)
-                # index_select copies whole blocks; it is faster than advanced indexing here
-                kg = kb.index_select(2, ii).view(bsz, h, m, slots * b, d)  # (B, H, m, S*b, D)
-                vg = vb.index_select(2, ii).view(bsz, h, m, slots * b, dv)  # (B, H, m, S*b, Dv)
+                if once:
+                    kg, vg = kgs[c], vgs[c]
+                else:  # index_select copies whole blocks; it is faster than advanced indexing here
+                    ii = idx[s : s + m].reshape(-1)  # (m*S,)
+                    kg, vg = kb.index_select(2, ii), vb.index_select(2, ii)  # (B, H, m*S, b, D|Dv)
+                kg = kg.reshape(bsz, h, m, slots * b, d)  # (B, H, m, S*b, D)
+                vg = vg.reshape(bsz, h, m, slots * b, dv)  # (B, H, m, S*b, Dv)
                 bc = blocked[..., s : s + m, :, :]  # (m, b, S*b) or (B, 1, m, b, S*b)
                 if sdpa:  # every query block is one "head" of the fused kernel, with a 4-D mask
                     if bc.dim() == 5:  # key padding: per batch element, repeated over heads
@@ -292,14 +303,14 @@ class BlockSparseAttention(AttentionVariant):
                     else:
                         bc = bc[None]  # (1, m, b, S*b)
                     o = sdpa_blocked(
-                        qb[:, :, s : s + m].reshape(bsz * h, m, b, d),  # (B*H, m, b, D)
+                        qbs[c].reshape(bsz * h, m, b, d),  # (B*H, m, b, D)
                         kg.view(bsz * h, m, slots * b, d),  # (B*H, m, S*b, D)
                         vg.view(bsz * h, m, slots * b, dv),  # (B*H, m, S*b, Dv)
                         bc,
                     )  # (B*H, m, b, Dv)
                 else:
                     # the scores are not kept: softmax overwrites them, only p is needed afterwards
-                    p = softmax_blocked_(qb[:, :, s : s + m] @ kg.transpose(-2, -1), bc)  # (B, H, m, b, S*b)
+                    p = softmax_blocked_(qbs[c] @ kg.transpose(-2, -1), bc)  # (B, H, m, b, S*b)
                     o = zero_empty_rows(p @ vg, bc)  # (B, H, m, b, Dv)
                 outs_r.append(o.reshape(bsz, h, m * b, dv))
             out = torch.cat(outs_r, dim=2) if len(outs_r) > 1 else outs_r[0]
