@@ -7,7 +7,6 @@ config as a plain dict (see conf/config.yaml for the fields).
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 import traceback
@@ -20,6 +19,7 @@ from variants import AttentionVariant, Unavailable, Unsupported, Workload
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
 from .environment import torch_gpu_info
 from .inputs import DTYPES, make_inputs
+from .job_setup import build_variant, check_device, job_threads
 from .machine_load import load_average, others_cores, snapshot
 from .memory import peak_bytes
 from .timing import Timing, time_backward, time_call, time_cuda_graph
@@ -28,16 +28,6 @@ from .timing import Timing, time_backward, time_call, time_cuda_graph
 GRAD_ORACLE_BYTES = 256 * 2**20
 # above this, even the row-subset output check is skipped (only ``oracle_forward`` variants get there)
 FULL_ORACLE_BYTES = 2 * 2**30
-
-
-def build_variant(variant_cfg: dict[str, Any]) -> AttentionVariant:
-    """Instantiate the variant from its ``_target_`` config (the Hydra way, so third parties plug in)."""
-    from hydra.utils import instantiate
-
-    obj = instantiate(variant_cfg, _convert_="all")
-    if not isinstance(obj, AttentionVariant):
-        raise TypeError(f"variant._target_ {variant_cfg.get('_target_')} is not an AttentionVariant")
-    return obj
 
 
 def _timing_fields(prefix: str, t: Timing | None) -> dict[str, float | int | None]:
@@ -121,22 +111,10 @@ def _roofline(cfg: dict[str, Any]) -> dict[str, Any]:
     from .roofline import measure_roofline
 
     try:
-        _check_device(cfg["device"])
+        check_device(cfg["device"])
         return measure_roofline(cfg["device"], cfg["dtype"], min_run_time=0.5)
     except Exception as exc:  # the ceiling is context for the tables, never a reason to lose a record
         return {"error": classify(exc)[1]}
-
-
-def job_threads(cfg: dict[str, Any]) -> int:
-    """The job's torch thread count, always set explicitly: ``threads``, or every CPU this process
-    may run on (its affinity: the machine, or a Slurm allocation), never a launcher worker's limit
-    (joblib's workers run with one)."""
-    if cfg.get("threads"):
-        return int(cfg["threads"])
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this OS
-        return os.cpu_count() or 1
 
 
 def workload(cfg: dict[str, Any]) -> Workload:
@@ -158,20 +136,13 @@ def workload(cfg: dict[str, Any]) -> Workload:
     )
 
 
-def _check_device(device: str) -> None:
-    if device == "cuda" and not torch.cuda.is_available():
-        raise Unavailable("device=cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-    if device not in ("cpu", "cuda"):
-        raise Unavailable(f"device '{device}' is not supported by this suite (use cpu or cuda)")
-
-
 def precheck(cfg: dict[str, Any], variant: AttentionVariant) -> dict[str, Any] | None:
     """A finished result if the job cannot run at all (unavailable / unsupported), else None.
 
     Cheap, so the parent does it before spawning a child.
     """
     try:
-        _check_device(cfg["device"])
+        check_device(cfg["device"])
         if not cfg.get("task"):  # a task job checks its own workloads (training needs backward, ...)
             variant.check(workload(cfg))
     except (Unavailable, Unsupported) as exc:
@@ -182,7 +153,7 @@ def precheck(cfg: dict[str, Any], variant: AttentionVariant) -> dict[str, Any] |
 
 def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     device = cfg["device"]
-    _check_device(device)
+    check_device(device)
     torch.set_num_threads(job_threads(cfg))
     w = workload(cfg)
     dtype, nq, nk, dv, backward = w.dtype, w.nq, w.nk, w.v_head_dim, w.backward

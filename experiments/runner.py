@@ -165,7 +165,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         name = variant_label(cls)
         check_knobs(cls, cfg["variant"], name)
         # build once here: a bad knob (window=-1) is a one-line error before any child is spawned
-        from .job import build_variant
+        from .job_setup import build_variant
 
         variant = build_variant(cfg["variant"])
     except Exception as exc:

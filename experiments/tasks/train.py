@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import variants
 from variants import AttentionVariant, Unsupported
 
-from ..job import _check_device, build_variant
+from ..job_setup import build_variant, check_device, job_threads
 from .data import IGNORE, Batch, Task, draw, make_task
 from .model import TaskTransformer, VariantSpec, attention_cores, count_params, recorded_attention
 
@@ -282,8 +282,7 @@ def measure_task(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     (:func:`experiments.job.measure` turns each into a status). A non-finite loss sets status ``nan``.
     """
     device = cfg["device"]
-    _check_device(device)
-    from ..job import job_threads
+    check_device(device)
 
     torch.set_num_threads(job_threads(cfg))
     if cfg["dtype"] not in _DTYPES:

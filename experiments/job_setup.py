@@ -1,0 +1,42 @@
+"""What a kernel measurement (``experiments.job``) and a task measurement (``experiments.tasks``)
+both need before they start: the device check, the variant built from its config, the thread count.
+Below both, so neither imports the other for it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from variants import AttentionVariant, Unavailable
+
+
+def build_variant(variant_cfg: dict[str, Any]) -> AttentionVariant:
+    """Instantiate the variant from its ``_target_`` config (the Hydra way, so third parties plug in)."""
+    from hydra.utils import instantiate
+
+    obj = instantiate(variant_cfg, _convert_="all")
+    if not isinstance(obj, AttentionVariant):
+        raise TypeError(f"variant._target_ {variant_cfg.get('_target_')} is not an AttentionVariant")
+    return obj
+
+
+def job_threads(cfg: dict[str, Any]) -> int:
+    """The job's torch thread count, always set explicitly: ``threads``, or every CPU this process
+    may run on (its affinity: the machine, or a Slurm allocation), never a launcher worker's limit
+    (joblib's workers run with one)."""
+    if cfg.get("threads"):
+        return int(cfg["threads"])
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS
+        return os.cpu_count() or 1
+
+
+def check_device(device: str) -> None:
+    """Raise :class:`Unavailable` unless this process can run on ``device``."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Unavailable("device=cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    if device not in ("cpu", "cuda"):
+        raise Unavailable(f"device '{device}' is not supported by this suite (use cpu or cuda)")
