@@ -355,11 +355,13 @@ def _swept_variants(df: pd.DataFrame) -> list[tuple[str, object | Exception]]:
     ran = df[df["status"] == "ok"].drop_duplicates(subset=["variant_key"]).sort_values("variant")
     for _, row in ran.iterrows():
         knobs = json.loads(row["knobs"]) if isinstance(row["knobs"], str) else {}
+        shown = ", ".join(f"{k}={v}" for k, v in knobs.items() if v is not None and k != "compile")
+        title = f"{row['variant_name']}({shown})" if shown else str(row["variant_name"])
         try:
             built = construct(get_class(row["variant_target"]), heads=1, head_dim=16, **knobs)
-            out.append((str(row["variant"]), built))
+            out.append((title, built))
         except Exception as exc:  # a plugin not installed where the report is drawn, say
-            out.append((str(row["variant"]), exc))
+            out.append((title, exc))
     return out
 
 
