@@ -346,10 +346,10 @@ def test_report_writes_tables_store_and_valid_pngs(sweep):
 def test_weights_plot_draws_what_ran_with_its_knobs(sweep, monkeypatch):
     tmp, _ = sweep
     df = T.select(store.load([tmp / "records"], verbose=False))
-    ran = {r["variant_name"] for r in raw_records(tmp / "records") if r["status"] == "ok"}
+    ran = {r["config"]["variant"]["_target_"] for r in raw_records(tmp / "records") if r["status"] == "ok"}
     panels = plots._swept_variants(df)
     # one panel per (variant, knobs) that ran ok, none for the others, each built with its recorded knobs
-    assert {type(v).name for _, v in panels} == ran
+    assert {f"{type(v).__module__}.{type(v).__qualname__}" for _, v in panels} == ran
     windows = sorted(v.window for _, v in panels if type(v).name == "local_window")
     recorded = {
         r["config"]["variant"]["window"]
@@ -360,6 +360,7 @@ def test_weights_plot_draws_what_ran_with_its_knobs(sweep, monkeypatch):
     # the figure draws exactly those panels
     drawn = []
     monkeypatch.setattr(plots, "attention_weights", lambda v, x: drawn.append(v) or np.eye(x.shape[2]))
+    (tmp / "weights_plot").mkdir()
     plots.plot_weights(df, tmp / "weights_plot")
     assert len(drawn) == len(panels)
 
