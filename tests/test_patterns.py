@@ -276,32 +276,21 @@ def test_axial_pattern_and_pairs(rows, n, causal):
 
 # ------------------------------------------------------------------------------------ working set in N
 class _LargestBuffer(TorchDispatchMode):
-    """Bytes of the largest storage any op produces while active (forward and backward)."""
+    """Bytes of the largest storage any op produces while active (forward and backward), and the
+    total bytes of the new (non-view) tensors they produce."""
 
     def __init__(self) -> None:
         super().__init__()
         self.largest = 0
+        self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
-
-
-class _BackwardBytes(TorchDispatchMode):
-    """Bytes of every new (non-view) tensor ops produce while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t._is_view():
-                self.total += t.numel() * t.element_size()
+                if not t._is_view():
+                    self.total += t.numel() * t.element_size()
         return out
 
 
@@ -319,7 +308,7 @@ def test_chunked_pattern_backward_does_work_linear_in_n(monkeypatch, name, knobs
         q, k, v, _ = _inputs(n, b=1, h=2, d=8, dv=8, requires_grad=True)
         out = attn(q, k, v)
         assert attn.describe()["impl_ran"] == "sdpa"
-        with _BackwardBytes() as spy:
+        with _LargestBuffer() as spy:
             out.sum().backward()
         produced.append(spy.total)
     assert produced[1] / produced[0] < 6, produced  # linear: 4x; one full-size gradient per chunk: 16x
