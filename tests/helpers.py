@@ -25,6 +25,9 @@ class Case:
     causal: bool = False
     padding: bool = False
     mask: bool = False
+    hkv: int | None = None  # key/value heads (None: = h)
+    scale: float | None = None
+    bias: bool = False  # a random float bias of shape (H, Nq, Nk)
 
 
 CASES = [
@@ -33,8 +36,16 @@ CASES = [
     Case("padding", padding=True),
     Case("causal_padding", causal=True, padding=True),
     Case("attn_mask", mask=True),
-    Case("cross", nq=16, nk=24, dv=6),
-    Case("cross_padding", nq=12, nk=24, padding=True),
+    Case("short_q", nq=16, nk=24, dv=6),  # cross-attention, or the last 16 positions (pattern variants)
+    Case("short_q_padding", nq=12, nk=24, padding=True),
+    Case("cross", nq=24, nk=16),  # more queries than keys: cross-attention only
+    Case("gqa", h=4, hkv=2, causal=True),
+    Case("mqa_padding", h=4, hkv=1, padding=True),
+    Case("decode", nq=1, nk=24, causal=True, padding=True),
+    Case("decode_gqa", h=4, hkv=2, nq=1, nk=24, causal=True),
+    Case("prefill_onto_cache", nq=8, nk=24, causal=True, padding=True),
+    Case("scale", scale=0.3, causal=True),
+    Case("bias", bias=True, causal=True, padding=True),
 ]
 
 
@@ -66,9 +77,10 @@ def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0, de
     """q, k, v and the mask keywords of ``case``, drawn on the CPU (the same numbers on every device)
     and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
+    hkv = case.hkv or case.h
     q = torch.randn(case.b, case.h, case.nq, case.d, generator=g, dtype=torch.float64)
-    k = torch.randn(case.b, case.h, case.nk, case.d, generator=g, dtype=torch.float64)
-    v = torch.randn(case.b, case.h, case.nk, case.dv, generator=g, dtype=torch.float64)
+    k = torch.randn(case.b, hkv, case.nk, case.d, generator=g, dtype=torch.float64)
+    v = torch.randn(case.b, hkv, case.nk, case.dv, generator=g, dtype=torch.float64)
     q, k, v = (t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
     kpm = None
     if case.padding:
@@ -78,7 +90,12 @@ def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0, de
     if case.mask:
         am = torch.rand(case.b, case.h, case.nq, case.nk, generator=g) > 0.3
     kpm, am = (None if m is None else m.to(device) for m in (kpm, am))
-    return q, k, v, dict(causal=case.causal, key_padding_mask=kpm, attn_mask=am)
+    kw = dict(causal=case.causal, key_padding_mask=kpm, attn_mask=am)
+    if case.scale is not None:
+        kw["scale"] = case.scale
+    if case.bias:  # an ALiBi-sized spread of values, per head, query and key
+        kw["bias"] = (2 * torch.randn(case.h, case.nq, case.nk, generator=g)).to(device=device, dtype=dtype)
+    return q, k, v, kw
 
 
 def build(name: str, knobs: dict, case: Case, device: str = "cpu") -> AttentionVariant:
@@ -100,6 +117,9 @@ def workload(case: Case, dtype=torch.float32, backward=False, device="cpu") -> W
         key_padding=case.padding,
         attn_mask=case.mask,
         backward=backward,
+        kv_heads=case.hkv,
+        scale=case.scale,
+        bias=case.bias,
     )
 
 
@@ -108,10 +128,13 @@ def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
     return (
         w.device in cls.devices
         and w.dtype in cls.dtypes
-        and (not w.causal or (cls.supports_causal and w.nq == w.nk))
+        and (not w.causal or (cls.supports_causal and w.nq <= w.nk))
         and (not w.key_padding or cls.supports_key_padding)
         and (not w.attn_mask or cls.supports_attn_mask)
-        and (w.nq == w.nk or cls.supports_cross)
+        and (w.nq <= w.nk or cls.supports_cross)
+        and (w.nq >= w.nk or cls.supports_cross or cls.supports_decode)
+        and (w.scale is None or cls.supports_scale)
+        and (not w.bias or cls.supports_bias)
         and (not w.backward or w.device in cls.backward_devices)
     )
 

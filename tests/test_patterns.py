@@ -43,8 +43,9 @@ MASK_IDS = ["plain", "causal", "padding", "causal_padding"]
 @pytest.mark.parametrize("nq, nk, window", [(10, 10, 0), (10, 10, 3), (10, 10, 9), (10, 10, 50), (6, 11, 2)])
 def test_band_pattern_matches_double_loop(nq, nk, window, causal):
     attn = LocalWindowAttention(window=window)
+    off = max(0, nk - nq)  # with Nq < Nk query i is position i + off (the last Nq positions)
     want = torch.tensor(
-        [[abs(i - j) <= window and (j <= i or not causal) for j in range(nk)] for i in range(nq)]
+        [[abs(i + off - j) <= window and (j <= i + off or not causal) for j in range(nk)] for i in range(nq)]
     )
     assert torch.equal(attn.pattern(nq, nk, causal), want)
     assert attn.num_pairs(nq, nk, causal) == int(want.sum())
@@ -85,7 +86,7 @@ def test_local_window_rejects_bad_knobs_and_workloads():
     attn = LocalWindowAttention(window=2)
     q, k, v, _ = _inputs(12)
     with pytest.raises(Unsupported, match="cross"):
-        attn(q[:, :, :8], k, v)
+        attn(q, k[:, :, :8], v[:, :, :8])  # more queries than keys
     with pytest.raises(Unsupported, match="attn_mask"):
         attn(q, k, v, attn_mask=torch.ones(12, 12, dtype=torch.bool))
 

@@ -27,6 +27,7 @@ from .helpers import (
 )
 
 PARAMS = variant_params()
+CASE = {c.id: c for c in CASES}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -77,7 +78,14 @@ def _grads(attn, q, k, v, kw, fn):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4], CASES[5]], ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [
+        CASE[c]
+        for c in ("plain", "causal_padding", "attn_mask", "short_q", "gqa", "prefill_onto_cache", "bias")
+    ],
+    ids=lambda c: c.id,
+)
 def test_gradients_match_oracle_fp32(vp, case, device):
     name, knobs = vp
     attn = build(name, knobs, case, device)
@@ -170,11 +178,15 @@ def test_causal_does_not_leak_the_future(vp, device):
 def test_pattern_and_flops_are_consistent(vp):
     name, knobs = vp
     attn = build(name, knobs, CASES[0])
-    for nq, nk, causal in [(24, 24, False), (24, 24, True), (16, 24, False)]:
+    for nq, nk, causal in [(24, 24, False), (24, 24, True), (16, 24, False), (8, 24, True), (1, 24, True)]:
         pat = attn.pattern(nq, nk, causal)
         assert pat.shape == (nq, nk) and pat.dtype == torch.bool
-        if causal:
-            assert not pat.triu(1).any(), "a causal pattern has no pair above the diagonal"
+        if causal:  # bottom-right: query i is position i + Nk - Nq
+            assert not pat.triu(1 + nk - nq).any(), "a causal pattern has no pair past the query's position"
+        if nq < nk and type(attn).supports_decode:
+            # the queries are the last Nq positions: their rows of the self-attention pattern
+            assert torch.equal(pat, attn.pattern(nk, nk, causal)[nk - nq :])
+        assert attn.num_pairs(nq, nk, causal) == int(pat.sum()) or name == "axial"
     w = workload(CASES[0])
     # the analytic count must agree with the pattern it describes
     assert attn.num_pairs(24, 24, False) == int(attn.pattern(24, 24, False).sum()) or not attn.exact
@@ -194,8 +206,8 @@ def test_unknown_knob_is_a_clear_error():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_causal_with_cross_is_unsupported_everywhere(device):
-    case = CASES[5]
+def test_causal_with_more_queries_than_keys_is_unsupported_everywhere(device):
+    case = CASE["cross"]  # Nq > Nk: no bottom-right alignment puts every query after a key
     for name, knobs in PARAMS:
         attn = build(name, knobs, case, device)
         q, k, v, _ = make_inputs(case, device=device)
@@ -231,5 +243,55 @@ def test_sdpa_auto_finds_its_kernel_once_per_kind_of_call(monkeypatch):
     for _ in range(3):
         attn(q, q, q)
     assert len(spies) == 1 and attn.backend_ran == "flash"  # the fused CPU kernel, found once
-    attn(q[:, :, :8], q[:, :, :8], q[:, :, :8])  # another shape: asked again
+    attn(q[:, :, :1], q[:, :, :9], q[:, :, :9])  # other lengths (decoding): not asked again
+    assert len(spies) == 1
+    attn(q[..., :4], q[..., :4], q[..., :4])  # another head size: asked again
     assert len(spies) == 2
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_bias_gradient_matches_oracle_or_is_refused(vp):
+    name, knobs = vp
+    case = CASE["bias"]
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case, requires_grad=True)
+    kw["bias"].requires_grad_(True)
+    cls = type(attn)
+    if not (cls.supports_bias and cls.bias_backward and flags_allow(cls, workload(case, backward=True))):
+        with pytest.raises(Unsupported):
+            attn(q, k, v, **kw)
+        return
+    (got,) = torch.autograd.grad(attn(q, k, v, **kw).square().sum(), kw["bias"])
+    (want,) = torch.autograd.grad(oracle(attn, q, k, v, **kw).square().sum(), kw["bias"])
+    assert rel_err(got, want) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["naive", "sdpa", "flex"])
+def test_grouped_heads_are_not_copied(name, monkeypatch):
+    """Variants that claim native grouped heads never call the repeat (a copy of K and V)."""
+    import variants.base as base
+
+    def refuse(x, heads):
+        raise AssertionError("K/V repeated")
+
+    monkeypatch.setattr(base, "repeat_kv", refuse)
+    knobs = {"compile": False} if name == "flex" else {}
+    attn = build(name, knobs, CASE["decode_gqa"])
+    q, k, v, kw = make_inputs(CASE["decode_gqa"])
+    assert type(attn).native_gqa
+    out = attn(q, k, v, **kw)
+    monkeypatch.undo()
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+
+
+def test_bad_grouping_scale_and_bias_are_one_clear_error():
+    attn = variants.build("naive")
+    q, k = torch.randn(1, 4, 8, 4), torch.randn(1, 3, 8, 4)
+    with pytest.raises(ValueError, match="must divide"):
+        attn(q, k, k)
+    with pytest.raises(ValueError, match="scale"):
+        attn(q, q, q, scale=-1.0)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attn(q, q, q, bias=torch.zeros(3, 8, 8))
+    with pytest.raises(ValueError, match="bias="):
+        attn(q, q, q, attn_mask=torch.zeros(8, 8))  # a float mask: it belongs in bias

@@ -45,12 +45,17 @@ class _Masks(NamedTuple):
     causal: bool
     kpm: torch.Tensor | None  # (B, 1, 1, Nk)
     am: torch.Tensor | None  # (B|1, H|1, Nq|1, Nk)
+    offset: int = 0  # query i is position i + offset (Nk - Nq: bottom-right causal)
+
+    def keys_end(self, qe: int, nk: int) -> int:
+        """Keys the queries before ``qe`` can see at all: causal ones see none past their position."""
+        return min(nk, qe + self.offset) if self.causal else nk
 
     def allowed(self, qs: int, qe: int, ke: int, device: torch.device) -> torch.Tensor | None:
         """Mask of queries ``qs:qe`` over keys ``:ke``, broadcastable to ``(B, H, qe - qs, ke)``."""
         allowed = None
         if self.causal:
-            rows = torch.arange(qs, qe, device=device)[:, None]  # (c, 1)
+            rows = torch.arange(qs + self.offset, qe + self.offset, device=device)[:, None]  # (c, 1)
             allowed = torch.arange(ke, device=device)[None, :] <= rows  # (c, ke)
         if self.kpm is not None:
             part = self.kpm[..., :ke]  # (B, 1, 1, ke)
@@ -148,7 +153,7 @@ class _AdditiveFunction(torch.autograd.Function):
         out = torch.empty(b, h, nq, v.shape[-1], dtype=qp.dtype, device=qp.device)
         for qs in range(0, nq, step):
             qe = min(qs + step, nq)
-            ke = qe if masks.causal else kp.shape[2]  # causal: keys after the chunk are never visible
+            ke = masks.keys_end(qe, kp.shape[2])  # causal: keys after the chunk are never visible
             scores = _scores(sig.block(qs, qe, ke), *ws)  # (B, H, c, ke)
             p = safe_softmax(scores, masks.allowed(qs, qe, ke, qp.device))
             out[:, :, qs:qe] = p @ v[:, :, :ke]  # (B, H, c, Dv)
@@ -172,7 +177,7 @@ class _AdditiveFunction(torch.autograd.Function):
         ds_total = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)  # (H,): sum of ds
         for qs in range(0, nq, step):
             qe = min(qs + step, nq)
-            ke = qe if masks.causal else kp.shape[2]
+            ke = masks.keys_end(qe, kp.shape[2])
             s = sig.block(qs, qe, ke)  # (B, H, c, ke, hid)
             p = safe_softmax(_scores(s, *ws), masks.allowed(qs, qe, ke, qp.device))  # (B, H, c, ke)
             do = dout[:, :, qs:qe]  # (B, H, c, Dv)
@@ -197,6 +202,7 @@ class AdditiveAttention(AttentionVariant):
     """Bahdanau attention ``w^T tanh(W_q q + W_k k)`` per head, chunked over queries."""
 
     has_params = True
+    supports_scale = False  # the score w^T tanh(...) has no 1/sqrt(D) to replace
     # several chunks (5 does not divide the test lengths) and one chunk; the automatic size (1 query
     # at test lengths) is tested on its own: per-chunk overhead would dominate the registry tests
     example_knobs = ({"hidden": 16, "chunk": 5}, {"hidden": 8, "chunk": 64})
@@ -292,7 +298,8 @@ class AdditiveAttention(AttentionVariant):
             while am.dim() < 4:
                 am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
         step = self.query_chunk(nq, q.shape[0] * q.shape[1] * k.shape[2] * self.hidden)
-        out = _AdditiveFunction.apply(qp, kp, vv, wv, _Masks(causal, kpm, am), step)  # (B, H, Nq, Dv)
+        masks = _Masks(causal, kpm, am, k.shape[2] - nq)
+        out = _AdditiveFunction.apply(qp, kp, vv, wv, masks, step)  # (B, H, Nq, Dv)
         return out.to(q.dtype)
 
     def reference_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

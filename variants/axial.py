@@ -51,6 +51,9 @@ class AxialAttention(AttentionVariant):
     exact = False  # a different operator from full attention; see oracle_forward
     supports_attn_mask = False
     supports_cross = False
+    # a new token's column step reads the row-step outputs of every earlier token, which a K/V cache
+    # does not hold: decoding would recompute the whole grid, so it is refused with that reason
+    supports_decode = False
     example_knobs = ({"rows": None}, {"rows": 2})
 
     def __init__(self, rows: int | None = None) -> None:
@@ -82,6 +85,12 @@ class AxialAttention(AttentionVariant):
         return rows, n // rows
 
     def check(self, w: Workload) -> None:
+        if w.nq < w.nk:
+            raise Unsupported(
+                f"axial cannot decode (Nq={w.nq} < Nk={w.nk}): its second (column) step attends to the "
+                "first step's outputs of every earlier token, which a K/V cache does not hold, so a new "
+                "token would recompute the whole grid"
+            )
         super().check(w)
         self.grid(w.nk)
 
@@ -143,8 +152,10 @@ class AxialAttention(AttentionVariant):
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """Float64 axial attention written densely: two masked full attentions in raster order."""
+        """Float64 axial attention written densely: two masked full attentions in raster order (both
+        with the scores scaled by ``scale``, default ``1/sqrt(D)``)."""
         if attn_mask is not None:
             raise Unsupported("axial does not support an arbitrary attn_mask")
         bsz, nq, nk = q.shape[0], q.shape[2], k.shape[2]
@@ -154,5 +165,5 @@ class AxialAttention(AttentionVariant):
         masks = combined_mask(bsz, nq, nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device)
         row_allowed = same_row if masks is None else masks & same_row  # (B|1, 1, Nq, Nk)
         col_allowed = same_col if masks is None else masks & same_col
-        row_out = reference_attention(q, k, v, allowed=row_allowed)  # (B, H, N, Dv) float64
-        return reference_attention(q, k, row_out, allowed=col_allowed)
+        row_out = reference_attention(q, k, v, allowed=row_allowed, scale=scale)  # (B, H, N, Dv) float64
+        return reference_attention(q, k, row_out, allowed=col_allowed, scale=scale)

@@ -1,8 +1,12 @@
 """The one interface every attention variant implements.
 
 Conventions (see DESIGN.md): tensors are ``(B, H, N, D)``; boolean masks mean True = may attend;
-``key_padding_mask`` is ``(B, Nk)``; ``attn_mask`` broadcasts to ``(B, H, Nq, Nk)``; ``causal`` needs
-``Nq == Nk``; a query that can see no key outputs zeros with zero gradients.
+``key_padding_mask`` is ``(B, Nk)``; ``attn_mask`` broadcasts to ``(B, H, Nq, Nk)``; ``k``/``v`` may have
+``Hkv`` heads with ``H % Hkv == 0`` (grouped-query attention: query head ``h`` reads key/value head
+``h // (H / Hkv)``); ``causal`` with ``Nq <= Nk`` is aligned bottom-right (the queries are the last ``Nq``
+positions: key ``j`` is visible to query ``i`` iff ``j <= i + Nk - Nq``); ``scale`` defaults to
+``1/sqrt(D)``; ``bias`` is an additive float tensor broadcastable to ``(B, H, Nq, Nk)``; a query that can
+see no key outputs zeros with zero gradients.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ class Workload:
     key_padding: bool = False
     attn_mask: bool = False
     backward: bool = False
+    kv_heads: int | None = None  # None: = heads
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+    bias: bool = False
+    bias_grad: bool = False  # the bias requires a gradient
+
+    @property
+    def hkv(self) -> int:
+        """Key/value heads (``heads`` unless grouped)."""
+        return self.kv_heads or self.heads
 
     @classmethod
     def of(
@@ -52,6 +65,8 @@ class Workload:
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+        bias: torch.Tensor | None = None,
     ) -> Workload:
         """Describe the call ``variant(q, k, v, ...)``; checks the shapes agree."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -69,8 +84,13 @@ class Workload:
             raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
         if not (q.device == k.device == v.device):
             raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-        if k.shape[:2] != (b, h) or k.shape[3] != d:
-            raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, H or D")
+        if k.shape[0] != b or k.shape[3] != d:
+            raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B or D")
+        if h % k.shape[1]:
+            raise ValueError(
+                f"k has {k.shape[1]} heads, which must divide q's {h} (grouped-query attention); "
+                f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}"
+            )
         if v.shape[:3] != k.shape[:3]:
             raise ValueError(f"v {tuple(v.shape)} does not match k {tuple(k.shape)} in B, H or N")
         if key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, k.shape[2]):
@@ -80,7 +100,20 @@ class Workload:
         if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
             raise ValueError("key_padding_mask must be boolean (True = real key)")
         if attn_mask is not None and attn_mask.dtype != torch.bool:
-            raise ValueError("attn_mask must be boolean (True = may attend)")
+            raise ValueError(
+                "attn_mask must be boolean (True = may attend); pass a float additive mask as bias="
+            )
+        if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+            raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+        if bias is not None:
+            if not bias.is_floating_point():
+                raise ValueError(f"bias must be a floating-point tensor, got {bias.dtype}")
+            try:
+                torch.broadcast_shapes(tuple(bias.shape), (b, h, nq, k.shape[2]))
+            except RuntimeError:
+                raise ValueError(
+                    f"bias {tuple(bias.shape)} does not broadcast to (B, H, Nq, Nk) = {(b, h, nq, k.shape[2])}"
+                ) from None
         return cls(
             batch=b,
             heads=h,
@@ -94,15 +127,42 @@ class Workload:
             key_padding=key_padding_mask is not None,
             attn_mask=attn_mask is not None,
             backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            kv_heads=k.shape[1] if k.shape[1] != h else None,
+            scale=None if scale is None else float(scale),
+            bias=bias is not None,
+            bias_grad=bias is not None and torch.is_grad_enabled() and bias.requires_grad,
         )
 
 
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x (B, Hkv, N, E)`` with each head repeated ``heads / Hkv`` times: ``(B, heads, N, E)``, head
+    ``h`` a copy of head ``h // (heads / Hkv)`` (a copy: for variants that cannot read grouped heads)."""
+    b, hkv, n, e = x.shape
+    if hkv == heads:
+        return x
+    # (B, Hkv, N, E) -> (B, Hkv, G, N, E) -> (B, H, N, E)
+    return x[:, :, None].expand(b, hkv, heads // hkv, n, e).reshape(b, heads, n, e)
+
+
+def causal_offset(nq: int, nk: int) -> int:
+    """How far the causal diagonal is shifted right: query ``i`` sees keys ``j <= i + offset``
+    (bottom-right alignment, ``Nq <= Nk``)."""
+    return nk - nq
+
+
 class AttentionVariant(nn.Module):
-    """Base class: ``forward(q, k, v, *, causal, key_padding_mask, attn_mask) -> (B, H, Nq, Dv)``.
+    """Base class: ``forward(q, k, v, *, causal, key_padding_mask, attn_mask, scale, bias)`` returns
+    ``(B, H, Nq, Dv)``.
 
     Subclasses set the class-level facts below, implement :meth:`_attend`, and override
     :meth:`pattern` / :meth:`num_pairs` when they do not compute every (query, key) pair.
     Structural knobs (window, block size, ...) are constructor arguments.
+
+    What a subclass does not do itself, :meth:`forward` does for it: grouped K/V heads are repeated
+    (a copy) unless ``native_gqa``; a ``scale`` other than ``1/sqrt(D)`` multiplies ``q`` (one pass
+    over ``q``) unless ``native_scale``, in which case ``_attend`` gets ``scale=``; ``_attend`` gets
+    ``bias=`` only when ``supports_bias``. So a variant written for ``_attend(q, k, v, *, causal,
+    key_padding_mask, attn_mask)`` keeps working.
     """
 
     name: ClassVar[str] = ""
@@ -114,6 +174,19 @@ class AttentionVariant(nn.Module):
     supports_key_padding: ClassVar[bool] = True
     supports_attn_mask: ClassVar[bool] = True
     supports_cross: ClassVar[bool] = True
+    #: ``Nq < Nk`` with the queries as the last ``Nq`` positions of the keys' sequence (decoding
+    #: against a cache, prefill onto a cache); implied by ``supports_cross``
+    supports_decode: ClassVar[bool] = True
+    #: a ``scale`` other than ``1/sqrt(D)`` (False where the scores have no scale, as in additive)
+    supports_scale: ClassVar[bool] = True
+    #: an additive float ``bias`` on the scores (ALiBi, relative position bias)
+    supports_bias: ClassVar[bool] = False
+    #: a gradient for the bias
+    bias_backward: ClassVar[bool] = False
+    #: ``_attend`` reads grouped K/V heads itself (no copy); otherwise forward repeats them
+    native_gqa: ClassVar[bool] = False
+    #: ``_attend`` takes ``scale=``; otherwise forward rescales q
+    native_scale: ClassVar[bool] = False
     #: devices on which backward runs
     backward_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     has_params: ClassVar[bool] = False
@@ -134,16 +207,30 @@ class AttentionVariant(nn.Module):
             raise Unsupported(f"{who} does not run on device '{w.device}'")
         if w.dtype not in self.dtypes:
             raise Unsupported(f"{who} does not support dtype {str(w.dtype).replace('torch.', '')}")
-        if w.causal and w.nq != w.nk:
-            raise Unsupported(f"causal attention needs Nq == Nk, got Nq={w.nq}, Nk={w.nk}")
+        if w.causal and w.nq > w.nk:
+            raise Unsupported(
+                f"causal attention needs Nq <= Nk (queries aligned to the last keys), got Nq={w.nq}, Nk={w.nk}"
+            )
         if w.causal and not self.supports_causal:
             raise Unsupported(f"{who} does not support causal masking")
         if w.key_padding and not self.supports_key_padding:
             raise Unsupported(f"{who} does not support a key padding mask")
         if w.attn_mask and not self.supports_attn_mask:
             raise Unsupported(f"{who} does not support an arbitrary attn_mask")
-        if w.nq != w.nk and not self.supports_cross:
-            raise Unsupported(f"{who} does not support cross-attention (Nq={w.nq} != Nk={w.nk})")
+        if w.nq > w.nk and not self.supports_cross:
+            raise Unsupported(f"{who} does not support cross-attention (Nq={w.nq} > Nk={w.nk})")
+        if w.nq < w.nk and not (self.supports_cross or self.supports_decode):
+            raise Unsupported(
+                f"{who} does not support Nq < Nk (decoding against a cache; Nq={w.nq}, Nk={w.nk})"
+            )
+        if w.scale is not None and not self.supports_scale:
+            raise Unsupported(f"{who} has no softmax scale to set (scale={w.scale:g})")
+        if w.bias and not self.supports_bias:
+            raise Unsupported(f"{who} does not take an additive float bias")
+        if w.bias_grad and not self.bias_backward:
+            raise Unsupported(
+                f"{who} computes no gradient for the bias (pass a bias that does not require grad)"
+            )
         if w.backward and w.device not in self.backward_devices:
             raise Unsupported(f"{who} has no backward pass on device '{w.device}'")
 
@@ -157,11 +244,40 @@ class AttentionVariant(nn.Module):
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attend ``q (B,H,Nq,D)`` to ``k (B,H,Nk,D)``, ``v (B,H,Nk,Dv)``; returns ``(B,H,Nq,Dv)``."""
-        w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        """Attend ``q (B,H,Nq,D)`` to ``k (B,Hkv,Nk,D)``, ``v (B,Hkv,Nk,Dv)``; returns ``(B,H,Nq,Dv)``.
+
+        ``scale`` multiplies the scores (default ``1/sqrt(D)``); ``bias`` (float, broadcastable to
+        ``(B, H, Nq, Nk)``) is added to them before the softmax.
+        """
+        w = Workload.of(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            scale=scale,
+            bias=bias,
+        )
         self.check(w)
-        return self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        kw: dict[str, object] = {
+            "causal": causal,
+            "key_padding_mask": key_padding_mask,
+            "attn_mask": attn_mask,
+        }
+        if w.kv_heads is not None and not self.native_gqa:
+            k, v = repeat_kv(k, w.heads), repeat_kv(v, w.heads)  # (B, H, Nk, D|Dv)
+        if w.scale is not None:
+            if self.native_scale:
+                kw["scale"] = w.scale
+            else:  # the variant divides by sqrt(D): scores come out as (q k^T) * scale
+                q = q * (w.scale * q.shape[-1] ** 0.5)
+        if bias is not None:
+            kw["bias"] = bias
+        return self._attend(q, k, v, **kw)
 
     def _attend(
         self,
@@ -179,15 +295,20 @@ class AttentionVariant(nn.Module):
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
         """Boolean ``(Nq, Nk)`` matrix of the (query, key) pairs this variant lets interact.
 
-        Masks passed at call time come on top of it. Default: every pair (lower triangle if causal).
+        Masks passed at call time come on top of it. Default: every pair (causal: key ``j`` visible
+        to query ``i`` iff ``j <= i + Nk - Nq``, the bottom-right aligned lower triangle). With
+        ``Nq < Nk`` a pattern variant's queries are the last ``Nq`` positions of its sequence.
         """
         allowed = torch.ones(nq, nk, dtype=torch.bool)
-        return allowed.tril() if causal else allowed
+        return allowed.tril(causal_offset(nq, nk)) if causal else allowed
 
     def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
         """Number of (query, key) pairs computed; analytic where the pattern is known."""
         if type(self).pattern is AttentionVariant.pattern:
-            return nq * (nq + 1) // 2 if causal else nq * nk
+            if not causal:
+                return nq * nk
+            # query i sees i + offset + 1 keys (causal needs Nq <= Nk, so that is at most Nk)
+            return nq * causal_offset(nq, nk) + nq * (nq + 1) // 2
         return int(self.pattern(nq, nk, causal).sum())
 
     def flops(self, w: Workload, mode: str = "fwd") -> int:
@@ -202,9 +323,11 @@ class AttentionVariant(nn.Module):
         return int(fwd * factor)
 
     # ------------------------------------------------------------------ oracle hooks
-    def reference_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Float64 ``(B, H, Nq, Nk)`` scores the oracle softmaxes; default ``q k^T / sqrt(D)``."""
-        return (q.double() @ k.double().transpose(-2, -1)) / q.shape[-1] ** 0.5
+    def reference_scores(self, q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Float64 ``(B, H, Nq, Nk)`` scores the oracle softmaxes; default ``q k^T * scale`` (``k`` has
+        as many heads as ``q`` here: the oracle repeats grouped heads)."""
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        return (q.double() @ k.double().transpose(-2, -1)) * s
 
     def describe(self) -> dict[str, object]:
         """The variant's name, knobs and facts, for records."""

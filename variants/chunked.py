@@ -10,7 +10,8 @@ per block between the passes.
 
 Time ``O(B H Nq Nk D)`` (backward about 2.5x forward: it recomputes ``S``); memory
 ``O(B H (Nq (D + Dv) + q_chunk * k_chunk))``. Low-precision inputs are accumulated in float32, as the
-fused kernels do.
+fused kernels do. A float ``bias`` is added block by block (no gradient for it); causal with
+``Nq < Nk`` is aligned bottom-right.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _allowed(
     am: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """Which pairs of a block of key columns ``[ks, ke)`` the query ``rows (cq, 1)`` may use, or
-    None for all: broadcasts to ``(B, H, cq, ck)``."""
+    None for all: broadcasts to ``(B, H, cq, ck)``. ``rows`` are positions in the keys' sequence
+    (query index + ``Nk - Nq``), so causal is bottom-right aligned."""
     allowed = None
     if causal:
         allowed = torch.arange(ks, ke, device=rows.device)[None, :] <= rows  # (cq, ck)
@@ -45,9 +47,12 @@ def _allowed(
     return allowed
 
 
-def _scores(q, kc, ks, rows, causal, kpm, am):
-    """Masked scores ``(B, H, cq, ck)`` of the (already scaled) query chunk against key chunk ``kc``."""
+def _scores(q, kc, ks, rows, causal, kpm, am, bias):
+    """Masked scores ``(B, H, cq, ck)`` of the (already scaled) query chunk against key chunk ``kc``,
+    plus the chunk's rows of ``bias (B|1, H|1, cq|1, Nk)``."""
     s = q @ kc.transpose(-2, -1)  # (B, H, cq, ck)
+    if bias is not None:
+        s = s + bias[..., ks : ks + kc.shape[2]]
     allowed = _allowed(ks, ks + kc.shape[2], rows, causal, kpm, am)
     return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
 
@@ -57,8 +62,17 @@ def _am_rows(am: torch.Tensor | None, qs: int, qe: int) -> torch.Tensor | None:
     return None if am is None else (am[..., qs:qe, :] if am.shape[-2] > 1 else am)
 
 
+def _as_4d(t: torch.Tensor | None, nk: int) -> torch.Tensor | None:
+    """A mask or bias broadcastable to ``(B, H, Nq, Nk)`` as a 4-D view ``(B|1, H|1, Nq|1, Nk)``: key
+    chunks slice the last dim, so a broadcast one is expanded."""
+    if t is None:
+        return None
+    t = t[(None,) * (4 - t.dim())]  # leading dims added
+    return t.expand(*t.shape[:-1], nk)
+
+
 def _key_chunks(nk: int, k_chunk: int, q_end: int, causal: bool) -> range:
-    """Start of every key chunk a query chunk ending at ``q_end`` sees (causal: none past it)."""
+    """Start of every key chunk a query chunk ending at position ``q_end`` sees (causal: none past it)."""
     return range(0, min(nk, q_end) if causal else nk, k_chunk)
 
 
@@ -66,23 +80,25 @@ class _ChunkedAttention(torch.autograd.Function):
     """``softmax(q k^T / sqrt(D) masked) v`` by chunks, with a block-recomputing backward."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, kpm, am, causal: bool, q_chunk: int, k_chunk: int):
+    def forward(ctx: Any, q, k, v, kpm, am, bias, causal: bool, q_chunk: int, k_chunk: int, scale: float):
         b, h, nq, d = q.shape
         nk, dv = k.shape[2], v.shape[-1]
+        off = nk - nq  # query i is position i + off (bottom-right causal)
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        qw, kw, vw = q.to(work) * d**-0.5, k.to(work), v.to(work)
+        qw, kw, vw = q.to(work) * scale, k.to(work), v.to(work)
+        bw = None if bias is None else bias.to(work)
         out = torch.empty(b, h, nq, dv, dtype=work, device=q.device)
         lse = torch.empty(b, h, nq, 1, dtype=work, device=q.device)  # log-sum-exp of each row
         for qs in range(0, nq, q_chunk):
             qe = min(qs + q_chunk, nq)
-            qc, am_c = qw[:, :, qs:qe], _am_rows(am, qs, qe)  # (B, H, cq, D)
-            rows = torch.arange(qs, qe, device=q.device)[:, None]  # (cq, 1)
+            qc, am_c, b_c = qw[:, :, qs:qe], _am_rows(am, qs, qe), _am_rows(bw, qs, qe)  # (B, H, cq, D)
+            rows = torch.arange(qs + off, qe + off, device=q.device)[:, None]  # (cq, 1) positions
             m = torch.full((b, h, qe - qs, 1), float("-inf"), dtype=work, device=q.device)  # running max
             s = torch.zeros((b, h, qe - qs, 1), dtype=work, device=q.device)  # running sum of exp
             acc = torch.zeros((b, h, qe - qs, dv), dtype=work, device=q.device)  # running sum of p v
-            for ks in _key_chunks(nk, k_chunk, qe, causal):
+            for ks in _key_chunks(nk, k_chunk, qe + off, causal):
                 ke = min(ks + k_chunk, nk)
-                sc = _scores(qc, kw[:, :, ks:ke], ks, rows, causal, kpm, am_c)  # (B, H, cq, ck)
+                sc = _scores(qc, kw[:, :, ks:ke], ks, rows, causal, kpm, am_c, b_c)  # (B, H, cq, ck)
                 m_new = torch.maximum(m, sc.amax(dim=-1, keepdim=True))
                 m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
                 p = torch.exp(sc - m_safe)  # (B, H, cq, ck); masked entries are exactly 0
@@ -93,36 +109,35 @@ class _ChunkedAttention(torch.autograd.Function):
             out[:, :, qs:qe] = acc / torch.where(s > 0, s, torch.ones_like(s))  # empty rows: 0 / 1 = 0
             # empty rows get L = +inf, so that exp(S - L) = 0 for them in backward
             lse[:, :, qs:qe] = torch.where(s > 0, m + torch.log(s), torch.full_like(s, float("inf")))
-        ctx.save_for_backward(q, k, v, out, lse, kpm, am)
-        ctx.cfg = (causal, q_chunk, k_chunk)
+        ctx.save_for_backward(q, k, v, out, lse, kpm, am, bw)
+        ctx.cfg = (causal, q_chunk, k_chunk, scale)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        q, k, v, out, lse, kpm, am = ctx.saved_tensors
-        causal, q_chunk, k_chunk = ctx.cfg
-        nq, d = q.shape[2], q.shape[3]
-        nk = k.shape[2]
+        q, k, v, out, lse, kpm, am, bw = ctx.saved_tensors
+        causal, q_chunk, k_chunk, scale = ctx.cfg
+        nq, nk = q.shape[2], k.shape[2]
+        off = nk - nq
         work = out.dtype
-        scale = d**-0.5
         qw, kw, vw, do = q.to(work) * scale, k.to(work), v.to(work), grad_out.to(work)
         delta = (do * out).sum(dim=-1, keepdim=True)  # (B, H, Nq, 1): rowsum(dO * O) = rowsum(P * dP)
         dq, dk, dv = torch.zeros_like(qw), torch.zeros_like(kw), torch.zeros_like(vw)
         for qs in range(0, nq, q_chunk):
             qe = min(qs + q_chunk, nq)
-            qc, am_c = qw[:, :, qs:qe], _am_rows(am, qs, qe)  # (B, H, cq, D)
-            rows = torch.arange(qs, qe, device=q.device)[:, None]  # (cq, 1)
+            qc, am_c, b_c = qw[:, :, qs:qe], _am_rows(am, qs, qe), _am_rows(bw, qs, qe)  # (B, H, cq, D)
+            rows = torch.arange(qs + off, qe + off, device=q.device)[:, None]  # (cq, 1) positions
             do_c, l_c, d_c = do[:, :, qs:qe], lse[:, :, qs:qe], delta[:, :, qs:qe]
-            for ks in _key_chunks(nk, k_chunk, qe, causal):
+            for ks in _key_chunks(nk, k_chunk, qe + off, causal):
                 ke = min(ks + k_chunk, nk)
                 kc, vc = kw[:, :, ks:ke], vw[:, :, ks:ke]  # (B, H, ck, D), (B, H, ck, Dv)
-                p = torch.exp(_scores(qc, kc, ks, rows, causal, kpm, am_c) - l_c)  # (B, H, cq, ck)
+                p = torch.exp(_scores(qc, kc, ks, rows, causal, kpm, am_c, b_c) - l_c)  # (B, H, cq, ck)
                 dv[:, :, ks:ke] += p.transpose(-2, -1) @ do_c  # (B, H, ck, Dv)
                 ds = p * (do_c @ vc.transpose(-2, -1) - d_c)  # (B, H, cq, ck): dS = P (dP - delta)
                 dq[:, :, qs:qe] += ds @ kc
                 dk[:, :, ks:ke] += ds.transpose(-2, -1) @ qc
         dq = dq * scale  # S = (q scale) k^T: dq = dS k scale; dk = dS^T (q scale) already
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 @register("chunked")
@@ -130,6 +145,8 @@ class ChunkedAttention(AttentionVariant):
     """Memory-efficient exact attention: online softmax over key chunks, per query chunk."""
 
     example_knobs = ({"query_chunk": 5, "key_chunk": 7},)
+    supports_bias = True
+    native_scale = True
 
     def __init__(self, query_chunk: int = 512, key_chunk: int = 512) -> None:
         super().__init__()
@@ -143,12 +160,9 @@ class ChunkedAttention(AttentionVariant):
     def knobs(self) -> dict[str, object]:
         return {"query_chunk": self.query_chunk, "key_chunk": self.key_chunk}
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
-        am = None
-        if attn_mask is not None:
-            am = attn_mask
-            while am.dim() < 4:
-                am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None):
+        am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         return _ChunkedAttention.apply(
-            q, k, v, key_padding_mask, am, causal, self.query_chunk, self.key_chunk
+            q, k, v, key_padding_mask, am, bias4, causal, self.query_chunk, self.key_chunk, scale
         )  # (B, H, Nq, Dv)

@@ -13,9 +13,13 @@ Patterns (``pattern`` knob; True = may attend, call-time masks come on top):
 - ``sparse``: the BigBird block layout of ``variants/sparse.py`` (``BlockSparseAttention(block=block)``
   with that module's defaults: one window block each side, one global block, one random block,
   seed 0), so ``flex`` with ``pattern=sparse`` and ``sparse`` with the same ``block`` compute the same
-  pairs. For ``Nq != Nk`` the rectangle is cut from the ``max(Nq, Nk)`` layout, as ``sparse`` does.
+  pairs.
 
-``causal`` adds ``j <= i``; key padding and ``attn_mask`` are captured tensors read by the predicate.
+With ``Nq < Nk`` the queries are the last ``Nq`` positions (query ``i`` is position ``i + Nk - Nq``),
+for the patterns and for ``causal``, which adds ``j <= position``; with ``Nq > Nk`` (cross-attention)
+query ``i`` is position ``i``. Key padding and ``attn_mask`` are captured tensors read by the
+predicate; a float ``bias`` is a captured tensor read by a ``score_mod``. Grouped K/V heads go to
+FlexAttention's ``enable_gqa`` (no copy).
 Shapes ``q (B, H, Nq, D)``, ``k (B, H, Nk, D)``, ``v (B, H, Nk, Dv)`` -> ``(B, H, Nq, Dv)``; no layout
 change is needed. Time ``O(B H P D)`` for ``P`` pairs in visited tiles; memory ``O(B H N D)`` compiled,
 plus the block mask ``O(B H (N / block)^2)`` (``O(B H Nq Nk)`` while it is built, and uncompiled
@@ -48,6 +52,7 @@ import torch
 
 from .base import AttentionVariant, Unsupported, Workload
 from .flex_limits import CUDA_TILE, fits_cuda_tile, flex_refusal
+from .local_window import band_pairs
 from .registry import register
 from .sparse import BlockSparseAttention
 
@@ -66,6 +71,9 @@ class FlexAttention(AttentionVariant):
     # CPU: FlexAttention raises NotImplementedError when any input requires grad
     backward_devices = frozenset({"cuda"})
     compiled = True
+    supports_bias = True
+    native_gqa = True
+    native_scale = True
     example_knobs = (
         {"pattern": "full", "compile": False},
         {"pattern": "window", "window": 3, "block": 8, "compile": False},
@@ -122,32 +130,21 @@ class FlexAttention(AttentionVariant):
         }
 
     # ------------------------------------------------------------------ the pattern
-    def _block_layout(self, nq: int, nk: int, causal: bool) -> torch.Tensor:
-        """``(ceil(Nq/block), ceil(Nk/block))`` bool: the sparse layout's key blocks per query block
-        (causal: the layout whose random blocks are drawn from the past)."""
-        nb = self._sparse.block_pattern(max(nq, nk), causal)  # (nb, nb), defined for self-attention
-        return nb[: -(-nq // self.block), : -(-nk // self.block)]
-
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
-        i = torch.arange(nq)[:, None]  # (Nq, 1)
-        j = torch.arange(nk)[None, :]  # (1, Nk)
-        if self.pattern_name == "full":
-            allowed = torch.ones(nq, nk, dtype=torch.bool)
-        elif self.pattern_name == "window":
-            allowed = (i - j).abs() <= self.window
-        else:
+        if self.pattern_name == "sparse":
             return self._sparse.pattern(nq, nk, causal)
+        i = torch.arange(nq)[:, None] + max(0, nk - nq)  # (Nq, 1): positions of the queries
+        j = torch.arange(nk)[None, :]  # (1, Nk)
+        allowed = torch.ones(nq, nk, dtype=torch.bool)
+        if self.pattern_name == "window":
+            allowed = (i - j).abs() <= self.window
         return allowed & (j <= i) if causal else allowed
 
     def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
         if self.pattern_name == "full":
-            return nq * (nq + 1) // 2 if causal else nq * nk
+            return super().num_pairs(nq, nk, causal)
         if self.pattern_name == "window":
-            # per query row: keys in [i - w, i + w] (or [i - w, i] when causal) clipped to [0, Nk)
-            i = torch.arange(nq)
-            lo = (i - self.window).clamp_min(0)
-            hi = (i if causal else i + self.window).clamp_max(nk - 1)
-            return int((hi - lo + 1).clamp_min(0).sum())
+            return band_pairs(nq, nk, self.window, causal)
         return self._sparse.num_pairs(nq, nk, causal)
 
     # ------------------------------------------------------------------ block masks
@@ -176,15 +173,17 @@ class FlexAttention(AttentionVariant):
             return hit[0]
 
         preds: list[Callable] = []
+        off = max(0, nk - nq)  # query qi is position qi + off
         if self.pattern_name == "window":
             w = self.window
-            preds.append(lambda bi, hi, qi, ki: (qi - ki).abs() <= w)
+            preds.append(lambda bi, hi, qi, ki: (qi + off - ki).abs() <= w)
         elif self.pattern_name == "sparse":
             blk = self.block
-            lay = self._block_layout(nq, nk, causal).to(q.device)  # (ceil(Nq/blk), ceil(Nk/blk))
-            preds.append(lambda bi, hi, qi, ki: lay[qi // blk, ki // blk])
+            # (nb, nb) over the longer sequence (causal: random blocks drawn from the past)
+            lay = self._sparse.block_pattern(max(nq, nk), causal).to(q.device)
+            preds.append(lambda bi, hi, qi, ki: lay[(qi + off) // blk, ki // blk])
         if causal:
-            preds.append(lambda bi, hi, qi, ki: ki <= qi)
+            preds.append(lambda bi, hi, qi, ki: ki <= qi + off)
         mb = mh = None  # None = the block mask broadcasts over batch / heads
         if key_padding_mask is not None:
             kpm = key_padding_mask.to(q.device)  # (B, Nk), captured by the predicate
@@ -222,11 +221,21 @@ class FlexAttention(AttentionVariant):
             self._flex = torch.compile(flex_attention, dynamic=False) if self.compile else flex_attention
         return self._flex
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None):
         bm = self._block_mask(q, k, causal, key_padding_mask, attn_mask)
         self.tile_ran = self.tile(q.device.type) if bm is not None else None
+        extra: dict[str, Any] = {"scale": scale}
+        if k.shape[1] != q.shape[1]:
+            extra["enable_gqa"] = True  # query head h reads K/V head h // (H / Hkv)
+        if bias is not None:
+            bias4 = bias[(None,) * (4 - bias.dim())].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+            def add_bias(score, bi, hi, qi, ki):  # noqa: ANN001, ANN202  (FlexAttention's signature)
+                return score + bias4[bi, hi, qi, ki]
+
+            extra["score_mod"] = add_bias
         with warnings.catch_warnings():
             # uncompiled use is a deliberate choice here (compile=False), not a mistake to warn about
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out = self._flex_fn()(q, k, v, block_mask=bm)  # (B, H, Nq, Dv)
+            out = self._flex_fn()(q, k, v, block_mask=bm, **extra)  # (B, H, Nq, Dv)
         return out

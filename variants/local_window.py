@@ -36,21 +36,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionVariant, Unsupported, Workload
+from .base import AttentionVariant, Unsupported, Workload, repeat_kv
 from .flex_limits import flex_refusal
 from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .registry import register
 
 
 def band_pairs(nq: int, nk: int, window: int, causal: bool) -> int:
-    """Number of pairs ``(i < nq, j < nk)`` with ``|i - j| <= window`` (and ``j <= i`` if causal).
+    """Number of pairs (query position ``p``, key ``j < nk``) with ``|p - j| <= window`` (and ``j <= p``
+    if causal), the queries at positions ``off .. off + nq - 1`` with ``off = max(0, nk - nq)``.
 
-    Summed diagonal by diagonal (``d = i - j``): diagonal ``d`` holds ``min(nq, nk + d) - max(0, d)``
-    pairs, so the cost is ``O(window)``, not ``O(nq * nk)``.
+    Summed diagonal by diagonal (``d = p - j``): diagonal ``d`` holds ``min(off + nq, nk + d) -
+    max(off, d)`` pairs, so the cost is ``O(window)``, not ``O(nq * nk)``.
     """
+    off = max(0, nk - nq)
     lo = 0 if causal else -min(window, nk - 1)  # causal keeps d >= 0; diagonals past the edge are empty
-    hi = min(window, nq - 1)
-    return sum(max(0, min(nq, nk + d) - max(0, d)) for d in range(lo, hi + 1))
+    hi = min(window, off + nq - 1)
+    return sum(max(0, min(off + nq, nk + d) - max(off, d)) for d in range(lo, hi + 1))
 
 
 IMPLS = ("auto", "sdpa", "blocked", "flex")
@@ -63,6 +65,7 @@ class LocalWindowAttention(AttentionVariant):
     exact = False  # an approximation of full attention; its oracle is the softmax over the band
     supports_attn_mask = False
     supports_cross = False
+    native_gqa = True  # K/V heads are repeated after the keys out of reach are cut off
     example_knobs = (
         {"window": 3, "block": 4},
         {"window": 5},
@@ -111,6 +114,15 @@ class LocalWindowAttention(AttentionVariant):
         return max(1, min(b, n))
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        h, nq, nk = q.shape[1], q.shape[2], k.shape[2]
+        if nq < nk:
+            # the queries are the last Nq positions: only keys from (first position - window) on can
+            # be seen, so the rest of the cache is never touched (decoding costs O(window), not O(Nk))
+            lo = max(0, nk - nq - self.window)
+            k, v = k[:, :, lo:], v[:, :, lo:]  # (B, Hkv, Nk - lo, D|Dv), views
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[:, lo:]  # (B, Nk - lo)
+        k, v = repeat_kv(k, h), repeat_kv(v, h)  # grouped heads: only the keys kept are copied
         impl = self.choose_impl(Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask))
         self.impl_ran = impl
         if impl == "flex":
@@ -119,55 +131,61 @@ class LocalWindowAttention(AttentionVariant):
             return self._sdpa_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self._blocked_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
-    def _geometry(self, n: int, causal: bool) -> tuple[int, int, int, int, int, int]:
-        """``(w, b, nb, n_pad, span, right)``: clipped window, block, blocks, padded length, keys a
-        block can see, right padding of K/V so that ``unfold`` yields exactly ``nb`` spans."""
-        w = min(self.window, n - 1)  # a wider window sees nothing more
-        b = self._block_size(n, w)
-        nb = -(-n // b)  # number of query blocks
+    def _geometry(self, nq: int, nk: int, causal: bool) -> tuple[int, int, int, int, int, int, int]:
+        """``(w, b, nb, n_pad, span, off, right)``: clipped window, block, query blocks, padded query
+        length, keys a block can see, position of query 0 (``Nk - Nq``), and right padding of K/V so
+        that ``unfold`` yields exactly ``nb`` spans."""
+        w = min(self.window, nk - 1)  # a wider window sees nothing more
+        b = self._block_size(nq, w)
+        nb = -(-nq // b)  # number of query blocks
         n_pad = nb * b
         span = b + w if causal else b + 2 * w
-        right = n_pad - n + (0 if causal else w)
-        return w, b, nb, n_pad, span, right
+        off = nk - nq
+        # K is padded by w on the left; block c's span starts at padded index c*b + off
+        right = off + (nb - 1) * b + span - w - nk
+        return w, b, nb, n_pad, span, off, right
 
     def _blocked_mask(
-        self, n: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
+        self, nq: int, nk: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
     ) -> torch.Tensor:
         """True where query row ``r`` of block ``c`` may not see span slot ``t``: ``(nb, b, span)``, or
         ``(B, 1, nb, b, span)`` with key padding."""
-        w, b, nb, n_pad, span, right = self._geometry(n, causal)
+        w, b, nb, n_pad, span, off, right = self._geometry(nq, nk, causal)
         # query r of a block vs span slot t: i - j = r + w - t, independent of the block, so the
         # band is one (b, span) matrix shared by all blocks
         r = torch.arange(b, device=device)[:, None]  # (b, 1)
         t = torch.arange(span, device=device)[None, :]  # (1, span)
         outside = (t < r) | (t > r + (w if causal else 2 * w))  # (b, span)
         # which span slots are not real keys (the padding added around K, or key padding), per block
-        absent = torch.ones(w + n_pad + right, dtype=torch.bool, device=device)  # (Lp,)
-        absent[w : w + n] = False
+        absent = torch.ones(w + nk + right, dtype=torch.bool, device=device)  # (Lp,)
+        absent[w : w + nk] = False
         if key_padding_mask is not None:
-            absent = absent | ~F.pad(key_padding_mask.to(device), (w, n_pad - n + right))  # (B, Lp)
-        absent = absent.unfold(-1, span, b)  # (nb, span) or (B, nb, span)
+            absent = absent | ~F.pad(key_padding_mask.to(device), (w, right))  # (B, Lp)
+        absent = absent[..., off:].unfold(-1, span, b)  # (nb, span) or (B, nb, span)
         if absent.dim() == 3:
             return outside | absent[:, None, :, None, :]  # (B, 1, nb, b, span)
         return outside | absent[:, None, :]  # (nb, b, span)
 
-    def _spans(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
-        """``x (B, H, N, E)`` padded and cut into the overlapping key spans: ``(B, H, nb, E, span)``,
-        a strided view (no copy yet)."""
-        w, b, _, _, span, right = self._geometry(x.shape[2], causal)
-        xp = F.pad(x, (0, 0, w, right))  # (B, H, w + Np + right, E)
-        # the span of block c holds padded positions [c*b, c*b + span), i.e. tokens c*b - w + t
-        return xp.unfold(2, span, b)  # (B, H, nb, E, span)
+    def _spans(self, x: torch.Tensor, nq: int, causal: bool) -> torch.Tensor:
+        """``x (B, H, Nk, E)`` padded and cut into the overlapping key spans of ``Nq`` queries:
+        ``(B, H, nb, E, span)``, a strided view (no copy yet)."""
+        w, b, _, _, span, off, right = self._geometry(nq, x.shape[2], causal)
+        xp = F.pad(x, (0, 0, w, right))  # (B, H, w + Nk + right, E)
+        # the span of block c holds padded positions [off + c*b, off + c*b + span), i.e. keys
+        # off + c*b - w + t
+        return xp[:, :, off:].unfold(2, span, b)  # (B, H, nb, E, span)
 
     def _sdpa_attend(self, q, k, v, *, causal, key_padding_mask):
         bsz, h, n, d = q.shape
         dv = v.shape[-1]
-        _, b, nb, n_pad, span, _ = self._geometry(n, causal)
+        _, b, nb, n_pad, span, _, _ = self._geometry(n, k.shape[2], causal)
         qp = F.pad(q, (0, 0, 0, n_pad - n)) if n_pad > n else q  # (B, H, Np, D)
-        qb = qp.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
-        ku = self._spans(k, causal)  # (B, H, nb, D, span), a view
-        vu = self._spans(v, causal)  # (B, H, nb, Dv, span), a view
-        blocked = self._blocked_mask(n, causal, key_padding_mask, q.device)  # (nb|B, ..., b, span)
+        qb = qp.reshape(bsz, h, nb, b, d)  # (B, H, nb, b, D)
+        ku = self._spans(k, n, causal)  # (B, H, nb, D, span), a view
+        vu = self._spans(v, n, causal)  # (B, H, nb, Dv, span), a view
+        blocked = self._blocked_mask(
+            n, k.shape[2], causal, key_padding_mask, q.device
+        )  # (nb|B, ..., b, span)
         # spans are copied out a chunk of blocks at a time (see masks.CHUNK_BYTES)
         per_block = bsz * h * (span * (d + dv) + b * span) * q.element_size()
         step = blocks_per_chunk(per_block, nb)
@@ -192,16 +210,16 @@ class LocalWindowAttention(AttentionVariant):
 
     def _blocked_attend(self, q, k, v, *, causal, key_padding_mask):
         bsz, h, n, d = q.shape
-        _, b, nb, n_pad, _, _ = self._geometry(n, causal)
+        _, b, nb, n_pad, _, _, _ = self._geometry(n, k.shape[2], causal)
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         # scale q before the matmul: in low precision q k^T could overflow first
         qs = q.to(work) * d**-0.5  # (B, H, N, D)
         if n_pad > n:  # (F.pad copies even when there is nothing to pad)
             qs = F.pad(qs, (0, 0, 0, n_pad - n))  # (B, H, Np, D)
-        qb = qs.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
-        ku = self._spans(k.to(work), causal)  # (B, H, nb, D, span): already K^T per block
-        vu = self._spans(v.to(work), causal).transpose(-2, -1)  # (B, H, nb, span, Dv)
-        blocked = self._blocked_mask(n, causal, key_padding_mask, q.device)
+        qb = qs.reshape(bsz, h, nb, b, d)  # (B, H, nb, b, D)
+        ku = self._spans(k.to(work), n, causal)  # (B, H, nb, D, span): already K^T per block
+        vu = self._spans(v.to(work), n, causal).transpose(-2, -1)  # (B, H, nb, span, Dv)
+        blocked = self._blocked_mask(n, k.shape[2], causal, key_padding_mask, q.device)
         # the scores are not kept: softmax overwrites them, and only p is needed afterwards
         p = softmax_blocked_(qb @ ku, blocked)  # (B, H, nb, b, span)
         out = zero_empty_rows(p @ vu, blocked)  # (B, H, nb, b, Dv)
@@ -219,7 +237,8 @@ class LocalWindowAttention(AttentionVariant):
         return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
-        i = torch.arange(nq)[:, None]  # (Nq, 1)
+        """``|p - j| <= window`` (and ``j <= p`` if causal) for the query at position ``p = i + Nk - Nq``."""
+        i = torch.arange(nq)[:, None] + nk - nq  # (Nq, 1): positions of the queries
         j = torch.arange(nk)[None, :]  # (1, Nk)
         allowed = (i - j).abs() <= self.window
         return allowed & (j <= i) if causal else allowed

@@ -22,7 +22,8 @@ def combined_mask(
     """
     mask: torch.Tensor | None = None
     if causal:
-        mask = torch.ones(nq, nk, dtype=torch.bool, device=device).tril()[None, None]  # (1,1,Nq,Nk)
+        # bottom-right: query i is position i + Nk - Nq of the keys' sequence
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq)[None, None]  # (1,1,Nq,Nk)
     if key_padding_mask is not None:
         kpm = key_padding_mask.to(device)[:, None, None, :]  # (B, 1, 1, Nk)
         mask = kpm if mask is None else mask & kpm

@@ -1,6 +1,7 @@
-"""``naive``: textbook ``softmax(Q K^T / sqrt(D)) V`` that materialises the full score matrix.
+"""``naive``: textbook ``softmax(Q K^T / sqrt(D) + bias) V`` that materialises the full score matrix.
 
-The baseline every other variant is compared with (Vaswani et al., 2017).
+The baseline every other variant is compared with (Vaswani et al., 2017). Grouped K/V heads are read
+through a grouped view of the queries (no copy of K or V).
 Time ``O(B H Nq Nk D)``, memory ``O(B H Nq Nk)`` (scores and probabilities both live at once).
 """
 
@@ -15,16 +16,22 @@ from .registry import register
 class NaiveAttention(AttentionVariant):
     """Dense scaled dot-product attention, written out in three tensor ops."""
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+    supports_bias = True
+    bias_backward = True
+    native_gqa = True
+    native_scale = True
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None):
+        b, h, nq, d = q.shape
+        hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
         # scale q first: in fp16, q k^T can overflow before a division
-        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, H, Nq, Nk)
+        qs = q * (d**-0.5 if scale is None else scale)
+        qg = qs.reshape(b, hkv, h // hkv, nq, d)  # (B, Hkv, G, Nq, D): query heads grouped by K/V head
+        scores = (qg @ k[:, :, None].transpose(-2, -1)).view(b, h, nq, nk)  # (B, H, Nq, Nk)
+        if bias is not None:
+            scores = scores + bias
         mask = combined_mask(
-            q.shape[0],
-            q.shape[2],
-            k.shape[2],
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask,
-            device=q.device,
+            b, nq, nk, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, device=q.device
         )
-        return safe_softmax(scores, mask) @ v  # (B, H, Nq, Dv)
+        p = safe_softmax(scores, mask).reshape(b, hkv, h // hkv, nq, nk)  # (B, Hkv, G, Nq, Nk)
+        return (p @ v[:, :, None]).reshape(b, h, nq, dv)  # (B, H, Nq, Dv)

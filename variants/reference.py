@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionVariant
+from .base import AttentionVariant, repeat_kv
 from .masks import combined_mask, safe_softmax
 
 
@@ -19,14 +19,22 @@ def reference_attention(
     *,
     allowed: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``softmax(scores) @ v`` in float64 with ``scores = q k^T / sqrt(D)`` unless given.
+    """``softmax(scores + bias) @ v`` in float64 with ``scores = q k^T * scale`` unless given
+    (``scale`` defaults to ``1/sqrt(D)``).
 
+    ``k``, ``v`` may have fewer heads than ``q`` (grouped: each is repeated here, written plainly).
     ``allowed`` (bool, broadcastable to ``(B, H, Nq, Nk)``) restricts the softmax; an empty row
     gives zeros. Returns ``(B, H, Nq, Dv)`` float64.
     """
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, H, Nk, D|Dv)
     if scores is None:
-        scores = (q.double() @ k.double().transpose(-2, -1)) / q.shape[-1] ** 0.5
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        scores = (q.double() @ k.double().transpose(-2, -1)) * s
+    if bias is not None:
+        scores = scores.double() + bias.double()
     p = safe_softmax(scores.double(), allowed)
     return p @ v.double()
 
@@ -47,6 +55,8 @@ def oracle(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
@@ -57,7 +67,8 @@ def oracle(
     """
     custom = getattr(variant, "oracle_forward", None)
     if custom is not None:
-        out = custom(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        extra = {k_: x for k_, x in (("scale", scale), ("bias", bias)) if x is not None}
+        out = custom(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **extra)
         return out if rows is None else out[:, :, rows]
     nq, nk = q.shape[2], k.shape[2]
     allowed = variant.pattern(nq, nk, causal).to(q.device)  # (Nq, Nk)
@@ -67,7 +78,11 @@ def oracle(
     if attn_mask is not None:
         allowed = allowed & _rows_of(attn_mask.to(q.device), rows, nq)
     q_rows = q if rows is None else q[:, :, rows]
-    return reference_attention(q_rows, k, v, allowed=allowed, scores=variant.reference_scores(q_rows, k))
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, H, Nk, D|Dv)
+    scores = variant.reference_scores(q_rows, k, **({} if scale is None else {"scale": scale}))
+    if bias is not None:
+        bias = _rows_of(bias.to(q.device), rows, nq)
+    return reference_attention(q_rows, k, v, allowed=allowed, scores=scores, bias=bias)
 
 
 def full_attention_reference(
@@ -78,9 +93,12 @@ def full_attention_reference(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float64 full softmax attention with the call's masks (what approximations deviate from).
+    """Float64 full softmax attention with the call's masks, scale and bias (what approximations
+    deviate from).
 
     ``rows`` limits the result to those query rows, as in :func:`oracle`.
     """
@@ -92,4 +110,7 @@ def full_attention_reference(
     if attn_mask is not None:
         am = _rows_of(attn_mask.to(q.device), rows, nq)
         allowed = am if allowed is None else allowed & am
-    return reference_attention(q if rows is None else q[:, :, rows], k, v, allowed=allowed)
+    if bias is not None:
+        bias = _rows_of(bias.to(q.device), rows, nq)
+    q_rows = q if rows is None else q[:, :, rows]
+    return reference_attention(q_rows, k, v, allowed=allowed, scale=scale, bias=bias)

@@ -3,6 +3,10 @@
 ``backend='auto'`` lets PyTorch choose; any other value pins one backend with
 ``torch.nn.attention.sdpa_kernel`` and a backend that cannot run is :class:`Unsupported`, never a
 silent fallback. After a call, :attr:`SDPAAttention.backend_ran` names the kernel that actually ran.
+Grouped K/V heads: with no mask and no bias the query heads of a group are folded into one longer
+query sequence, ``(B, Hkv, G * Nq, D)`` against ``(B, Hkv, Nk, D)`` (a view; at decode shapes this is a
+third faster on the CPU than ``enable_gqa``); otherwise ``enable_gqa=True``. Neither copies K or V.
+Causal with ``Nq < Nk`` (bottom-right) becomes an explicit mask, except for ``Nq = 1`` (no mask).
 Time ``O(B H Nq Nk D)``; memory ``O(B H Nq Nk)`` for math, ``O(B H N D)`` for the fused kernels.
 """
 
@@ -52,6 +56,11 @@ class _KernelSpy(TorchDispatchMode):
 class SDPAAttention(AttentionVariant):
     """PyTorch's fused attention entry point; ``backend`` in auto, math, flash, efficient, cudnn."""
 
+    supports_bias = True
+    bias_backward = True
+    native_gqa = True
+    native_scale = True
+
     def __init__(self, backend: str = "auto") -> None:
         super().__init__()
         if backend != "auto" and backend not in BACKENDS:
@@ -70,8 +79,10 @@ class SDPAAttention(AttentionVariant):
             # on the CPU only 'flash' exists (a fused CPU kernel); the others are CUDA-only
             if b != "flash":
                 raise Unsupported(f"sdpa backend '{b}' is CUDA-only; device is cpu")
-        if b == "flash" and (w.key_padding or w.attn_mask):
-            raise Unsupported("sdpa backend 'flash' does not take a mask (only causal)")
+        if b == "flash" and (w.key_padding or w.attn_mask or w.bias or (w.causal and 1 < w.nq < w.nk)):
+            raise Unsupported(
+                "sdpa backend 'flash' does not take a mask or bias (only top-left causal with Nq == Nk)"
+            )
         if b == "flash" and w.device == "cuda" and w.dtype not in (torch.float16, torch.bfloat16):
             raise Unsupported("sdpa backend 'flash' on CUDA needs fp16 or bf16")
         if b == "flash" and w.head_dim != w.v_head_dim:
@@ -81,13 +92,17 @@ class SDPAAttention(AttentionVariant):
         if b == "efficient" and w.dtype == torch.float64:
             raise Unsupported("sdpa backend 'efficient' does not support float64")
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None):
+        b, h, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        if causal and nq == 1:
+            causal = False  # the last position sees every key
         mask = None
-        if key_padding_mask is not None or attn_mask is not None:
+        if key_padding_mask is not None or attn_mask is not None or (causal and nq != nk):
             mask = combined_mask(
-                q.shape[0],
-                q.shape[2],
-                k.shape[2],
+                b,
+                nq,
+                nk,
                 causal=causal,
                 key_padding_mask=key_padding_mask,
                 attn_mask=attn_mask,
@@ -101,16 +116,24 @@ class SDPAAttention(AttentionVariant):
             first[..., 0] = True
             mask = mask | (empty & first)
         use_causal = causal and mask is None
+        if bias is not None:  # one float mask: the bias where allowed, -inf elsewhere
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        fold = hkv != h and mask is None and not use_causal
+        if fold:  # (B, H, Nq, D) -> (B, Hkv, G * Nq, D): each group's queries against its K/V head
+            q = q.reshape(b, hkv, (h // hkv) * nq, d)
+        gqa = {"enable_gqa": True} if hkv != h and not fold else {}
+        if scale is not None:
+            gqa["scale"] = scale
         # which kernel ran is found once per kind of call, under a dispatch mode that costs about
         # 0.1 ms a call: never inside the calls a benchmark times
+        # sequence lengths are left out of the kind: decoding grows Nk by one every call
         key = (
-            q.shape,
-            k.shape,
-            v.shape,
+            *((t.shape[:2], t.shape[3]) for t in (q, k, v)),
             q.dtype,
             q.device,
             use_causal,
-            None if mask is None else mask.shape,
+            None if mask is None else (mask.dim(), mask.shape[:2], mask.dtype),
+            bool(gqa.get("enable_gqa")),
             torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         )
         spy = _KernelSpy() if key not in self._seen else None
@@ -118,9 +141,11 @@ class SDPAAttention(AttentionVariant):
             with self._backend_context():
                 if spy is not None:
                     with spy:
-                        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=use_causal)
+                        out = F.scaled_dot_product_attention(
+                            q, k, v, attn_mask=mask, is_causal=use_causal, **gqa
+                        )
                 else:
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=use_causal)
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=use_causal, **gqa)
         except RuntimeError as exc:
             if self.backend != "auto" and "No available kernel" in str(exc):
                 raise Unsupported(
@@ -130,6 +155,8 @@ class SDPAAttention(AttentionVariant):
         if spy is not None:
             self._seen[key] = spy.seen or "math"
         self.backend_ran = self._seen[key]
+        if fold:
+            out = out.reshape(b, h, nq, v.shape[-1])  # (B, Hkv, G * Nq, Dv) -> (B, H, Nq, Dv)
         if empty is not None:
             out = out.masked_fill(empty, 0.0)
         return out

@@ -25,8 +25,10 @@ out), those key/value blocks are gathered and every query block is scored agains
 batched matmul. The few global query blocks are computed densely against all keys. ``N`` is padded
 to a multiple of ``block`` internally: padded keys are masked, padded queries dropped.
 
-Shapes: ``q (B, H, N, D)``, ``k (B, H, N, D)``, ``v (B, H, N, Dv)`` -> ``(B, H, N, Dv)``; self-attention
-only, with causal and key padding masks, no arbitrary ``attn_mask``. With ``S = 2 window_blocks + 1
+Shapes: ``q (B, H, Nq, D)``, ``k (B, H, N, D)``, ``v (B, H, N, Dv)`` -> ``(B, H, Nq, Dv)`` with ``Nq <= N``:
+self-attention, or its last ``Nq`` positions against a cache of ``N`` keys (decoding, ``Nq = 1``; the
+layout is that of length ``N``, and only the query blocks holding those positions are computed); with
+causal and key padding masks, no arbitrary ``attn_mask``. With ``S = 2 window_blocks + 1
 + global_blocks + ceil(nb / stride_blocks) + random_blocks`` slots, time ``O(B H N (S +
 global_blocks) block D)`` and memory ``O(B H N (S + global_blocks) block)``: linear in ``N`` at a
 fixed pattern without a stride.
@@ -214,8 +216,9 @@ class BlockSparseAttention(AttentionVariant):
         self.impl_ran = self.choose_impl(w)
         if self.impl_ran == "flex":
             return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
-        bsz, h, n, d = q.shape
-        dv = v.shape[-1]
+        bsz, h, nq, d = q.shape
+        n, dv = k.shape[2], v.shape[-1]
+        off = n - nq  # query i is position i + off of the layout of length N
         b = self.block
         index, valid = self.layout(n, causal)
         nb = index.shape[0]
@@ -226,7 +229,9 @@ class BlockSparseAttention(AttentionVariant):
         slots = index.shape[1]
         n_pad = nb * b
         g = min(self.global_blocks, nb)
-        ng = min(g * b, n)  # global query tokens
+        ng = min(g * b, n)  # global positions
+        ngq = max(0, ng - off)  # global query rows (the first ones)
+        gb0 = max(g, off // b)  # first non-global query block holding a query
         dev = q.device
         index, valid = index.to(dev), valid.to(dev)
 
@@ -236,40 +241,47 @@ class BlockSparseAttention(AttentionVariant):
         outs = []
 
         # global query blocks: dense against every key (g * block rows, so linear in N)
-        if ng > 0:
+        if ngq > 0:
             blocked = None  # True = may not attend
-            if causal:
-                blocked = torch.ones(ng, n, dtype=torch.bool, device=dev).triu(1)  # (ng, N)
+            if causal:  # key j is after the query at position i + off
+                blocked = torch.ones(ngq, n, dtype=torch.bool, device=dev).triu(1 + off)  # (ngq, N)
             if kpm is not None:
                 pad = ~kpm[:, None, None, :]  # (B, 1, 1, N)
-                blocked = pad if blocked is None else blocked | pad  # (B, 1, ng|1, N)
+                blocked = pad if blocked is None else blocked | pad  # (B, 1, ngq|1, N)
             # scale q before the matmul: in low precision q k^T could overflow first
-            qg = q[:, :, :ng].to(work) * d**-0.5  # (B, H, ng, D)
-            p = softmax_blocked_(qg @ kw.transpose(-2, -1), blocked)  # (B, H, ng, N)
-            outs.append(zero_empty_rows(p @ vw, blocked))  # (B, H, ng, Dv)
+            qg = q[:, :, :ngq].to(work) * d**-0.5  # (B, H, ngq, D)
+            p = softmax_blocked_(qg @ kw.transpose(-2, -1), blocked)  # (B, H, ngq, N)
+            outs.append(zero_empty_rows(p @ vw, blocked))  # (B, H, ngq, Dv)
 
         # the other query blocks: each against its own gathered key blocks
-        if ng < n:
-            nr = nb - g  # number of non-global query blocks
-            idx = index[g:]  # (nr, S)
+        if max(ng, off) < n:
+            nr = nb - gb0  # number of non-global query blocks holding queries
+            idx = index[gb0:]  # (nr, S)
             sdpa = self.impl_ran == "sdpa"
             # sdpa: native dtype, unscaled (the kernel scales); blocked: scaled, accumulated in `work`
             qx, kx, vx = (q, k, v) if sdpa else (q.to(work) * d**-0.5, kw, vw)
-            if n_pad > n:  # (F.pad copies even when there is nothing to pad)
-                qx, kx, vx = (F.pad(x, (0, 0, 0, n_pad - n)) for x in (qx, kx, vx))  # (B, H, Np, *)
-            qb = qx.view(bsz, h, nb, b, d)[:, :, g:]  # (B, H, nr, b, D)
+            # queries laid out on whole blocks gb0..nb-1: `lead` rows before the first query (they are
+            # computed, then dropped) and the padding after the last
+            first = gb0 * b - off  # query row at the start of block gb0 (negative: lead rows)
+            lead = max(0, -first)
+            qx = qx[:, :, max(0, first) :]
+            if lead or n_pad > n:  # (F.pad copies even when there is nothing to pad)
+                qx = F.pad(qx, (0, 0, lead, n_pad - n))  # (B, H, nr*b, D)
+            if n_pad > n:
+                kx, vx = (F.pad(x, (0, 0, 0, n_pad - n)) for x in (kx, vx))  # (B, H, Np, D|Dv)
+            qb = qx.view(bsz, h, nr, b, d)  # (B, H, nr, b, D)
             kb = kx.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
             vb = vx.view(bsz, h, nb, b, dv)  # (B, H, nb, b, Dv)
 
             # token index of every gathered key; a slot is unusable if invalid or past the end
             key_tok = (idx[:, :, None] * b + torch.arange(b, device=dev)).reshape(nr, slots * b)  # (nr, S*b)
-            bad = ~valid[g:].repeat_interleave(b, dim=1) | (key_tok >= n)  # (nr, S*b)
+            bad = ~valid[gb0:].repeat_interleave(b, dim=1) | (key_tok >= n)  # (nr, S*b)
             if kpm is not None:
                 kpm_pad = F.pad(kpm, (0, n_pad - n))  # (B, Np); padded keys are False
                 bad = bad | ~kpm_pad[:, key_tok]  # (B, nr, S*b)
             blocked = bad[..., None, :]  # (nr, 1, S*b) or (B, nr, 1, S*b)
             if causal:
-                q_tok = torch.arange(g * b, n_pad, device=dev).view(nr, b, 1)  # (nr, b, 1)
+                q_tok = torch.arange(gb0 * b, n_pad, device=dev).view(nr, b, 1)  # (nr, b, 1) positions
                 blocked = blocked | (key_tok[:, None, :] > q_tok)  # (nr, b, S*b) or (B, nr, b, S*b)
             if blocked.dim() == 4:
                 blocked = blocked[:, None]  # (B, 1, nr, b|1, S*b)
@@ -315,8 +327,8 @@ class BlockSparseAttention(AttentionVariant):
                 outs_r.append(o.reshape(bsz, h, m * b, dv))
             out = torch.cat(outs_r, dim=2) if len(outs_r) > 1 else outs_r[0]
             out = out.reshape(bsz, h, nr * b, dv)  # (B, H, nr*b, Dv)
-            outs.append(out[:, :, : n - ng])  # padded queries dropped
-        return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, N, Dv)
+            outs.append(out[:, :, lead : lead + n - max(ng, off)])  # lead and padded rows dropped
+        return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, Nq, Dv)
 
     def block_pattern(self, n: int, causal: bool = False) -> torch.Tensor:
         """Boolean ``(nb, nb)``: which key blocks each query block sees (global rows included)."""
@@ -328,11 +340,13 @@ class BlockSparseAttention(AttentionVariant):
         return blocks
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
+        """The layout of length ``Nk`` at token level; with ``Nq < Nk`` its last ``Nq`` rows."""
         n = max(nq, nk)  # the layout is defined for self-attention; a rectangle is cut from it
-        blocks = self.block_pattern(n, causal)
-        tokens = blocks.repeat_interleave(self.block, 0).repeat_interleave(self.block, 1)
-        allowed = tokens[:nq, :nk].clone()
-        return allowed.tril() if causal else allowed
+        off = max(0, nk - nq)
+        blocks = self.block_pattern(n, causal)  # (nb, nb)
+        q_blocks = torch.arange(off, off + nq) // self.block  # (Nq,): block of each query's position
+        allowed = blocks[q_blocks][:, torch.arange(nk) // self.block]  # (Nq, Nk)
+        return allowed.tril(off) if causal else allowed
 
     def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
         if nq != nk:

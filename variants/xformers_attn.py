@@ -217,7 +217,8 @@ def additive_bias(
     if allowed is None:
         raise ValueError("additive_bias needs a key_padding_mask or an attn_mask")
     if causal:  # folded in: LowerTriangularMask cannot be combined with the empty-row fix below
-        allowed = allowed & torch.ones(nq, nk, dtype=torch.bool, device=device).tril()  # (.., Nq, Nk)
+        # bottom-right: query i is position i + Nk - Nq
+        allowed = allowed & torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq)  # (.., Nq, Nk)
     empty = ~allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Nq|1, 1)
     has_empty = bool(empty.any())
     if has_empty:
@@ -239,6 +240,7 @@ class XFormersAttention(AttentionVariant):
     devices = frozenset({"cuda"})
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     backward_devices = frozenset({"cuda"})
+    native_scale = True
 
     #: set after each call: the forward / backward operator xFormers' dispatcher chose
     op_ran: str | None
@@ -269,7 +271,7 @@ class XFormersAttention(AttentionVariant):
         if reason is not None:
             raise Unsupported(f"xformers cannot run {str(w.dtype).replace('torch.', '')}: {reason}")
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None):
         xops = load_xformers()
         b, h, nq, d = q.shape
         nk, dv = k.shape[2], v.shape[3]
@@ -287,8 +289,10 @@ class XFormersAttention(AttentionVariant):
                 dtype=q.dtype,
                 device=q.device,
             )  # (B, H, Nq, Nk)
-        elif causal:
+        elif causal and nq == nk:
             bias = xops.fmha.attn_bias.LowerTriangularMask()
+        elif causal and nq > 1:  # Nq < Nk: the queries are the last positions
+            bias = xops.fmha.attn_bias.LowerTriangularFromBottomRightMask()
         # zero-pad unaligned head sizes: q.k and p.v are unchanged, the padded output columns dropped
         if d % _ALIGN:
             q = F.pad(q, (0, _ALIGN - d % _ALIGN))  # (B, H, Nq, Dp)
@@ -299,7 +303,7 @@ class XFormersAttention(AttentionVariant):
         kx = k.transpose(1, 2)  # (B, Nk, H, Dp)
         vx = v.transpose(1, 2)  # (B, Nk, H, Dvp)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        scale = d**-0.5  # of the true head size, not the padded one
+        scale = d**-0.5 if scale is None else scale  # of the true head size, not the padded one
         self._record_ops(xops, qx, kx, vx, bias, scale, needs_grad)
         try:
             with quiet_xformers():
