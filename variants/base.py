@@ -112,7 +112,8 @@ class Workload:
                 torch.broadcast_shapes(tuple(bias.shape), (b, h, nq, k.shape[2]))
             except RuntimeError:
                 raise ValueError(
-                    f"bias {tuple(bias.shape)} does not broadcast to (B, H, Nq, Nk) = {(b, h, nq, k.shape[2])}"
+                    f"bias {tuple(bias.shape)} does not broadcast to (B, H, Nq, Nk) = "
+                    f"{(b, h, nq, k.shape[2])}"
                 ) from None
         return cls(
             batch=b,
@@ -209,7 +210,8 @@ class AttentionVariant(nn.Module):
             raise Unsupported(f"{who} does not support dtype {str(w.dtype).replace('torch.', '')}")
         if w.causal and w.nq > w.nk:
             raise Unsupported(
-                f"causal attention needs Nq <= Nk (queries aligned to the last keys), got Nq={w.nq}, Nk={w.nk}"
+                f"causal attention needs Nq <= Nk (queries aligned to the last keys), got Nq={w.nq}, "
+                f"Nk={w.nk}"
             )
         if w.causal and not self.supports_causal:
             raise Unsupported(f"{who} does not support causal masking")
