@@ -26,12 +26,14 @@ class NaiveAttention(AttentionVariant):
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
         # scale q first: in fp16, q k^T can overflow before a division
         qs = q * (d**-0.5 if scale is None else scale)
-        qg = qs.reshape(b, hkv, h // hkv, nq, d)  # (B, Hkv, G, Nq, D): query heads grouped by K/V head
-        scores = (qg @ k[:, :, None].transpose(-2, -1)).view(b, h, nq, nk)  # (B, H, Nq, Nk)
+        # grouped heads: the G query heads of a K/V head are one longer query sequence, so each K/V
+        # head is read by one plain batched matmul (a broadcast batch dim would copy K G times)
+        qg = qs.reshape(b, hkv, (h // hkv) * nq, d)  # (B, Hkv, G*Nq, D)
+        scores = (qg @ k.transpose(-2, -1)).view(b, h, nq, nk)  # (B, Hkv, G*Nq, Nk) -> (B, H, Nq, Nk)
         if bias is not None:
             scores = scores + bias
         mask = combined_mask(
             b, nq, nk, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, device=q.device
         )
-        p = safe_softmax(scores, mask).reshape(b, hkv, h // hkv, nq, nk)  # (B, Hkv, G, Nq, Nk)
-        return (p @ v[:, :, None]).reshape(b, h, nq, dv)  # (B, H, Nq, Dv)
+        p = safe_softmax(scores, mask).reshape(b, hkv, (h // hkv) * nq, nk)  # (B, Hkv, G*Nq, Nk)
+        return (p @ v).view(b, h, nq, dv)  # (B, Hkv, G*Nq, Dv) -> (B, H, Nq, Dv)
