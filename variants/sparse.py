@@ -115,6 +115,7 @@ class BlockSparseAttention(AttentionVariant):
     exact = False  # an approximation of full attention; its oracle is the softmax over the layout
     supports_attn_mask = False
     supports_cross = False
+    native_gqa = True  # K/V heads are repeated only in the gathered blocks
     example_knobs = (
         {"block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1},
         {"block": 5, "window_blocks": 0, "global_blocks": 1, "random_blocks": 2, "seed": 3},
@@ -235,8 +236,10 @@ class BlockSparseAttention(AttentionVariant):
         dev = q.device
         index, valid = index.to(dev), valid.to(dev)
 
+        hkv = k.shape[1]
+        grp = h // hkv  # query heads per K/V head
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        kw, vw = k.to(work), v.to(work)  # (no copy in float32)
+        kw, vw = k.to(work), v.to(work)  # (B, Hkv, N, D|Dv); no copy in float32
         kpm = key_padding_mask.to(dev) if key_padding_mask is not None else None
         outs = []
 
@@ -248,10 +251,12 @@ class BlockSparseAttention(AttentionVariant):
             if kpm is not None:
                 pad = ~kpm[:, None, None, :]  # (B, 1, 1, N)
                 blocked = pad if blocked is None else blocked | pad  # (B, 1, ngq|1, N)
-            # scale q before the matmul: in low precision q k^T could overflow first
-            qg = q[:, :, :ngq].to(work) * d**-0.5  # (B, H, ngq, D)
-            p = softmax_blocked_(qg @ kw.transpose(-2, -1), blocked)  # (B, H, ngq, N)
-            outs.append(zero_empty_rows(p @ vw, blocked))  # (B, H, ngq, Dv)
+            # scale q before the matmul: in low precision q k^T could overflow first; grouped query
+            # heads are one longer query sequence per K/V head (read once, not copied)
+            qg = (q[:, :, :ngq].to(work) * d**-0.5).reshape(bsz, hkv, grp * ngq, d)  # (B, Hkv, G*ngq, D)
+            sc = (qg @ kw.transpose(-2, -1)).view(bsz, h, ngq, n)  # (B, H, ngq, N)
+            p = softmax_blocked_(sc, blocked).view(bsz, hkv, grp * ngq, n)  # (B, Hkv, G*ngq, N)
+            outs.append(zero_empty_rows((p @ vw).view(bsz, h, ngq, dv), blocked))  # (B, H, ngq, Dv)
 
         # the other query blocks: each against its own gathered key blocks
         if max(ng, off) < n:
@@ -267,18 +272,16 @@ class BlockSparseAttention(AttentionVariant):
             qx = qx[:, :, max(0, first) :]
             if lead or n_pad > n:  # (F.pad copies even when there is nothing to pad)
                 qx = F.pad(qx, (0, 0, lead, n_pad - n))  # (B, H, nr*b, D)
-            if n_pad > n:
-                kx, vx = (F.pad(x, (0, 0, 0, n_pad - n)) for x in (kx, vx))  # (B, H, Np, D|Dv)
             qb = qx.view(bsz, h, nr, b, d)  # (B, H, nr, b, D)
-            kb = kx.view(bsz, h, nb, b, d)  # (B, H, nb, b, D)
-            vb = vx.view(bsz, h, nb, b, dv)  # (B, H, nb, b, Dv)
 
-            # token index of every gathered key; a slot is unusable if invalid or past the end
+            # token index of every gathered key; a slot is unusable if invalid or past the end. Keys
+            # are gathered by token (clamped: a slot past the end is masked), so K and V are never
+            # padded or copied whole: decoding touches only the blocks its query sees
             key_tok = (idx[:, :, None] * b + torch.arange(b, device=dev)).reshape(nr, slots * b)  # (nr, S*b)
+            key_idx = key_tok.clamp_max(n - 1)  # (nr, S*b)
             bad = ~valid[gb0:].repeat_interleave(b, dim=1) | (key_tok >= n)  # (nr, S*b)
             if kpm is not None:
-                kpm_pad = F.pad(kpm, (0, n_pad - n))  # (B, Np); padded keys are False
-                bad = bad | ~kpm_pad[:, key_tok]  # (B, nr, S*b)
+                bad = bad | ~kpm[:, key_idx]  # (B, nr, S*b)
             blocked = bad[..., None, :]  # (nr, 1, S*b) or (B, nr, 1, S*b)
             if causal:
                 q_tok = torch.arange(gb0 * b, n_pad, device=dev).view(nr, b, 1)  # (nr, b, 1) positions
@@ -297,17 +300,22 @@ class BlockSparseAttention(AttentionVariant):
             once = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or q.requires_grad)
             qbs = qb.split(step, dim=2)  # (B, H, m, b, D) each
             if once:
-                kgs = kb.index_select(2, idx.reshape(-1)).split(step * slots, dim=2)  # (B, H, m*S, b, D)
-                vgs = vb.index_select(2, idx.reshape(-1)).split(step * slots, dim=2)  # (B, H, m*S, b, Dv)
+                kgs = kx.index_select(2, key_idx.reshape(-1)).split(step * slots * b, dim=2)
+                vgs = vx.index_select(2, key_idx.reshape(-1)).split(step * slots * b, dim=2)
+                # (B, Hkv, m*S*b, D|Dv) each
             for c, s in enumerate(range(0, nr, step)):
                 m = min(step, nr - s)
                 if once:
                     kg, vg = kgs[c], vgs[c]
-                else:  # index_select copies whole blocks; it is faster than advanced indexing here
-                    ii = idx[s : s + m].reshape(-1)  # (m*S,)
-                    kg, vg = kb.index_select(2, ii), vb.index_select(2, ii)  # (B, H, m*S, b, D|Dv)
-                kg = kg.reshape(bsz, h, m, slots * b, d)  # (B, H, m, S*b, D)
-                vg = vg.reshape(bsz, h, m, slots * b, dv)  # (B, H, m, S*b, Dv)
+                else:  # index_select copies whole rows; it is faster than advanced indexing here
+                    ii = key_idx[s : s + m].reshape(-1)  # (m*S*b,)
+                    kg, vg = kx.index_select(2, ii), vx.index_select(2, ii)  # (B, Hkv, m*S*b, D|Dv)
+                kg = kg.view(bsz, hkv, 1, m, slots * b, d)  # (B, Hkv, 1, m, S*b, D)
+                vg = vg.view(bsz, hkv, 1, m, slots * b, dv)  # (B, Hkv, 1, m, S*b, Dv)
+                # each K/V head to its G query heads: a copy of the gathered keys only (none when G = 1)
+                kg = kg.expand(bsz, hkv, grp, m, slots * b, d).reshape(bsz, h, m, slots * b, d)
+                vg = vg.expand(bsz, hkv, grp, m, slots * b, dv).reshape(bsz, h, m, slots * b, dv)
+                # (B, H, m, S*b, D|Dv)
                 bc = blocked[..., s : s + m, :, :]  # (m, b, S*b) or (B, 1, m, b, S*b)
                 if sdpa:  # every query block is one "head" of the fused kernel, with a 4-D mask
                     if bc.dim() == 5:  # key padding: per batch element, repeated over heads
@@ -316,8 +324,8 @@ class BlockSparseAttention(AttentionVariant):
                         bc = bc[None]  # (1, m, b, S*b)
                     o = sdpa_blocked(
                         qbs[c].reshape(bsz * h, m, b, d),  # (B*H, m, b, D)
-                        kg.view(bsz * h, m, slots * b, d),  # (B*H, m, S*b, D)
-                        vg.view(bsz * h, m, slots * b, dv),  # (B*H, m, S*b, Dv)
+                        kg.reshape(bsz * h, m, slots * b, d),  # (B*H, m, S*b, D)
+                        vg.reshape(bsz * h, m, slots * b, dv),  # (B*H, m, S*b, Dv)
                         bc,
                     )  # (B*H, m, b, Dv)
                 else:
