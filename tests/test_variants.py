@@ -295,3 +295,18 @@ def test_bad_grouping_scale_and_bias_are_one_clear_error():
         attn(q, q, q, bias=torch.zeros(3, 8, 8))
     with pytest.raises(ValueError, match="bias="):
         attn(q, q, q, attn_mask=torch.zeros(8, 8))  # a float mask: it belongs in bias
+
+
+def test_alibi_matches_the_paper():
+    from variants.masks import alibi_bias, alibi_slopes
+
+    # Press et al. 2022: for 8 heads the slopes are 1/2, 1/4, ..., 1/256
+    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0**-i for i in range(1, 9)], dtype=torch.float64))
+    # 12 heads: the 8 slopes above, then every other slope of the 16-head sequence (2^-0.5, 2^-1.5, ...)
+    assert torch.allclose(
+        alibi_slopes(12)[8:], torch.tensor([2.0 ** -(i + 0.5) for i in range(4)], dtype=torch.float64)
+    )
+    bias = alibi_bias(8, 3, 5)  # the last 3 of 5 positions: queries at positions 2, 3, 4
+    assert bias.shape == (1, 8, 3, 5)
+    for h, i, j in [(0, 0, 0), (0, 2, 1), (3, 1, 4), (7, 0, 2)]:
+        assert bias[0, h, i, j].item() == pytest.approx(-(2.0 ** -(h + 1)) * abs(i + 2 - j))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -115,3 +117,31 @@ CHUNK_BYTES = 16 * 2**20
 def blocks_per_chunk(bytes_per_block: int, total_blocks: int) -> int:
     """How many query blocks to hand the fused kernel at once (at least 1, at most all)."""
     return max(1, min(total_blocks, CHUNK_BYTES // max(1, bytes_per_block)))
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes ``(H,)`` (Press et al., 2022, "Train Short, Test Long"): the geometric
+    sequence ``2^(-8/H), 2^(-16/H), ...`` for ``H`` a power of two; otherwise that sequence for the
+    power of two below ``H`` followed by every other slope of the one for twice that power."""
+    p = 2 ** math.floor(math.log2(heads))
+    slopes = [2 ** (-8 * (i + 1) / p) for i in range(p)]
+    extra = [2 ** (-4 * (i + 1) / p) for i in range(2 * p)][0::2][: heads - p]
+    return torch.tensor(slopes + extra, dtype=torch.float64)
+
+
+def alibi_bias(
+    heads: int,
+    nq: int,
+    nk: int,
+    *,
+    causal: bool = True,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """ALiBi's additive bias ``(1, H, Nq, Nk)``: ``-slope_h * |p - j|`` for the query at position
+    ``p = i + Nk - Nq`` (the queries are the last ``Nq`` positions) and key ``j``. Causal attention
+    masks ``j > p`` anyway, so one formula serves both. Memory ``O(H Nq Nk)``."""
+    p = torch.arange(nk - nq, nk, device=device, dtype=torch.float64)[:, None]  # (Nq, 1) positions
+    j = torch.arange(nk, device=device, dtype=torch.float64)[None, :]  # (1, Nk)
+    dist = (p - j).abs()  # (Nq, Nk)
+    return (-alibi_slopes(heads).to(device)[:, None, None] * dist).to(dtype)[None]  # (1, H, Nq, Nk)
