@@ -1,6 +1,6 @@
 """Entry point: ``python run.py -m variant=naive,sdpa seq_len=512,1024 device=cpu``.
 
-Thin glue: Hydra composes the config, :func:`experiments.runner.run_job` measures one job.
+Thin glue: Hydra composes the config, :func:`experiments.sweep.runner.run_job` measures one job.
 """
 
 import sys
@@ -8,8 +8,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from experiments.preflight import preflight
-from experiments.runner import register_hydra_pieces, run_job
+from experiments.sweep.preflight import preflight
+from experiments.sweep.runner import register_hydra_pieces, run_job
 
 register_hydra_pieces()
 

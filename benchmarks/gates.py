@@ -6,7 +6,7 @@ Pure functions, no pytest: ``benchmarks/test_regression.py`` runs them for every
 What is gated, and how hard:
 
 - **Hard gates** (the figures do not depend on machine load): peak CPU allocator bytes during one call
-  (``experiments.memory.cpu_peak_bytes``), useful FLOPs (``variant.flops``) and the relative error
+  (``experiments.measure.memory.cpu_peak_bytes``), useful FLOPs (``variant.flops``) and the relative error
   against the float64 oracle (output, plus the gradients of q, k, v for forward+backward). Memory and
   FLOPs must match the baseline (memory within :data:`MEM_REL_TOL` + :data:`MEM_ABS_TOL`, in both
   directions, so an improvement also asks for a refresh and the baseline stays tight); the error may
@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 import variants
-from experiments.accuracy import error_stats
-from experiments.memory import cpu_peak_bytes
+from experiments.measure.accuracy import error_stats
+from experiments.measure.memory import cpu_peak_bytes
 from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 # ---------------------------------------------------------------------------------------------- setup

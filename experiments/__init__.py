@@ -1,1 +1,2 @@
-"""How things are measured: time, peak memory, FLOPs, numerical error; jobs, isolation and records."""
+"""How things are measured, in the order data flows: ``sweep`` runs jobs, ``measure`` measures one,
+``records`` keeps what it measured, ``report`` turns records into tables and plots."""

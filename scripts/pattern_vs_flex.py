@@ -2,7 +2,7 @@
 
 Contenders are timed interleaved, round by round, in one process; each cell is the median over the
 rounds and the min-max of the rounds. CPU: forward only (flex has no CPU backward), one wall-clock
-call per round. CUDA: the harness's CUDA-event timer (``experiments.timing.time_cuda``), forward or
+call per round. CUDA: the harness's CUDA-event timer (``experiments.measure.timing.time_cuda``), forward or
 forward+backward. Prints one row per contender and length: ms, useful TFLOP/s (the variant's own
 pair count, DESIGN.md), and for flex the TFLOP/s over the tiles its block mask visits.
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 import variants
-from experiments.timing import time_cuda
+from experiments.measure.timing import time_cuda
 from variants.flex import FlexAttention
 
 

@@ -1,7 +1,7 @@
 """Does the harness time what torch.utils.benchmark times? (issue: sdpa at N=1024 within 10%).
 
-Runs, in one process and interleaved, (a) a full harness job (``experiments.job.measure`` with
-isolation off, which times through the variant wrapper) and (b) ``torch.utils.benchmark.Timer``
+Runs, in one process and interleaved, (a) a full harness job (``experiments.measure.kernel.measure``
+with isolation off, which times through the variant wrapper) and (b) ``torch.utils.benchmark.Timer``
 directly on ``F.scaled_dot_product_attention``; prints both medians and their ratio per round.
 
     python scripts/timer_agreement.py [--n 1024] [--rounds 5]
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.benchmark as tbench
 
-from experiments.job import measure
+from experiments.measure.kernel import measure
+from experiments.measure.spec import JobSpec
 
 
 def main() -> None:
@@ -25,24 +26,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-run-time", type=float, default=1.0)
     args = ap.parse_args()
-    cfg = {
-        "variant": {"_target_": "variants.sdpa.SDPAAttention", "backend": "auto"},
-        "device": "cpu",
-        "dtype": "float32",
-        "batch": 1,
-        "heads": 8,
-        "seq_len": args.n,
-        "kv_len": None,
-        "head_dim": 64,
-        "v_head_dim": None,
-        "causal": False,
-        "padding": 0.0,
-        "mode": "fwd",
-        "seed": 0,
-        "threads": None,
-        "min_run_time": args.min_run_time,
-        "accuracy_rows": 64,
-    }
+    spec = JobSpec(
+        variant={"_target_": "variants.sdpa.SDPAAttention", "backend": "auto"},
+        seq_len=args.n,
+        min_run_time=args.min_run_time,
+        accuracy_rows=64,
+    )
     q, k, v = (torch.randn(1, 8, args.n, 64) for _ in range(3))
     timer = tbench.Timer(
         stmt="F.scaled_dot_product_attention(q, k, v)",
@@ -52,7 +41,7 @@ def main() -> None:
     ratios = []
     print(f"sdpa N={args.n}, B=1 H=8 D=64 fp32, {torch.get_num_threads()} threads")
     for r in range(args.rounds):
-        res = measure(cfg)
+        res = measure(spec)
         harness = res["figures"]["fwd_median_s"]
         with torch.no_grad():
             direct = timer.blocked_autorange(min_run_time=args.min_run_time).median

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import variants
-from experiments.isolation import run_isolated
-from experiments.job import measure
-from experiments.timing import time_cuda, time_cuda_graph
+from experiments.measure.kernel import measure
+from experiments.measure.timing import time_cuda, time_cuda_graph
+from experiments.sweep.isolation import run_isolated
 
 from .helpers import NO_CUDA, Case, make_inputs, rel_err
-from .test_runner import job_cfg
+from .test_runner import job_spec
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
 
@@ -27,10 +27,10 @@ SMALL = dict(seq_len=256, heads=2, head_dim=64, min_run_time=0.05, dtype="float1
 def test_isolated_cuda_and_cpu_jobs_run_after_this_process_used_cuda():
     # the bug this guards against: every job 'error: Cannot re-initialize CUDA in forked subprocess'
     torch.zeros(1, device="cuda")  # this process now holds a CUDA context, as a sweep's parent may
-    res = run_isolated(job_cfg(variant="sdpa", **SMALL), timeout_s=300)
+    res = run_isolated(job_spec(variant="sdpa", **SMALL), timeout_s=300)
     assert res["status"] == "ok", res
     assert res["env"]["gpu_name"]
-    cpu = run_isolated(job_cfg(variant="naive", seq_len=128, min_run_time=0.02), timeout_s=300)
+    cpu = run_isolated(job_spec(variant="naive", seq_len=128, min_run_time=0.02), timeout_s=300)
     assert cpu["status"] == "ok", cpu
 
 
@@ -58,7 +58,7 @@ def test_harness_timer_agrees_with_triton_do_bench(name, knobs):
 
 
 def test_cuda_graph_figure_is_recorded_or_explained():
-    res = measure({**job_cfg(variant="sdpa", **SMALL), "cuda_graph": True})
+    res = measure(job_spec(variant="sdpa", cuda_graph=True, **SMALL))
     assert res["status"] == "ok", res
     f = res["figures"]
     assert f.get("fwd_graph_median_s", 0) > 0 and "fwd_graph_skipped" not in f
@@ -85,7 +85,7 @@ def test_flex_sparse_block_64_runs_on_cuda_with_its_exact_pattern():
 
 @pytest.mark.parametrize("name", [n for n in variants.available() if variants.get(n).exact])
 def test_every_exact_variant_measures_ok_on_cuda(name):
-    res = measure(job_cfg(variant=name, mode="fwd_bwd", **SMALL))
+    res = measure(job_spec(variant=name, mode="fwd_bwd", **SMALL))
     if res["status"] == "unavailable":
         pytest.skip(res["reason"])
     assert res["status"] == "ok", res

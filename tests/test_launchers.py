@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.records import read_records
+from experiments.records.records import read_records
 
 from .test_runner import _tagged_pids, _wait_gone
 

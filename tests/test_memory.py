@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import variants
-from experiments.memory import cpu_peak_bytes, hwm_peak_bytes
+from experiments.measure.memory import cpu_peak_bytes, hwm_peak_bytes
 
 MIB = 2**20
 

@@ -21,9 +21,10 @@ import pandas as pd
 import pytest
 from matplotlib import image as mpimg
 
-from experiments import plots, report, store
-from experiments import tables as T
-from experiments.records import write_record
+from experiments.records import store
+from experiments.records.records import write_record
+from experiments.report import plots, report
+from experiments.report import tables as T
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["isolate=false", "min_run_time=0.02", "seq_len=64,128", "heads=2", "head_dim=16"]

@@ -18,11 +18,14 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 import variants
-from experiments.environment import variant_code_version
-from experiments.isolation import context_for, run_isolated
-from experiments.job import build_variant, measure, precheck
-from experiments.records import find_existing, read_records, write_record
-from experiments.runner import register_hydra_pieces
+from experiments.measure.common import build_variant
+from experiments.measure.kernel import measure, precheck
+from experiments.measure.spec import JobSpec
+from experiments.records.environment import variant_code_version
+from experiments.records.records import find_existing, read_records, write_record
+from experiments.sweep.isolation import context_for, run_isolated
+from experiments.sweep.runner import register_hydra_pieces
+from experiments.sweep.schema import BenchConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -35,6 +38,14 @@ def job_cfg(**over) -> dict:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def job_spec(target: str | None = None, **over) -> JobSpec:
+    """The spec of ``job_cfg(**over)``, with the variant's ``_target_`` replaced by ``target``."""
+    cfg = job_cfg(**over)
+    if target is not None:
+        cfg["variant"]["_target_"] = target
+    return JobSpec.from_config(cfg)
 
 
 SMALL = dict(seq_len=64, heads=2, head_dim=16, min_run_time=0.02)
@@ -50,6 +61,13 @@ def test_registry_and_variant_configs_name_the_same_set():
         names.add(get_class(cfg["variant"]["_target_"]).name)
         assert get_class(cfg["variant"]["_target_"]).name == f.stem
     assert names == set(variants.available())
+
+
+def test_config_yaml_states_the_schema_defaults_without_changing_them():
+    # the defaults live in the dataclasses (JobSpec, BenchConfig); conf/config.yaml only shows them
+    cfg = job_cfg(variant="naive")
+    assert BenchConfig.from_config(cfg) == BenchConfig(variant=cfg["variant"])
+    assert JobSpec.from_config(cfg) == JobSpec(variant=cfg["variant"])
 
 
 @pytest.mark.parametrize("exp", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
@@ -83,7 +101,7 @@ def test_unknown_variant_lists_known_ones():
 
 
 def test_ok_job_has_every_figure_and_a_correct_flop_count():
-    res = measure(job_cfg(variant="naive", **SMALL))
+    res = measure(job_spec(variant="naive", **SMALL))
     assert res["status"] == "ok", res
     f = res["figures"]
     assert f["valid"] is True and f["out_rel_err"] < 1e-5
@@ -106,13 +124,13 @@ def test_each_job_starts_from_a_clean_dynamo_cache():
     f(torch.ones(2))
     f(torch.ones(2))
     assert len(compiles) == 1  # cached
-    assert measure(job_cfg(variant="naive", **SMALL))["status"] == "ok"
+    assert measure(job_spec(variant="naive", **SMALL))["status"] == "ok"
     f(torch.ones(2))
     assert len(compiles) == 2  # compiled again: the job reset Dynamo
 
 
 def test_fwd_bwd_job_times_backward_alone_and_checks_gradients():
-    res = measure(job_cfg(variant="chunked", mode="fwd_bwd", causal="true", **SMALL))
+    res = measure(job_spec(variant="chunked", mode="fwd_bwd", causal="true", **SMALL))
     f = res["figures"]
     assert res["status"] == "ok", res
     for key in ("fwd_median_s", "bwd_median_s", "fwd_bwd_median_s", "grad_rel_err"):
@@ -122,9 +140,7 @@ def test_fwd_bwd_job_times_backward_alone_and_checks_gradients():
 
 
 def test_wrong_result_marks_figures_invalid():
-    cfg = job_cfg(variant="naive", **SMALL)
-    cfg["variant"]["_target_"] = "tests.faulty.WrongAttention"
-    res = measure(cfg)
+    res = measure(job_spec("tests.faulty.WrongAttention", variant="naive", **SMALL))
     assert res["status"] == "ok" and res["figures"]["valid"] is False
     assert "invalid" in res["reason"]
 
@@ -134,9 +150,7 @@ def test_wrong_result_marks_figures_invalid():
     [("tests.faulty.NaNAttention", "nan"), ("tests.faulty.CrashingAttention", "error")],
 )
 def test_failures_become_statuses(target, status):
-    cfg = job_cfg(variant="naive", **SMALL)
-    cfg["variant"]["_target_"] = target
-    res = measure(cfg)
+    res = measure(job_spec(target, variant="naive", **SMALL))
     assert res["status"] == status
     if status == "error":
         assert "deliberate failure" in res["reason"]
@@ -151,8 +165,9 @@ def test_out_of_memory_is_a_status():
         "import json, resource, sys\n"
         "cap = 6 * 2**30\n"
         "resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
-        "from experiments.job import measure\n"
-        "print(json.dumps(measure(json.loads(sys.argv[1]))))\n"
+        "from experiments.measure.kernel import measure\n"
+        "from experiments.measure.spec import JobSpec\n"
+        "print(json.dumps(measure(JobSpec.from_config(json.loads(sys.argv[1])))))\n"
     )
     p = subprocess.run(
         [sys.executable, "-c", code, json.dumps(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -165,10 +180,10 @@ def test_out_of_memory_is_a_status():
 def test_cuda_without_gpu_is_unavailable():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    cfg = job_cfg(variant="naive", device="cuda", **SMALL)
-    res = precheck(cfg, variants.build("naive"))
+    spec = job_spec(variant="naive", device="cuda", **SMALL)
+    res = precheck(spec, variants.build("naive"))
     assert res["status"] == "unavailable" and "cuda" in res["reason"].lower()
-    assert measure(cfg)["status"] == "unavailable"
+    assert measure(spec)["status"] == "unavailable"
 
 
 def test_dtype_a_variant_lacks_is_unsupported():
@@ -181,15 +196,15 @@ def test_dtype_a_variant_lacks_is_unsupported():
     if not cases:
         pytest.skip("every registered variant supports every dtype")
     name, dtype = cases[0]
-    cfg = job_cfg(variant=name, dtype=dtype, **SMALL)
-    res = precheck(cfg, build_variant(cfg["variant"]))
+    spec = job_spec(variant=name, dtype=dtype, **SMALL)
+    res = precheck(spec, build_variant(spec.variant))
     assert res["status"] == "unsupported" and dtype in res["reason"]
 
 
 def test_isolated_job_records_its_process_high_water_mark():
     # naive at N=2048 holds about 260 MiB of scores: the resident high-water mark the OS reports for
     # the job's own process must cover that peak, plus the torch the child imported
-    res = run_isolated(job_cfg(variant="naive", seq_len=2048, min_run_time=0.05), timeout_s=300)
+    res = run_isolated(job_spec(variant="naive", seq_len=2048, min_run_time=0.05), timeout_s=300)
     assert res["status"] == "ok", res
     f = res["figures"]
     assert f["peak_mib"] > 200
@@ -197,32 +212,27 @@ def test_isolated_job_records_its_process_high_water_mark():
 
 
 def test_a_long_job_shows_it_is_alive(monkeypatch):
-    import experiments.isolation as iso
+    import experiments.sweep.isolation as iso
 
     monkeypatch.setattr(iso, "HEARTBEAT_S", 1.0)
-    cfg = job_cfg(variant="naive", **SMALL)
-    cfg["variant"]["_target_"] = "tests.faulty.HangingAttention"
+    spec = job_spec("tests.faulty.HangingAttention", variant="naive", **SMALL)
     beats = []
-    res = run_isolated(cfg, timeout_s=6, heartbeat=beats.append)
+    res = run_isolated(spec, timeout_s=6, heartbeat=beats.append)
     assert res["status"] == "timeout"
     assert len(beats) >= 2 and beats == sorted(beats) and beats[-1] < 6  # (the start takes a while)
 
 
 def test_hang_becomes_timeout_and_kill_becomes_killed():
-    cfg = job_cfg(variant="naive", **SMALL)
-    cfg["variant"]["_target_"] = "tests.faulty.HangingAttention"
-    res = run_isolated(cfg, timeout_s=8)
+    res = run_isolated(job_spec("tests.faulty.HangingAttention", variant="naive", **SMALL), timeout_s=8)
     assert res["status"] == "timeout"
-    cfg["variant"]["_target_"] = "tests.faulty.SelfKillingAttention"
-    res = run_isolated(cfg, timeout_s=60)
+    res = run_isolated(job_spec("tests.faulty.SelfKillingAttention", variant="naive", **SMALL), timeout_s=60)
     assert res["status"] == "killed" and "SIGKILL" in res["reason"]
 
 
 def test_cpu_jobs_fork_from_a_server_that_sees_no_gpu_and_cuda_jobs_are_spawned():
     # a process that queried CUDA poisons its forks; the CPU server must never see a GPU to query
-    cfg = job_cfg(variant="naive", **SMALL)
-    cfg["variant"]["_target_"] = "tests.faulty.NeedsHiddenGpuAttention"
-    res = run_isolated(cfg, timeout_s=120)
+    spec = job_spec("tests.faulty.NeedsHiddenGpuAttention", variant="naive", **SMALL)
+    res = run_isolated(spec, timeout_s=120)
     assert res["status"] == "ok", res
     assert context_for("cuda").get_start_method() == "spawn"
 
@@ -443,7 +453,7 @@ def test_entry_point_plugin_is_a_variant_choice_with_knobs(tmp_path):
 
 
 def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
-    from experiments.runner import variant_label
+    from experiments.sweep.runner import variant_label
     from tests.faulty import CrashingAttention
 
     assert variant_label(CrashingAttention) == "tests.faulty.CrashingAttention"
@@ -480,7 +490,7 @@ def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, messag
 
 
 def test_a_second_sweep_into_a_busy_records_dir_is_refused_before_work(tmp_path):
-    from experiments import records_lock
+    from experiments.records import records_lock
 
     records = tmp_path / "records"
     records.mkdir()
@@ -489,7 +499,8 @@ def test_a_second_sweep_into_a_busy_records_dir_is_refused_before_work(tmp_path)
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from experiments.records_lock import acquire\n"
+            "import sys, time; from pathlib import Path\n"
+            "from experiments.records.records_lock import acquire\n"
             f"acquire(Path({str(records)!r}), Path('elsewhere')); print('held', flush=True); time.sleep(120)",
         ],
         cwd=ROOT,
@@ -538,7 +549,7 @@ def test_jobs_record_how_busy_the_rest_of_the_machine_was():
     try:
         time.sleep(0.5)
         # one thread: the job and the spinning process each have a core of their own
-        busy = measure(job_cfg(variant="naive", **{**SMALL, "min_run_time": 0.5, "threads": 1}))["figures"]
+        busy = measure(job_spec(variant="naive", **{**SMALL, "min_run_time": 0.5, "threads": 1}))["figures"]
     finally:
         burner.kill()
         burner.wait()

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -16,12 +17,18 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import variants
-from experiments.job import measure
-from experiments.records import read_records
-from experiments.runner import register_hydra_pieces
-from experiments.tasks.data import IGNORE, TASKS, Copy, Recall, Reverse, draw, is_test, make_task
-from experiments.tasks.model import TaskTransformer, count_params, recorded_attention, sinusoidal_positions
-from experiments.tasks.train import Settings, build_model
+from experiments.measure.kernel import measure
+from experiments.measure.spec import Device, JobSpec
+from experiments.measure.tasks.data import IGNORE, TASKS, Copy, Recall, Reverse, draw, is_test, make_task
+from experiments.measure.tasks.model import (
+    TaskTransformer,
+    count_params,
+    recorded_attention,
+    sinusoidal_positions,
+)
+from experiments.measure.tasks.train import Settings, build_model
+from experiments.records.records import read_records
+from experiments.sweep.runner import register_hydra_pieces
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -62,6 +69,11 @@ def task_cfg(task: str = "recall", seq_len: int = 24, variant: str = "sdpa", **t
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def task_spec(task: str = "recall", seq_len: int = 24, variant: str = "sdpa", **task_over) -> JobSpec:
+    """The spec of :func:`task_cfg`."""
+    return JobSpec.from_config(task_cfg(task, seq_len, variant, **task_over))
 
 
 def _task_keys() -> dict[str, set[str]]:
@@ -255,7 +267,7 @@ def test_every_variant_trains_on_cpu_and_its_loss_falls(name):
     cfg = task_cfg("recall", 24, num_pairs=4, param_budget=10.0)
     # the variant by its class and its first example knobs, so third-party variants need no yaml
     cfg["variant"] = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **cls.example_knobs[0]}
-    res = measure(cfg)
+    res = measure(JobSpec.from_config(cfg))
     if not _trainable(name):
         assert res["status"] in ("unsupported", "unavailable"), res
         return
@@ -268,31 +280,30 @@ def test_every_variant_trains_on_cpu_and_its_loss_falls(name):
 
 
 def test_job_statuses_of_task_runs():
-    ok = measure(task_cfg("reverse", 8, variant="sdpa"))
+    ok = measure(task_spec("reverse", 8, variant="sdpa"))
     assert ok["status"] == "ok", ok
     f = ok["figures"]
     assert f["attention"]["module"] == "decoder.0.cross_attn.core"  # the map the heatmap shows
     assert f["params"] == f["params_baseline"] and f["seed"] == 0
-    no_cross = measure(task_cfg("reverse", 8, variant="local_window"))
+    no_cross = measure(task_spec("reverse", 8, variant="local_window"))
     assert no_cross["status"] == "unsupported" and "cross-attention" in no_cross["reason"]
     if not torch.cuda.is_available():
-        res = measure({**task_cfg("recall", 24, num_pairs=4), "device": "cuda"})
+        res = measure(replace(task_spec("recall", 24, num_pairs=4), device=Device.cuda))
         assert res["status"] == "unavailable", res
-    cfg = task_cfg("recall", 24, num_pairs=4)
-    cfg["variant"] = {"_target_": "tests.faulty.NaNAttention"}  # not reachable by its (inherited) name
-    res = measure(cfg)
+    spec = task_spec("recall", 24, num_pairs=4)
+    # not reachable by its (inherited) name
+    res = measure(replace(spec, variant={"_target_": "tests.faulty.NaNAttention"}))
     assert res["status"] == "nan" and "loss" in res["reason"]
-    cfg["variant"] = {"_target_": "tests.faulty.CrashingAttention"}
-    assert measure(cfg)["status"] == "error"
-    bad = task_cfg("recall", 24, num_pairs=12)  # no room for queries: a config error, with the reason
+    assert measure(replace(spec, variant={"_target_": "tests.faulty.CrashingAttention"}))["status"] == "error"
+    bad = task_spec("recall", 24, num_pairs=12)  # no room for queries: a config error, with the reason
     res = measure(bad)
     assert res["status"] == "error" and "num_pairs" in res["reason"]
 
 
 def test_seeds_change_the_run_and_repeat_exactly():
-    a = measure(task_cfg("recall", 24, num_pairs=4, steps=5))
-    b = measure(task_cfg("recall", 24, num_pairs=4, steps=5))
-    c = measure({**task_cfg("recall", 24, num_pairs=4, steps=5), "seed": 1})
+    a = measure(task_spec("recall", 24, num_pairs=4, steps=5))
+    b = measure(task_spec("recall", 24, num_pairs=4, steps=5))
+    c = measure(replace(task_spec("recall", 24, num_pairs=4, steps=5), seed=1))
     assert a["figures"]["loss_curve"] == b["figures"]["loss_curve"]
     assert a["figures"]["loss_curve"] != c["figures"]["loss_curve"] and c["figures"]["seed"] == 1
 
@@ -328,7 +339,7 @@ def test_real_task_sweep_writes_records_and_the_report(tmp_path):
             assert f["seed"] == seed
     assert p.returncode == 0, p.stderr[-3000:]
 
-    from experiments.task_report import load_frame, main, task_table
+    from experiments.report.task_report import load_frame, main, task_table
 
     table = task_table(load_frame([tmp_path / "records"]))
     row = table[(table["variant"] == "sdpa") & (table["task"] == "recall")].iloc[0]
@@ -347,7 +358,7 @@ def test_real_task_sweep_writes_records_and_the_report(tmp_path):
 
 
 def test_repeated_attention_maps_are_drawn_once():
-    from experiments.task_report import _distinct_maps
+    from experiments.report.task_report import _distinct_maps
 
     diag = [[1.0 if i == j else 0.0 for j in range(6)] for i in range(6)]
     anti = [[1.0 if i + j == 5 else 0.0 for j in range(6)] for i in range(6)]

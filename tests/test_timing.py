@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 
-from experiments.timing import MIN_SAMPLES, budget_s, is_stable, time_cpu
+from experiments.measure.timing import MIN_SAMPLES, budget_s, is_stable, time_cpu
 
 
 def test_stability_needs_samples_and_a_narrow_spread():

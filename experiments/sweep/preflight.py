@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import re
 import sys
-from enum import Enum
 from pathlib import Path
 
-from .schema import Device, DType, Mode
+from ..measure.spec import CHOICES
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
-_ENUMS: dict[str, type[Enum]] = {"device": Device, "dtype": DType, "mode": Mode}
+CONF = Path(__file__).resolve().parents[2] / "conf"
 _PLAIN = re.compile(r"^[^()\[\]{}'\"$]*$")  # a plain value or comma list, no sweep functions
 
 
@@ -52,8 +50,8 @@ def preflight(argv: list[str]) -> list[str]:
             for name in value.split(","):
                 if name not in known:
                     _fail(f"unknown variant '{name}'; known variants: {', '.join(known)}")
-        elif bare in _ENUMS and _PLAIN.match(value):
-            allowed = [e.value for e in _ENUMS[bare]]
+        elif bare in CHOICES and _PLAIN.match(value):
+            allowed = [e.value for e in CHOICES[bare]]
             for v in value.split(","):
                 if v not in allowed:
                     _fail(f"{bare}={v}: expected one of {', '.join(allowed)}")

@@ -22,7 +22,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.colors import PowerNorm  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
-from .store import is_false  # noqa: E402
+from ..records.store import is_false  # noqa: E402
 from .tables import (  # noqa: E402
     GROUP_BASE,
     group_keys,

@@ -242,7 +242,7 @@ def is_false(v: object) -> bool:
 
 def is_task(df: pd.DataFrame) -> pd.Series:
     """True for task-training records (``config.task`` set): they measure a trained model's accuracy,
-    not the kernel, and have their own report (``experiments.task_report``)."""
+    not the kernel, and have their own report (``experiments.report.task_report``)."""
     if "task" not in df:
         return pd.Series(False, index=df.index)
     return df["task"].map(lambda v: isinstance(v, str) and v not in ("", "null"))

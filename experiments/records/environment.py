@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: this file is experiments/records/environment.py
 
 
 def _version(dist: str) -> str | None:
@@ -77,7 +77,7 @@ def gpu_info() -> dict[str, object]:
 
     Asked of ``nvidia-smi``, not torch, on purpose: the sweep's own process must not create a CUDA
     context (it would hold GPU memory for the whole sweep). A CUDA job adds torch's own view of the
-    device it ran on (:func:`torch_gpu_info`, called in the job's process).
+    device it ran on (:func:`experiments.measure.kernel.torch_gpu_info`, called in the job's process).
     """
     try:
         out = subprocess.run(
@@ -99,20 +99,6 @@ def gpu_info() -> dict[str, object]:
     except ValueError:
         mem_gib = None
     return {"gpu_name": name, "gpu_memory_gib": mem_gib, "gpu_driver": driver, "gpu_capability": cap}
-
-
-def torch_gpu_info(device: int | None = None) -> dict[str, object]:
-    """Name, memory and compute capability of the current CUDA device, as torch sees it.
-
-    Initialises CUDA: call it only in a process that runs CUDA work (a CUDA job).
-    """
-    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
-    return {
-        "gpu_name": props.name,
-        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-        "gpu_capability": f"{props.major}.{props.minor}",
-        "gpu_count": torch.cuda.device_count(),
-    }
 
 
 @functools.cache

@@ -11,7 +11,7 @@
   average-pooled to at most ``heatmap_size`` per side: ``{"module", "stride", "shape", "weights"}``
   with ``weights`` a nested list. Records are self-contained, so no other file is needed.
 
-``python -m experiments.task_report RECORD_DIR [...] --out DIR`` writes ``task_table.md``,
+``python -m experiments.report.task_report RECORD_DIR [...] --out DIR`` writes ``task_table.md``,
 ``task_table.csv`` and the two PNGs. Everything is ``O(records)``.
 """
 
@@ -38,7 +38,7 @@ _TRAINING_KEYS = {"max_train_s", "eval_batch", "heatmap_size", "distance_bins"}
 # ---------------------------------------------------------------------------------------------- loading
 def load_frame(inputs: list[str | Path]) -> pd.DataFrame:
     """Records under ``inputs`` (folders, record files, saved stores) as the store's DataFrame."""
-    from .store import load
+    from ..records.store import load
 
     return load([str(p) for p in inputs], verbose=False)
 
@@ -468,7 +468,7 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m experiments.task_report RECORD_DIR [...] --out DIR``."""
+    """``python -m experiments.report.task_report RECORD_DIR [...] --out DIR``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("inputs", nargs="+", help="record folders, record files or sweep folders")
     ap.add_argument("--out", default="outputs/task_report", help="folder for the table and plots")

@@ -1,6 +1,6 @@
-"""What a kernel measurement (``experiments.job``) and a task measurement (``experiments.tasks``)
-both need before they start: the device check, the variant built from its config, the thread count.
-Below both, so neither imports the other for it."""
+"""What a kernel measurement (:mod:`experiments.measure.kernel`) and a task measurement
+(:mod:`experiments.measure.tasks`) both need before they start: the device check, the variant built
+from its config, the thread count. Below both, so neither imports the other for it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from variants import AttentionVariant, Unavailable
+
+from .spec import JobSpec
 
 
 def build_variant(variant_cfg: dict[str, Any]) -> AttentionVariant:
@@ -22,12 +24,12 @@ def build_variant(variant_cfg: dict[str, Any]) -> AttentionVariant:
     return obj
 
 
-def job_threads(cfg: dict[str, Any]) -> int:
-    """The job's torch thread count, always set explicitly: ``threads``, or every CPU this process
-    may run on (its affinity: the machine, or a Slurm allocation), never a launcher worker's limit
-    (joblib's workers run with one)."""
-    if cfg.get("threads"):
-        return int(cfg["threads"])
+def job_threads(spec: JobSpec) -> int:
+    """The job's torch thread count, always set explicitly: ``spec.threads``, or every CPU this
+    process may run on (its affinity: the machine, or a Slurm allocation), never a launcher worker's
+    limit (joblib's workers run with one)."""
+    if spec.threads:
+        return int(spec.threads)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this OS

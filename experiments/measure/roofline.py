@@ -64,7 +64,7 @@ def copy_bytes_per_s(device: str, mib: int, min_run_time: float = 0.5) -> float:
 
 def measure_roofline(device: str, dtype: str, min_run_time: float = 0.5) -> dict[str, Any]:
     """``{"device", "dtype", "gemm_n", "gemm_flops_per_s", "copy_mib", "copy_bytes_per_s", "threads"}``
-    for ``device`` and ``dtype`` (a name from :data:`experiments.inputs.DTYPES`)."""
+    for ``device`` and ``dtype`` (a name from :data:`experiments.measure.inputs.DTYPES`)."""
     n, mib = gemm_size(device, DTYPES[dtype], _GEMM_N[device]), _COPY_MIB[device]
     return {
         "device": device,

@@ -17,8 +17,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .machine_load import LOADED_CORES
-from .store import CELL_KEYS, WORKLOAD, is_false, status_counts
+from ..records.store import CELL_KEYS, WORKLOAD, is_false, status_counts
+
+#: above this many cores' worth of other processes' work (``others_cpu_cores``, see
+#: :mod:`experiments.measure.machine_load`), a job's times are flagged as measured beside other work
+LOADED_CORES = 0.5
 
 GROUP_BASE = ["device", "dtype", "mode"]
 # shown in a group's title only when they vary in the data

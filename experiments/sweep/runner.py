@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registered_name
 
+from ..measure.spec import JobSpec
+from ..records.environment import environment, variant_code_version
+from ..records.records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
 from .concurrency import measuring
-from .environment import environment, variant_code_version
 from .progress import following, say
-from .records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
-from .schema import register_schema, validate
+from .schema import BenchConfig, register_schema, validate
 
 log = logging.getLogger("attnbench")
 
@@ -85,27 +87,27 @@ def register_hydra_pieces() -> None:
         )
 
 
-def job_label(cfg: dict[str, Any], name: str) -> str:
+def job_label(spec: JobSpec, name: str) -> str:
     """Short human label of a job, e.g. ``naive N=1024 fwd float32 cpu`` or
     ``task=recall local_window(window=16, block=None) N=128 seed=0 float32 cpu``."""
-    knobs = {k: v for k, v in cfg["variant"].items() if k not in ("_target_", "heads", "head_dim")}
+    knobs = {k: v for k, v in spec.variant.items() if k not in ("_target_", "heads", "head_dim")}
     # the knobs in brackets: a variant's own seed (sparse) is not the job's seed
     parts = [
         name + (f"({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else ""),
-        f"N={cfg['seq_len']}",
+        f"N={spec.seq_len}",
     ]
-    if cfg.get("task"):
-        parts.insert(0, f"task={cfg['task'].get('name', '?')}")
-    if cfg.get("kv_len"):
-        parts.append(f"Nk={cfg['kv_len']}")
-    if cfg.get("tokens"):
-        parts.append(f"B={cfg['batch']}")  # from the token budget
+    if spec.task:
+        parts.insert(0, f"task={spec.task.get('name', '?')}")
+    if spec.kv_len:
+        parts.append(f"Nk={spec.kv_len}")
+    if spec.tokens:
+        parts.append(f"B={spec.batch}")  # from the token budget
     # a task job trains (mode does not apply) and its seed is what tells its runs apart
-    parts += [f"seed={cfg['seed']}" if cfg.get("task") else cfg["mode"], cfg["dtype"], cfg["device"]]
-    if cfg["causal"]:
+    parts += [f"seed={spec.seed}" if spec.task else spec.mode.value, spec.dtype.value, spec.device.value]
+    if spec.causal:
         parts.append("causal")
-    if cfg["padding"]:
-        parts.append(f"pad={cfg['padding']}")
+    if spec.padding:
+        parts.append(f"pad={spec.padding}")
     return " ".join(str(p) for p in parts)
 
 
@@ -158,29 +160,31 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         _fail(f"config does not resolve: {exc}")
         return None
     try:
-        validate(cfg)
-        if cfg.get("tokens"):  # a fixed token budget: the batch follows the length
-            cfg["batch"] = max(1, cfg["tokens"] // cfg["seq_len"])
-        cls = get_class(cfg["variant"]["_target_"])
+        conf = BenchConfig.from_config(cfg)
+        validate(conf)
+        if conf.tokens:  # a fixed token budget: the batch follows the length (and is hashed)
+            cfg["batch"] = max(1, conf.tokens // conf.seq_len)
+            conf = replace(conf, batch=cfg["batch"])
+        cls = get_class(conf.variant["_target_"])
         name = variant_label(cls)
-        check_knobs(cls, cfg["variant"], name)
+        check_knobs(cls, conf.variant, name)
         # build once here: a bad knob (window=-1) is a one-line error before any child is spawned
-        from .job_setup import build_variant
+        from ..measure.common import build_variant
 
-        variant = build_variant(cfg["variant"])
+        variant = build_variant(conf.variant)
     except Exception as exc:
         cause = exc.__cause__ or exc
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         kind = "" if isinstance(cause, ValueError) else f"{type(cause).__name__}: "
         _fail(f"{kind}{text}")
         return None
-    label = job_label(cfg, name)
-    chash = config_hash(cfg)
+    label = job_label(conf, name)
+    chash = config_hash(cfg)  # of the dict the record stores
     hc = HydraConfig.get()
     sweep_dir = Path(hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.runtime.output_dir)
-    records_dir = Path(to_absolute_path(cfg["records_dir"]))
+    records_dir = Path(to_absolute_path(conf.records_dir))
     if hc.mode != RunMode.MULTIRUN:  # a sweep checked and locked its folder before its first job
-        from .records_lock import RecordsDirError, prepare
+        from ..records.records_lock import RecordsDirError, prepare
 
         try:
             prepare(records_dir, sweep_dir)
@@ -191,7 +195,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     env["variant_code"] = variant_code_version(cls)
     env["launcher"] = _launcher_name(hc)
 
-    existing = find_existing(records_dir, chash, env) if cfg["resume"] else None
+    existing = find_existing(records_dir, chash, env) if conf.resume else None
     if existing is not None:
         log.info("[%s] already measured: %s (resume=false to measure again)", label, existing)
         line = f"[{label}] skipped: already measured ({existing.name})"
@@ -199,24 +203,25 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         _manifest(sweep_dir, chash, existing, "skipped", line=line)
         return json.loads(existing.read_text())
 
-    from .job import precheck
+    from ..measure.kernel import precheck
 
     # the device's ceilings, once per sweep and (device, dtype): the first job that runs measures them
-    roof_path = sweep_dir / f"roofline-{cfg['device']}-{cfg['dtype']}.json"
-    want_roof = bool(cfg.get("roofline", True)) and not cfg.get("task") and not roof_path.exists()
-    result = precheck(cfg, variant)  # unsupported / unavailable without spawning a child
+    roof_path = sweep_dir / f"roofline-{conf.device.value}-{conf.dtype.value}.json"
+    want_roof = conf.roofline and not conf.task and not roof_path.exists()
+    spec = JobSpec.from_config(cfg)  # what the job's process gets: the measurement's half of conf
+    result = precheck(spec, variant)  # unsupported / unavailable without spawning a child
     if result is None:
         from .isolation import run_inline, run_isolated
 
         with measuring() as concurrent:  # other jobs measuring on this host meanwhile
-            if cfg["isolate"]:
+            if conf.isolate:
 
                 def alive(elapsed: float) -> None:
-                    say(f"[{label}] still running: {elapsed:.0f} s (timeout_s={cfg['timeout_s']:g})")
+                    say(f"[{label}] still running: {elapsed:.0f} s (timeout_s={conf.timeout_s:g})")
 
-                result = run_isolated(cfg, cfg["timeout_s"], roofline=want_roof, heartbeat=alive)
+                result = run_isolated(spec, conf.timeout_s, roofline=want_roof, heartbeat=alive)
             else:
-                result = run_inline(cfg, roofline=want_roof)
+                result = run_inline(spec, roofline=want_roof)
             result.setdefault("figures", {})["concurrent_jobs"] = concurrent()
     roof = result.get("roofline")
     if roof and "error" not in roof:
@@ -306,7 +311,7 @@ def _manifest(
     line: str | None = None,
 ) -> None:
     """Append this job's record path to the sweep's manifest (one short line: an atomic append), with
-    the job's summary ``line`` for the submitting process to show (:mod:`experiments.progress`)."""
+    the job's summary ``line`` for the submitting process to show (:mod:`experiments.sweep.progress`)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     entry = {"config_hash": chash, "record": None if path is None else str(path), "status": status}
     if reason is not None:

@@ -12,8 +12,6 @@ import os
 import time
 from dataclasses import dataclass
 
-#: above this many cores' worth of other processes' work, a job's times are flagged in the tables
-LOADED_CORES = 0.5
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 

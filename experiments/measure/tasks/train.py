@@ -1,14 +1,14 @@
 """Train a small Transformer with one attention variant on one synthetic task, then test it.
 
-:func:`measure_task` is what :func:`experiments.job.measure` runs when ``cfg["task"]`` is set. It fills
-``result`` with the variant's description and these figures: ``train_s``, ``steps``, ``final_loss``,
-``test_accuracy`` (exact match per answer token on the held-out split), ``test_exact_match`` (whole
-answer right), ``params``, ``params_baseline``, ``seed``, ``acc_by_distance`` (recall), and one
-trained attention map (``attention``) for the report's heatmaps.
+:func:`measure_task` is what :func:`experiments.measure.kernel.measure` runs when ``spec.task`` is
+set. It fills ``result`` with the variant's description and these figures: ``train_s``, ``steps``,
+``final_loss``, ``test_accuracy`` (exact match per answer token on the held-out split),
+``test_exact_match`` (whole answer right), ``params``, ``params_baseline``, ``seed``,
+``acc_by_distance`` (recall), and one trained attention map (``attention``) for the report's heatmaps.
 
 Cost: ``steps`` optimiser steps of ``batch_size`` examples (forward + backward of
-:class:`~experiments.tasks.model.TaskTransformer`), then one pass over ``test_size`` test examples
-(``N + 1`` decoder passes for sequence-to-sequence tasks, which decode greedily).
+:class:`~experiments.measure.tasks.model.TaskTransformer`), then one pass over ``test_size`` test
+examples (``N + 1`` decoder passes for sequence-to-sequence tasks, which decode greedily).
 
 Parameter budget (as LRA does): a variant with learned parameters in its core (``has_params``, e.g.
 additive) may have at most ``1 + param_budget`` times the parameters of the same model with a
@@ -33,12 +33,13 @@ import torch.nn.functional as F
 import variants
 from variants import AttentionVariant, Unsupported
 
-from ..job_setup import build_variant, check_device, job_threads
+from ..common import build_variant, check_device, job_threads
+from ..spec import DType, JobSpec
 from .data import IGNORE, Batch, Task, draw, make_task
 from .model import TaskTransformer, VariantSpec, attention_cores, count_params, recorded_attention
 
 # training and model settings in conf/task/*.yaml; every other key there is a knob of the task
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DTYPES = {DType.float32: torch.float32, DType.float64: torch.float64}
 
 
 @dataclass
@@ -274,26 +275,27 @@ def attention_heatmap(model: TaskTransformer, task: Task, example: Batch, size: 
     }
 
 
-def measure_task(cfg: dict[str, Any], result: dict[str, Any]) -> None:
-    """Train on ``cfg["task"]`` at ``cfg["seq_len"]`` with ``cfg["variant"]``; fill ``result``.
+def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
+    """Train on ``spec.task`` at ``spec.seq_len`` with ``spec.variant``; fill ``result``.
 
     Raises :class:`variants.Unsupported` (the variant cannot be trained here or cannot do the
-    task's attention), :class:`experiments.job.Unavailable` (device), or any other exception
-    (:func:`experiments.job.measure` turns each into a status). A non-finite loss sets status ``nan``.
+    task's attention), :class:`variants.Unavailable` (device), or any other exception
+    (:func:`experiments.measure.kernel.measure` turns each into a status). A non-finite loss sets
+    status ``nan``.
     """
-    device = cfg["device"]
+    device = spec.device.value
     check_device(device)
 
-    torch.set_num_threads(job_threads(cfg))
-    if cfg["dtype"] not in _DTYPES:
-        raise Unsupported(f"task training runs in float32 or float64, not {cfg['dtype']}")
-    dtype = _DTYPES[cfg["dtype"]]
-    seed = int(cfg["seed"])
-    task_name, s, task_knobs = Settings.split(cfg["task"])
-    task = make_task(task_name, int(cfg["seq_len"]), **task_knobs)
-    name, spec, knobs = variant_for_training(cfg["variant"], device, task.seq2seq)
+    torch.set_num_threads(job_threads(spec))
+    if spec.dtype not in _DTYPES:
+        raise Unsupported(f"task training runs in float32 or float64, not {spec.dtype.value}")
+    dtype = _DTYPES[spec.dtype]
+    seed = int(spec.seed)
+    task_name, s, task_knobs = Settings.split(spec.task)
+    task = make_task(task_name, int(spec.seq_len), **task_knobs)
+    name, cores, knobs = variant_for_training(spec.variant, device, task.seq2seq)
 
-    built = build_model(task, s, spec, knobs, seed)
+    built = build_model(task, s, cores, knobs, seed)
     model = built.model.to(device=device, dtype=dtype)
     result["variant"] = next(iter(attention_cores(model).values())).describe()
     fig = result["figures"]

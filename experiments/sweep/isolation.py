@@ -2,7 +2,7 @@
 status in the parent instead of ending the sweep.
 
 CPU jobs come from a fork server where the platform has one (Linux, macOS): a server process
-imports torch and the suite once, with every GPU hidden from it (:mod:`experiments.cpu_forkserver`),
+imports torch and the suite once, with every GPU hidden from it (:mod:`experiments.sweep.cpu_forkserver`),
 and each job is a fresh fork of it, which starts in a fraction of a second instead of the seconds a
 spawned interpreter spends importing torch. CUDA jobs are spawned: CUDA cannot be initialised in a
 fork of a process that has queried it, and a fresh interpreter per GPU job also gives each job its
@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..measure.kernel import measure
+from ..measure.spec import JobSpec
 from .concurrency import pid_alive
-from .job import measure
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -52,11 +53,11 @@ def die_with(pid: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="attnbench-watchdog", daemon=True).start()
 
 
-def _child(cfg: dict[str, Any], conn: Any, sweep_pid: int, roofline: bool) -> None:
+def _child(spec: JobSpec, conn: Any, sweep_pid: int, roofline: bool) -> None:
     die_with(sweep_pid)
     # the parent handles Ctrl-C; a child should not print its own traceback for it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn.send(measure(cfg, roofline))
+    conn.send(measure(spec, roofline))
     conn.close()
 
 
@@ -65,7 +66,7 @@ def context_for(device: str) -> Any:
     jobs, spawn for CUDA jobs and where there is no fork server."""
     if device == "cpu" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["experiments.cpu_forkserver"])
+        ctx.set_forkserver_preload(["experiments.sweep.cpu_forkserver"])
         return ctx
     return mp.get_context("spawn")
 
@@ -92,20 +93,21 @@ HEARTBEAT_S = 10.0  # a job running longer than this says so, every this many se
 
 
 def run_isolated(
-    cfg: dict[str, Any],
+    spec: JobSpec,
     timeout_s: float,
     roofline: bool = False,
     heartbeat: Callable[[float], None] | None = None,
 ) -> dict[str, Any]:
-    """``measure(cfg, roofline)`` in a fresh child process; adds statuses ``timeout`` and ``killed``.
+    """``measure(spec, roofline)`` in a fresh child process (``spec`` goes there pickled); adds
+    statuses ``timeout`` and ``killed``.
 
     Also reports ``wall_s``: wall time of the whole child (the caller subtracts the measurement
     time to get the overhead). ``heartbeat(elapsed_s)`` is called every :data:`HEARTBEAT_S` seconds
     while the child runs (a long job shows it is alive).
     """
-    ctx = context_for(cfg["device"])
+    ctx = context_for(spec.device.value)
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(cfg, send, os.getpid(), roofline), daemon=True)
+    proc = ctx.Process(target=_child, args=(spec, send, os.getpid(), roofline), daemon=True)
     t0 = time.perf_counter()
     with _standard_start_method(ctx):
         proc.start()
@@ -156,9 +158,9 @@ def _blank(status: str, reason: str, t0: float) -> dict[str, Any]:
     }
 
 
-def run_inline(cfg: dict[str, Any], roofline: bool = False) -> dict[str, Any]:
-    """``measure(cfg, roofline)`` in this process (isolation off: quicker, but a crash ends the sweep)."""
+def run_inline(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
+    """``measure(spec, roofline)`` in this process (isolation off: quicker, but a crash ends the sweep)."""
     t0 = time.perf_counter()
-    result = measure(cfg, roofline)
+    result = measure(spec, roofline)
     result["wall_s"] = time.perf_counter() - t0
     return result

@@ -55,11 +55,10 @@ def count_jobs(config: DictConfig) -> int | None:
         for o in OverridesParser.create().parse_overrides(overrides):
             v = o.value()
             if isinstance(v, Glob):  # only config groups take glob(): count the group's options
-                group = Path(__file__).resolve().parent.parent / "conf" / o.key_or_group
-                names = {p.stem for p in group.glob("*.yaml")}
-                if o.key_or_group == "variant":
-                    from .preflight import known_variants
+                from .preflight import CONF, known_variants
 
+                names = {p.stem for p in (CONF / o.key_or_group).glob("*.yaml")}
+                if o.key_or_group == "variant":
                     names |= set(known_variants())  # plugins have generated config nodes
                 counts[o.key_or_group] = len(v.filter(sorted(names)))
             elif o.is_sweep_override():
@@ -91,8 +90,8 @@ class SweepCallback(Callback):
         from hydra.utils import to_absolute_path
         from tqdm import tqdm
 
+        from ..records.records_lock import RecordsDirError, prepare
         from .progress import ManifestFollower
-        from .records_lock import RecordsDirError, prepare
 
         try:  # before the first job: nothing measured may be lost to an unusable folder
             prepare(Path(to_absolute_path(config.records_dir)), Path(config.hydra.sweep.dir))
@@ -141,7 +140,7 @@ class SweepCallback(Callback):
         records = [e["record"] for e in entries if e["record"] is not None]
         print(f"\nsweep finished: {len(records)} job(s); records listed in {sweep_dir / 'manifest.jsonl'}")
         if config.get("report", True) and records:
-            from .report import report_paths
+            from ..report.report import report_paths
 
             report_paths(records, out_dir=sweep_dir / "report")
         errors = sum(e.get("status") == "error" for e in entries)

@@ -1,11 +1,11 @@
 """The report: tables (Markdown and CSV), the store (Parquet and CSV) and the plots of a set of records.
 
-    python -m experiments.report [PATHS ...] [--out DIR] [--baseline OTHER ...] [--all-measurements]
+    python -m experiments.report.report [PATHS ...] [--out DIR] [--baseline OTHER ...] [--all-measurements]
 
 PATHS are sweep folders (their ``manifest.jsonl`` names the records), record folders (searched
 recursively), record files, or saved stores (``store.parquet`` / ``store.csv``); default
 ``outputs/records``. It works on whatever records exist, so a crashed or partial sweep still gets
-its report. A multirun calls :func:`report_paths` at its end (``experiments/callbacks.py``).
+its report. A multirun calls :func:`report_paths` at its end (``experiments/sweep/callbacks.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import store
+from ..records import store
 from . import tables as T
 
 DEFAULT_INPUT = "outputs/records"
@@ -176,7 +176,7 @@ def report_paths(
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (1 when no record was found)."""
     ap = argparse.ArgumentParser(
-        prog="python -m experiments.report",
+        prog="python -m experiments.report.report",
         description="Tables, store and plots of benchmark records (sweep folders, record folders or files).",
     )
     ap.add_argument(

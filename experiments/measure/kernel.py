@@ -1,8 +1,10 @@
 """One measurement job: build the variant and inputs, check correctness, time it, measure memory.
 
-``measure(cfg)`` never raises: whatever happens becomes a status (DESIGN.md: ok, unsupported,
-unavailable, oom, nan, error; the parent adds killed and timeout). ``cfg`` is the resolved job
-config as a plain dict (see conf/config.yaml for the fields).
+``measure(spec)`` never raises: whatever happens becomes a status (DESIGN.md: ok, unsupported,
+unavailable, oom, nan, error; the parent adds killed and timeout). ``spec`` is the job's
+:class:`~experiments.measure.spec.JobSpec` (from a resolved config dict:
+``JobSpec.from_config(cfg)``). A job with a ``task`` trains a model instead
+(:mod:`experiments.measure.tasks`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import torch
 from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
-from .environment import torch_gpu_info
+from .common import build_variant, check_device, job_threads
 from .inputs import DTYPES, make_inputs
-from .job_setup import build_variant, check_device, job_threads
 from .machine_load import load_average, others_cores, snapshot
 from .memory import peak_bytes
+from .spec import Device, JobSpec, Mode
 from .timing import Timing, time_backward, time_call, time_cuda_graph
 
 # above this many float64 bytes, the gradient check (which needs the whole oracle) is skipped
@@ -68,23 +70,23 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "error", last.splitlines()[0]
 
 
-def measure(cfg: dict[str, Any], roofline: bool = False) -> dict[str, Any]:
+def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
     """Run one job; returns ``{"status", "reason", "variant", "figures"}``. Never raises.
 
     With ``roofline``, also measures the device's GEMM and copy ceilings for the job's dtype
-    afterwards (``result["roofline"]``, see :mod:`experiments.roofline`); a CUDA job adds the GPU it
+    afterwards (``result["roofline"]``, see :mod:`experiments.measure.roofline`); a CUDA job adds the GPU it
     ran on as torch sees it (``result["env"]``).
     """
     result: dict[str, Any] = {"status": "ok", "reason": None, "variant": None, "figures": {}}
     t0 = time.perf_counter()
     load_start, busy_start = load_average(), snapshot()
     try:
-        if cfg.get("task"):
+        if spec.task:
             from .tasks.train import measure_task  # task accuracy: train and evaluate a small model
 
-            measure_task(cfg, result)
+            measure_task(spec, result)
         else:
-            _measure(cfg, result)
+            _measure(spec, result)
     except BaseException as exc:  # the whole point: turn anything into a status
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -96,73 +98,86 @@ def measure(cfg: dict[str, Any], roofline: bool = False) -> dict[str, Any]:
     result["figures"]["load_avg_1m"] = load_start
     # counted from after the first call: a compiled variant's own compile workers are not "others"
     result["figures"]["others_cpu_cores"] = others_cores(result.pop("busy_start", busy_start), snapshot())
-    if cfg["device"] == "cuda" and torch.cuda.is_available():
+    if spec.device is Device.cuda and torch.cuda.is_available():
         result["env"] = torch_gpu_info()
-    if roofline and not cfg.get("task"):
-        result["roofline"] = _roofline(cfg)
+    if roofline and not spec.task:
+        result["roofline"] = _roofline(spec)
     # what the OS saw, beside the allocator's peak: the C allocator may keep freed memory (resident
     # GBs while torch's peak is MBs). Per job only in an isolated child, whose count includes torch.
     result["figures"]["process_max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
-def _roofline(cfg: dict[str, Any]) -> dict[str, Any]:
+def _roofline(spec: JobSpec) -> dict[str, Any]:
     """The device's ceilings for the job's dtype, or ``{"error": ...}`` (never raises)."""
     from .roofline import measure_roofline
 
     try:
-        check_device(cfg["device"])
-        return measure_roofline(cfg["device"], cfg["dtype"], min_run_time=0.5)
+        check_device(spec.device.value)
+        return measure_roofline(spec.device.value, spec.dtype.value, min_run_time=0.5)
     except Exception as exc:  # the ceiling is context for the tables, never a reason to lose a record
         return {"error": classify(exc)[1]}
 
 
-def workload(cfg: dict[str, Any]) -> Workload:
-    """The :class:`Workload` a job config describes."""
-    nq = cfg["seq_len"]
+def torch_gpu_info(device: int | None = None) -> dict[str, object]:
+    """Name, memory and compute capability of the current CUDA device, as torch sees it.
+
+    Initialises CUDA: call it only in a process that runs CUDA work (a CUDA job).
+    """
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    return {
+        "gpu_name": props.name,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "gpu_capability": f"{props.major}.{props.minor}",
+        "gpu_count": torch.cuda.device_count(),
+    }
+
+
+def workload(spec: JobSpec) -> Workload:
+    """The :class:`Workload` a job spec describes."""
     return Workload(
-        batch=cfg["batch"],
-        heads=cfg["heads"],
-        nq=nq,
-        nk=cfg.get("kv_len") or nq,
-        head_dim=cfg["head_dim"],
-        v_head_dim=cfg.get("v_head_dim") or cfg["head_dim"],
-        device=cfg["device"],
-        dtype=DTYPES[cfg["dtype"]],
-        causal=cfg["causal"],
-        key_padding=cfg["padding"] > 0,
+        batch=spec.batch,
+        heads=spec.heads,
+        nq=spec.seq_len,
+        nk=spec.kv_len or spec.seq_len,
+        head_dim=spec.head_dim,
+        v_head_dim=spec.v_head_dim or spec.head_dim,
+        device=spec.device.value,
+        dtype=DTYPES[spec.dtype.value],
+        causal=spec.causal,
+        key_padding=spec.padding > 0,
         attn_mask=False,
-        backward=cfg["mode"] == "fwd_bwd",
+        backward=spec.mode is Mode.fwd_bwd,
     )
 
 
-def precheck(cfg: dict[str, Any], variant: AttentionVariant) -> dict[str, Any] | None:
+def precheck(spec: JobSpec, variant: AttentionVariant) -> dict[str, Any] | None:
     """A finished result if the job cannot run at all (unavailable / unsupported), else None.
 
     Cheap, so the parent does it before spawning a child.
     """
     try:
-        check_device(cfg["device"])
-        if not cfg.get("task"):  # a task job checks its own workloads (training needs backward, ...)
-            variant.check(workload(cfg))
+        check_device(spec.device.value)
+        if not spec.task:  # a task job checks its own workloads (training needs backward, ...)
+            variant.check(workload(spec))
     except (Unavailable, Unsupported) as exc:
         status, reason = classify(exc)
         return {"status": status, "reason": reason, "variant": variant.describe(), "figures": {}}
     return None
 
 
-def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
-    device = cfg["device"]
+def _measure(spec: JobSpec, result: dict[str, Any]) -> None:
+    device = spec.device.value
     check_device(device)
-    torch.set_num_threads(job_threads(cfg))
-    w = workload(cfg)
+    torch.set_num_threads(job_threads(spec))
+    w = workload(spec)
     dtype, nq, nk, dv, backward = w.dtype, w.nq, w.nk, w.v_head_dim, w.backward
     # one process may run many jobs (isolate=false): Dynamo's code compiled for earlier shapes counts
     # against its recompile limit (8), past which compiled FlexAttention silently runs eagerly with the
     # whole N x N score matrix (seen on an H100: sparse at N=16384 fwd+bwd 180 ms and 53 GB, not 3 ms)
     torch._dynamo.reset()
-    torch.manual_seed(cfg["seed"])
-    variant = build_variant(cfg["variant"]).to(device=device)
+    torch.manual_seed(spec.seed)
+    variant = build_variant(spec.variant).to(device=device)
     if any(True for _ in variant.parameters()):
         variant = variant.to(dtype=dtype)
     result["variant"] = variant.describe()
@@ -176,12 +191,12 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
         dv,
         dtype=dtype,
         device=device,
-        padding=cfg["padding"],
-        seed=cfg["seed"],
+        padding=spec.padding,
+        seed=spec.seed,
         requires_grad=backward,
     )
     q, k, v = inp.tensors()
-    kw = inp.kwargs(cfg["causal"])
+    kw = inp.kwargs(spec.causal)
     fig = result["figures"]
     # only outside timed windows: the CUDA timers enqueue every repetition without waiting
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -206,9 +221,9 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
         fig["accuracy_skipped"] = "float64 oracle too large for this length"
         valid = True
     else:
-        fig.update(output_accuracy(variant, q, k, v, out, kw, max_rows=cfg.get("accuracy_rows", 256)))
+        fig.update(output_accuracy(variant, q, k, v, out, kw, max_rows=spec.accuracy_rows))
         valid = fig["out_rel_err"] <= tolerance(dtype)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(cfg["seed"] + 1))
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(spec.seed + 1))
     grad_out = grad_out.to(device=device, dtype=out.dtype)
     params = [p for p in variant.parameters() if p.requires_grad]
     inputs = [q, k, v] if backward else []
@@ -227,7 +242,7 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
         result["reason"] = "correctness check failed: speed and memory figures are invalid"
 
     # timing
-    min_t = cfg.get("min_run_time", 1.0)
+    min_t = spec.min_run_time
 
     def fwd() -> torch.Tensor:
         return variant(q, k, v, **kw)
@@ -253,7 +268,7 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
         measured, mode_fn = fig["fwd_median_s"], fwd_nograd
 
     # throughput from the variant's own count of useful pairs
-    flops = variant.flops(w, cfg["mode"])
+    flops = variant.flops(w, spec.mode.value)
     fig["flops"] = flops
     fig["gflops_per_s"] = flops / measured / 1e9
     fig["tokens_per_s"] = w.batch * nq / measured
@@ -265,7 +280,7 @@ def _measure(cfg: dict[str, Any], result: dict[str, Any]) -> None:
     fig["threads"] = torch.get_num_threads()
 
     # last: a capture that fails can leave the stream unusable for what would follow
-    if device == "cuda" and not backward and cfg.get("cuda_graph", True):
+    if device == "cuda" and not backward and spec.cuda_graph:
         graph_t, why = time_cuda_graph(fwd_nograd, min_t)
         fig.update(_timing_fields("fwd_graph", graph_t))
         if why is not None:

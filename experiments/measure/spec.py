@@ -1,0 +1,75 @@
+"""The typed job spec: what one job measures, with every default in one place.
+
+:class:`JobSpec` is the measurement's half of the config; Hydra's schema
+(:class:`experiments.sweep.schema.BenchConfig`) extends it with how a sweep runs its jobs. Across
+process boundaries and in records a job's config is a plain dict (the resolved Hydra config, enum
+values as strings); :meth:`JobSpec.from_config` turns one into a spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, TypeVar
+
+
+class Device(Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(Enum):
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Mode(Enum):
+    fwd = "fwd"
+    fwd_bwd = "fwd_bwd"
+
+
+#: the fields whose value is one of an enum's
+CHOICES: dict[str, type[Enum]] = {"device": Device, "dtype": DType, "mode": Mode}
+S = TypeVar("S", bound="JobSpec")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Workload knobs, the variant (``_target_`` + knobs) and how long to time it.
+
+    Frozen: a job never changes what it was asked to measure.
+    """
+
+    variant: Any  # the variant's config: ``{"_target_": ..., **knobs}``
+    device: Device = Device.cpu
+    dtype: DType = DType.float32
+    batch: int = 1
+    tokens: int | None = None  # tokens per batch: batch = max(1, tokens // seq_len), overriding batch
+    heads: int = 8
+    seq_len: int = 1024
+    kv_len: int | None = None  # keys/values length for cross-attention (None: = seq_len)
+    head_dim: int = 64
+    v_head_dim: int | None = None  # None: = head_dim
+    causal: bool = False
+    padding: float = 0.0  # fraction of keys that are padding, in [0, 1)
+    mode: Mode = Mode.fwd
+    seed: int = 0
+    threads: int | None = None  # None: every CPU the job may run on (its affinity)
+    min_run_time: float = 1.0  # seconds of timed runs per figure
+    accuracy_rows: int = 256  # query rows checked against the float64 oracle
+    cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only)
+    task: Any = None  # a task from conf/task/: train a small model instead of timing the kernel
+
+    @classmethod
+    def from_config(cls: type[S], cfg: Mapping[str, Any]) -> S:
+        """The spec of a resolved config dict: the fields this class has (others, such as a sweep's
+        settings, are left out), enum values from their names, absent fields at their defaults."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in cfg.items() if k in known}
+        for name, enum in CHOICES.items():
+            if name in values and not isinstance(values[name], enum):
+                values[name] = enum(values[name])
+        return cls(**values)

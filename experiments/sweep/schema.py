@@ -1,0 +1,60 @@
+"""The config schema: :class:`BenchConfig` in Hydra's ConfigStore, so a wrong type or an unknown
+choice is rejected while composing (naming the field), and :func:`validate` for value ranges.
+
+A config is the job's spec (:class:`experiments.measure.spec.JobSpec`: what is measured) plus how the
+sweep runs it (isolation, resume, records folder, report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from ..measure.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class BenchConfig(JobSpec):
+    """A :class:`JobSpec` and the sweep's settings for it."""
+
+    roofline: bool = True  # measure the device's GEMM FLOP/s and copy bandwidth once per sweep
+    isolate: bool = True  # run each job in its own child process
+    timeout_s: float = 600.0  # per job, with isolation
+    resume: bool = True  # skip configs whose record (same code, same host) exists
+    records_dir: str = "outputs/records"
+    report: bool = True  # print tables and write plots at the end of a multirun
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form tags copied into the record
+
+
+def register_schema() -> None:
+    """Register :class:`BenchConfig` as ``bench_schema`` (config.yaml lists it in its defaults)."""
+    node = OmegaConf.structured(BenchConfig)
+    # OmegaConf makes a frozen dataclass's config read-only, and Hydra merges config.yaml and the
+    # overrides into this node: writable here, frozen as a spec
+    OmegaConf.set_readonly(node, False)
+    ConfigStore.instance().store(name="bench_schema", node=node)
+
+
+_POSITIVE = ("batch", "heads", "seq_len", "head_dim", "min_run_time", "timeout_s", "accuracy_rows")
+_POSITIVE_OR_NONE = ("kv_len", "v_head_dim", "threads", "tokens")
+
+
+def validate(conf: BenchConfig) -> None:
+    """Raise ``ValueError('<field>: ...')`` for the first out-of-range value."""
+    for name in _POSITIVE:
+        if getattr(conf, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(conf, name)}")
+    for name in _POSITIVE_OR_NONE:
+        if getattr(conf, name) is not None and getattr(conf, name) <= 0:
+            raise ValueError(f"{name} must be > 0 (or null), got {getattr(conf, name)}")
+    if not 0.0 <= conf.padding < 1.0:
+        raise ValueError(f"padding must be in [0, 1), got {conf.padding}")
+    if conf.causal and conf.kv_len not in (None, conf.seq_len):
+        raise ValueError(
+            f"causal=true needs kv_len = seq_len (or null): causal masking is defined for Nq == Nk; "
+            f"got seq_len={conf.seq_len}, kv_len={conf.kv_len}"
+        )
+    if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
+        raise ValueError("variant must be chosen: variant=<name> (see conf/variant/)")
