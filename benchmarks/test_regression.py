@@ -38,7 +38,7 @@ def _benchmark_times(benchmark: Any, fn: Any, ref: Any, rounds: int) -> tuple[li
 
 # the reference is timed with gates.CLOCK in pedantic's setup; the variant must be timed with the same
 @pytest.mark.benchmark(timer=gates.CLOCK)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.key)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_regression(case: gates.Case, request: pytest.FixtureRequest, baseline, recorded, updating) -> None:
     attn = gates.build(case.name, dict(case.knobs))
     entry = gates.measure_static(attn, case.mode)
