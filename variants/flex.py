@@ -166,8 +166,13 @@ class FlexAttention(AttentionVariant):
         # the tensors themselves are held in the entry, so their ids cannot be reused while cached;
         # _version changes on any in-place edit, which would make the block list stale
         tensors = tuple(t for t in (key_padding_mask, attn_mask) if t is not None)
-        key = (nq, nk, b, h, causal, q.device, *((id(t), t._version, tuple(t.shape)) for t in tensors))
-        hit = self._masks.get(key)
+        # tensors made under torch.inference_mode have no _version (reading it raises), so an in-place
+        # edit could not be seen: their block masks are built afresh every call, never cached
+        cacheable = not any(t.is_inference() for t in tensors)
+        key = None
+        if cacheable:
+            key = (nq, nk, b, h, causal, q.device, *((id(t), t._version, tuple(t.shape)) for t in tensors))
+        hit = self._masks.get(key) if cacheable else None
         if hit is not None:
             self._masks.move_to_end(key)
             return hit[0]
@@ -207,7 +212,8 @@ class FlexAttention(AttentionVariant):
             return ok
 
         bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=self.tile(q.device.type))
-        self._masks[key] = (bm, tensors)
+        if cacheable:
+            self._masks[key] = (bm, tensors)
         if len(self._masks) > _CACHE_SIZE:
             self._masks.popitem(last=False)
         return bm

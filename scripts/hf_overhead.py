@@ -1,0 +1,164 @@
+"""What the attnbench transformers backend costs: a Llama-style forward through
+``attn_implementation="attnbench_<name>"`` against transformers' own ``sdpa`` and ``eager`` (issue 16).
+
+One random-weight Llama-style base model (``LlamaModel``, no LM head: attention is a larger share of
+the time) per implementation, all with the same weights; each round runs one forward of every
+implementation in turn (interleaved, so drift on a shared machine hits all alike), after warm-up
+forwards. ``--mode forward`` (default) times one forward of ``input_ids (B, N)``; ``--mode decode``
+times one decoding step, a token ``(B, 1)`` against a ``DynamicCache`` of ``N`` tokens (cut back to
+``N`` after each step, so every step reads ``N + 1`` keys). ``--pad P`` left-pads the first ``P``
+tokens of batch row 0 (mask zeros), which makes both sdpa paths use a mask. Prints, per
+implementation: median ms over the rounds, the interquartile range (q1-q3, and as % of the median),
+the median of the per-round ratios to native ``sdpa``, and the largest difference of the hidden
+states from eager's (real tokens only).
+
+    python scripts/hf_overhead.py                          # N=1024, B=1, hidden 512, 8 heads, 2 KV heads
+    python scripts/hf_overhead.py --lengths 1024 4096 --rounds 21 --impls attnbench_sdpa sdpa
+    python scripts/hf_overhead.py --mode decode --lengths 4096 --batch 4 --pad 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from variants import transformers_backend as hf
+
+
+def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
+    """One ``LlamaModel`` per implementation in ``args.impls``, same random weights, eval mode, fp32."""
+    from transformers import AutoModel, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.lengths),
+    )
+    torch.manual_seed(0)
+    models: dict[str, torch.nn.Module] = {}
+    state = None
+    for impl in args.impls:
+        # from_config writes attn_implementation into the config it is given: copy it
+        m = AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+        if state is None:
+            state = m.state_dict()
+        else:
+            m.load_state_dict(state)
+        models[impl] = m
+    return models
+
+
+def timed_call(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, mode: str
+) -> Callable[[], torch.Tensor]:
+    """The call one round times for ``model``, returning its hidden states.
+
+    ``ids``/``mask`` are ``(B, N + 1)``. forward: the first ``N`` tokens, ``(B, N, hidden)`` out.
+    decode: token ``N`` against a ``DynamicCache`` holding the first ``N`` (filled here, untimed),
+    ``(B, 1, hidden)`` out; the cache is cut back to ``N`` after each call, so every call sees
+    ``Nk = N + 1`` (the cut is inside the timed call: a view, no copy).
+    """
+    from transformers import DynamicCache
+
+    n = ids.shape[1] - 1
+    if mode == "forward":
+        return lambda: model(input_ids=ids[:, :n], attention_mask=mask[:, :n]).last_hidden_state
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :n], attention_mask=mask[:, :n], past_key_values=cache, use_cache=True)
+
+    def step() -> torch.Tensor:
+        out = model(input_ids=ids[:, n:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # transformers 5: a negative count of tokens to drop
+        return out.last_hidden_state
+
+    return step
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(q1, median, q3) of ``xs``."""
+    q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, med, q3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 x hidden)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--pad", type=int, default=0, help="left padding of batch row 0, in tokens")
+    ap.add_argument(
+        "--mode",
+        choices=["forward", "decode"],
+        default="forward",
+        help="forward: N tokens at once; decode: one token against a cache of N",
+    )
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--impls", nargs="+", default=["sdpa", "attnbench_sdpa", "eager"])
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf.register([i[len(hf.PREFIX) :] for i in args.impls if i.startswith(hf.PREFIX)])
+    models = build_models(args)
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "
+        f"{torch.get_num_threads()}; LlamaModel fp32: {args.layers} layers, hidden {args.hidden}, "
+        f"{args.heads} heads, {args.kv_heads} KV heads, head_dim {args.hidden // args.heads}, "
+        f"B={args.batch}, pad={args.pad}; {args.mode}; {args.rounds} interleaved rounds after "
+        f"{args.warmup} warm-up"
+    )
+    print(
+        "| N | implementation | median ms | IQR ms (q1-q3) | IQR % | ratio to sdpa | max abs diff vs eager |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for n in args.lengths:
+        g = torch.Generator().manual_seed(n)
+        ids = torch.randint(0, 1024, (args.batch, n + 1), generator=g)  # (B, N + 1)
+        mask = torch.ones(args.batch, n + 1, dtype=torch.long)  # (B, N + 1), 1 = real token
+        mask[0, : args.pad] = 0
+        outs, times = {}, {impl: [] for impl in models}
+        with torch.inference_mode():
+            steps = {impl: timed_call(m, ids, mask, args.mode) for impl, m in models.items()}
+            for impl, step in steps.items():
+                outs[impl] = step()  # (B, N | 1, hidden)
+                for _ in range(args.warmup - 1):
+                    step()
+            for _ in range(args.rounds):
+                for impl, step in steps.items():
+                    t0 = time.perf_counter()
+                    step()
+                    times[impl].append((time.perf_counter() - t0) * 1e3)
+        # compare real tokens only (padded queries differ by convention)
+        real = mask[:, :n].bool() if args.mode == "forward" else mask[:, n:].bool()
+        ref = outs.get("eager")
+        for impl, ts in times.items():
+            q1, med, q3 = quartiles(ts)
+            ratio = (
+                statistics.median(t / s for t, s in zip(ts, times["sdpa"], strict=True))
+                if "sdpa" in times
+                else float("nan")
+            )
+            diff = (outs[impl] - ref)[real].abs().max().item() if ref is not None else float("nan")
+            print(
+                f"| {n} | {impl} | {med:.2f} | {q3 - q1:.2f} ({q1:.2f}-{q3:.2f}) "
+                f"| {100 * (q3 - q1) / med:.0f} | {ratio:.3f} | {diff:.1e} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""The transformers backend (variants/transformers_backend.py) against a real client as the oracle:
+transformers' own eager attention, in tiny random-weight models built offline (no downloads), fp32.
+
+Cases for every exact variant runnable on the CPU (and local_window with a window covering the whole
+sequence): logits of (a) an unpadded batch, (b) a left-padded batch (real tokens only), (c) a prefill
+of 16 tokens onto a 48-token DynamicCache (left-padded) within 1e-4 of eager, and (d) greedy
+``generate(max_new_tokens=8)`` with the cache gives eager's tokens. local_window with a small window
+is compared with eager's sliding-window attention (Mistral = Llama + a sliding window). Weights are
+drawn with std 0.1 so attention is peaked (at transformers' 0.02 the scores are near zero and a wrong
+scale would go unnoticed); each case checks first that what it tests (padding, scale) moves eager's
+logits by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import variants
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    DynamicCache,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+)
+from transformers.masking_utils import (  # noqa: E402
+    bidirectional_mask_function,
+    causal_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+
+from variants import transformers_backend as hf  # noqa: E402
+
+TOL = 1e-4
+CPU_KNOBS = {"flex": {"compile": False}}  # compiled flex compiles per shape: decoding recompiles
+# exact variants that run on the CPU, from the registry (a new one is tested for free)
+EXACT = [
+    n
+    for n in variants.available()
+    if variants.get(n).exact and not variants.get(n).has_params and "cpu" in variants.get(n).devices
+]
+LLAMA = dict(
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+)
+N, PAD, PAST, NEW, GEN = 24, 5, 48, 16, 8  # prompt, left padding of row 1, cache, prefill onto it, generated
+CASES = ["unpadded", "left_padded", "prefill_onto_cache", "generate"]
+
+
+def _model(cfg, impl, state=None):
+    """A model of ``cfg`` on ``impl`` (config copied: from_config writes into it), eval, with ``state``."""
+    m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+    if state is not None:
+        m.load_state_dict(state)
+    return m
+
+
+def _inputs():
+    """``ids (2, PAST + NEW)`` and a left-padded mask: row 1 starts with PAD pad tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, LLAMA["vocab_size"], (2, PAST + NEW), generator=g)  # (B, 64)
+    mask = torch.ones_like(ids)  # (B, 64), 1 = real token
+    mask[1, :PAD] = 0
+    return ids, mask
+
+
+@torch.inference_mode()
+def run_case(model, case):
+    """What ``case`` compares: ``(logits, which positions count)`` or generated tokens."""
+    ids, mask = _inputs()
+    if case == "unpadded":
+        return model(ids[:, :N]).logits, None  # (B, N, vocab)
+    if case == "left_padded":
+        return model(ids[:, :N], attention_mask=mask[:, :N]).logits, mask[:, :N].bool()
+    if case == "prefill_onto_cache":
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :PAST], attention_mask=mask[:, :PAST], past_key_values=cache, use_cache=True)
+        out = model(ids[:, PAST:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        return out.logits, None  # (B, NEW, vocab): all real tokens
+    assert case == "generate"
+    out = model.generate(
+        ids[:, :N], attention_mask=mask[:, :N], max_new_tokens=GEN, do_sample=False, pad_token_id=0
+    )
+    return out[:, N:], None  # (B, GEN)
+
+
+def assert_same(got, ref, case):
+    (g, where), (r, _) = got, ref
+    if case == "generate":
+        assert torch.equal(g, r), f"generated {g.tolist()} != eager's {r.tolist()}"
+        return
+    diff = (g - r).abs()
+    if where is not None:
+        diff = diff[where]  # real tokens only: rows of padded queries see no key (zeros here)
+    assert diff.max().item() < TOL, f"{case}: max |logits - eager| = {diff.max().item():.2e}"
+
+
+_cache: dict = {}
+
+
+def memo(key, fn):
+    if key not in _cache:
+        _cache[key] = fn()
+    return _cache[key]
+
+
+def llama_eager():
+    """The eager Llama model and its results per case (computed once)."""
+
+    def make():
+        torch.manual_seed(0)
+        m = _model(LlamaConfig(**LLAMA), "eager")
+        return m, {c: run_case(m, c) for c in CASES}
+
+    return memo("llama_eager", make)
+
+
+# ---------------------------------------------------------------- registration and masks
+
+
+def test_variants_import_without_transformers():
+    """``import variants`` does not import the backend or transformers; the backend module imports
+    without transformers and only register() needs it (one-line ImportError)."""
+    code = (
+        "import sys\n"
+        "import variants\n"
+        "assert 'transformers' not in sys.modules and 'variants.transformers_backend' not in sys.modules\n"
+        "sys.modules['transformers'] = None\n"
+        "from variants import transformers_backend as hf\n"
+        "try:\n"
+        "    hf.register(['sdpa'])\n"
+        "except ImportError:\n"
+        "    print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_register_adds_attention_and_mask_function():
+    names = hf.register(knobs=CPU_KNOBS)
+    assert names == [f"attnbench_{n}" for n in variants.available()]
+    for impl in names:  # without the mask function transformers passes no mask: padding ignored
+        assert impl in AttentionInterface() and AttentionMaskInterface()[impl] is hf.mask_function
+    with pytest.raises(ValueError, match="unknown knob 'windw' for local_window"):
+        hf.register(["local_window"], {"local_window": {"windw": 3}})
+    with pytest.raises(variants.UnknownVariant, match="unknown attention variant 'nope'"):
+        hf.register(["nope"])
+    with pytest.raises(ValueError, match="not being registered: sparse"):
+        hf.register(["sdpa"], {"sparse": {"block": 4}})
+
+
+def test_mask_function_gives_causal_and_padding_or_a_full_mask():
+    pad = torch.ones(2, 10, dtype=torch.bool)
+    pad[1, :3] = False
+    # decoding one token onto 9 cached ones (DynamicCache): causal + the padding of those 10 keys
+    spec = hf.mask_function(
+        2, 1, 10, q_offset=9, kv_offset=0, mask_function=causal_mask_function, attention_mask=pad
+    )
+    assert spec.causal and spec.attn_mask is None and torch.equal(spec.key_padding_mask, pad)
+    # no padding at all: no padding mask to apply per layer
+    spec = hf.mask_function(
+        2, 10, 10, mask_function=causal_mask_function, attention_mask=torch.ones_like(pad)
+    )
+    assert spec.causal and spec.key_padding_mask is None
+    # bidirectional (encoders, cross-attention): not causal
+    spec = hf.mask_function(2, 4, 10, mask_function=bidirectional_mask_function, attention_mask=pad)
+    assert not spec.causal and torch.equal(spec.key_padding_mask, pad)
+    # a static cache of 10 slots, 4 queries at positions 3-6: slots 7-9 are never read, so the layer
+    # passes the first 7 keys (bottom-right causal is then right) with their padding
+    spec = hf.mask_function(
+        2, 4, 10, q_offset=torch.tensor(3), mask_function=causal_mask_function, attention_mask=pad
+    )
+    assert spec.causal and spec.keys_used == 7 and torch.equal(spec.key_padding_mask, pad[:, :7])
+    # a predicate other than plain causal (sliding window): transformers' own mask
+    sw = sliding_window_causal_mask_function(3)
+    spec = hf.mask_function(2, 10, 10, mask_function=sw, attention_mask=pad)
+    ref = sdpa_mask(2, 10, 10, mask_function=sw, attention_mask=pad, allow_is_causal_skip=False)
+    assert torch.equal(spec.attn_mask, ref)
+    assert hf.mask_function(2, 10, 10, attention_mask=spec) is spec  # pre-built by generate(): as is
+
+
+def test_grouped_kv_reach_the_variant_from_the_cache_without_a_copy():
+    """The variant gets the cache's own K/V tensors with 2 heads (not repeated to 8) and layout
+    (B, H, N, D); transformers gets (B, N, H, D) back."""
+    hf.register(["naive"])
+    m = _model(LlamaConfig(**LLAMA), "attnbench_naive")
+    seen = []
+    shared = hf._SHARED["naive"]
+    orig = type(shared).forward
+
+    def spy(self, q, k, v, **kw):
+        seen.append((q.shape, k, kw))
+        return orig(self, q, k, v, **kw)
+
+    ids, mask = _inputs()
+    cache = DynamicCache(config=m.config)
+    try:
+        type(shared).forward = spy
+        with torch.inference_mode():
+            m(ids[:, :PAST], attention_mask=mask[:, :PAST], past_key_values=cache, use_cache=True)
+            seen.clear()
+            m(ids[:, PAST : PAST + 1], attention_mask=mask[:, : PAST + 1], past_key_values=cache)
+    finally:
+        type(shared).forward = orig
+    assert len(seen) == 2  # one call per layer
+    for layer, (qshape, k, kw) in enumerate(seen):
+        assert tuple(qshape) == (2, 8, 1, 16) and tuple(k.shape) == (2, 2, PAST + 1, 16)
+        assert k.data_ptr() == cache.layers[layer].keys.data_ptr()
+        assert kw["causal"] and tuple(kw["key_padding_mask"].shape) == (2, PAST + 1)
+        assert "scale" not in kw  # Llama's scaling is the default 1/sqrt(D)
+
+
+# ---------------------------------------------------------------- exact variants = eager
+
+
+def _attnbench_model(name, knobs=None, key=None):
+    """eager's Llama weights on ``attnbench_<name>`` (computed once per ``key``): shared instance
+    registered with the CPU knobs when ``knobs`` is None (the from_config path), else this model's own
+    instances built by attach() with ``knobs`` (knobs per model, not per name)."""
+
+    def make():
+        eager, _ = llama_eager()
+        if knobs is None:
+            hf.register([name], {name: CPU_KNOBS.get(name, {})})
+            return _model(eager.config, f"attnbench_{name}", eager.state_dict())
+        model = _model(eager.config, "eager", eager.state_dict())
+        hf.attach(model, name, **knobs)
+        return model
+
+    return memo(key or name, make)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", EXACT)
+def test_exact_variant_matches_eager(name, case):
+    _, ref = llama_eager()
+    model = _attnbench_model(name)
+    assert_same(run_case(model, case), ref[case], case)
+
+
+def test_the_padding_cases_depend_on_the_mask():
+    """Sanity of the oracle: ignoring the padding moves eager's logits far beyond the tolerance, so the
+    padded cases above do test the mask."""
+    eager, ref = llama_eager()
+    ids, mask = _inputs()
+    with torch.inference_mode():
+        unmasked = eager(ids[:, :N]).logits
+    where = mask[:, :N].bool()
+    assert (unmasked - ref["left_padded"][0])[where].abs().max() > 100 * TOL
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_local_window_covering_the_sequence_matches_eager(case):
+    _, ref = llama_eager()
+    model = _attnbench_model("local_window", {"window": PAST + NEW + GEN}, key="local_window_full")
+    assert_same(run_case(model, case), ref[case], case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_local_window_matches_eager_sliding_window(case):
+    """local_window(window=w) causal is transformers' sliding window of w + 1 tokens (a query sees
+    itself and the w before it): Mistral (Llama with a sliding window) in eager is the oracle."""
+    w = 3
+
+    def make_ref():
+        eager, _ = llama_eager()
+        cfg = MistralConfig(**{**LLAMA, "sliding_window": w + 1})
+        m = _model(cfg, "eager", eager.state_dict())
+        return {c: run_case(m, c) for c in CASES}
+
+    ref = memo("mistral_eager", make_ref)
+    model = _attnbench_model("local_window", {"window": w}, key=f"local_window_{ {'window': w} }")
+    assert_same(run_case(model, case), ref[case], case)
+
+
+# ---------------------------------------------------------------- pattern and learned variants
+
+
+@pytest.mark.parametrize(
+    "name, knobs", [("local_window", {"window": 3}), ("sparse", {"block": 4}), ("additive", {"hidden": 8})]
+)
+def test_pattern_variants_generate(name, knobs):
+    model = _attnbench_model(name, knobs, key=f"{name}_{knobs}")
+    tokens, _ = run_case(model, "generate")
+    assert tokens.shape == (2, GEN) and bool(((tokens >= 0) & (tokens < LLAMA["vocab_size"])).all())
+
+
+@pytest.mark.parametrize("name, knobs", [("naive", None), ("local_window", {"window": 3})])
+def test_static_cache_generate_gives_the_dynamic_cache_tokens(name, knobs):
+    """generate() with a static cache (masks built before the forward, empty slots past the queries)
+    gives the tokens of the DynamicCache runs above (eager's, for an exact variant)."""
+    model = _attnbench_model(name, knobs, key=f"{name}_{knobs}")
+    ids, mask = _inputs()
+    with torch.inference_mode():
+        static = model.generate(
+            ids[:, :N],
+            attention_mask=mask[:, :N],
+            max_new_tokens=GEN,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static",
+        )
+    assert torch.equal(static[:, N:], run_case(model, "generate")[0])
+
+
+def test_axial_cannot_decode_with_a_one_line_reason():
+    hf.register(["axial"])
+    eager, _ = llama_eager()
+    model = _model(eager.config, "attnbench_axial", eager.state_dict())
+    with pytest.raises(variants.Unsupported) as info:
+        run_case(model, "generate")
+    msg = str(info.value)
+    assert "\n" not in msg and info.value.__cause__ is None and info.value.__suppress_context__
+    assert msg.startswith("attnbench_axial in LlamaAttention (layer 0) cannot run q (2, 8, 1, 16)")
+    assert "axial cannot decode (Nq=1 < Nk=25)" in msg
+
+
+def test_additive_has_one_instance_per_layer_in_the_state_dict():
+    eager, _ = llama_eager()
+    hf.register(["additive"])
+    model = _model(eager.config, "attnbench_additive", eager.state_dict())
+    with pytest.raises(
+        variants.Unsupported, match=r"call variants.transformers_backend.attach\(model, 'additive'\)"
+    ):
+        run_case(model, "unpadded")
+    layers = hf.attach(model, "additive", hidden=8)
+    assert layers == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert model.config._attn_implementation == "attnbench_additive"
+    keys = [k for k in model.state_dict() if "attnbench_attention" in k]
+    assert keys == [
+        f"model.layers.{i}.self_attn.attnbench_attention.{p}" for i in (0, 1) for p in ("w_q", "w_k", "w")
+    ]
+    inst = list(hf.layer_variants(model).values())
+    assert inst[0] is not inst[1] and not torch.equal(inst[0].w_q, inst[1].w_q)
+    assert inst[0].knobs() == {"heads": 8, "head_dim": 16, "hidden": 8, "chunk": None}
+    # the state dict carries the attention: a fresh attached model loading it gives the same logits
+    other = _model(eager.config, "eager")
+    hf.attach(other, "additive", hidden=8)
+    other.load_state_dict(model.state_dict())
+    got, ref = run_case(other, "left_padded"), run_case(model, "left_padded")
+    assert torch.equal(got[0][ref[1]], ref[0][ref[1]])
+
+
+# ---------------------------------------------------------------- GPT-2: its own scale
+
+
+def test_gpt2_with_layer_scaled_attention_matches_eager():
+    """GPT-2 scales layer l's scores by 1 / (sqrt(D) (l + 1)) (scale_attn_by_inverse_layer_idx): the
+    scale reaches the variants; padded logits and generated tokens equal eager's."""
+    cfg = GPT2Config(
+        vocab_size=128,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        initializer_range=0.1,
+        scale_attn_by_inverse_layer_idx=True,
+    )
+    torch.manual_seed(0)
+    eager = _model(cfg, "eager")
+    plain = _model(GPT2Config(**{**cfg.to_dict(), "scale_attn_by_inverse_layer_idx": False}), "eager")
+    plain.load_state_dict(eager.state_dict())
+    ids, mask = _inputs()
+    ids, mask = ids[:, :N], mask[:, :N]
+    where = mask.bool()
+    with torch.inference_mode():
+        ref = eager(ids, attention_mask=mask).logits
+        assert (plain(ids, attention_mask=mask).logits - ref)[where].abs().max() > 100 * TOL
+        ref_tokens = eager.generate(
+            ids, attention_mask=mask, max_new_tokens=GEN, do_sample=False, pad_token_id=0
+        )
+    for name in ("naive", "sdpa"):
+        hf.register([name])
+        model = _model(cfg, f"attnbench_{name}", eager.state_dict())
+        with torch.inference_mode():
+            got = model(ids, attention_mask=mask).logits
+            tokens = model.generate(
+                ids, attention_mask=mask, max_new_tokens=GEN, do_sample=False, pad_token_id=0
+            )
+        assert (got - ref)[where].abs().max() < TOL, name
+        assert torch.equal(tokens, ref_tokens), name
+
+
+# ---------------------------------------------------------------- the end-to-end measurement
+
+
+def test_measure_llama_small_call():
+    from experiments.measure.llama_e2e import measure_llama
+
+    r = measure_llama(
+        "sdpa",
+        {},
+        layers=1,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        prefill_len=16,
+        new_tokens=3,
+        batch=2,
+        device="cpu",
+        dtype=torch.float32,
+        seed=0,
+        prefill_runs=2,
+    )
+    assert r["prefill_ms"] > 0 and len(r["prefill_ms_runs"]) == 2
+    assert r["decode_ms_per_token"] > 0 and len(r["decode_ms_steps"]) == 2
+    assert r["tokens_generated"] == 3 and len(r["generated_ids"]) == 2 and r["kv_length_final"] == 18
+    assert r["peak_memory_bytes"] is None and "CPU" in r["peak_memory_note"]
+    assert r["variant_describe"]["name"] == "sdpa" and r["head_dim"] == 16 and r["dtype"] == "float32"

@@ -1,0 +1,378 @@
+"""Every attnbench variant as a Hugging Face transformers attention backend.
+
+transformers (>= 5.0, the optional extra ``attnbench[hf]``) is imported lazily, inside the functions
+that need it: ``import variants`` never imports this module, and this module imports without
+transformers installed.
+
+Usage::
+
+    from variants import transformers_backend as hf
+
+    hf.register(knobs={"flex": {"compile": False}, "local_window": {"window": 64}})  # every variant
+    # from_config writes attn_implementation into the config it is given: pass a copy
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="attnbench_sdpa")
+    model.generate(ids, attention_mask=mask, max_new_tokens=8)  # prefill and decode through sdpa
+    hf.attach(model, "additive", hidden=32)  # learned variant: one instance per layer, in the state dict
+
+What transformers calls, and what this module does with it:
+
+- **Attention function** (``AttentionInterface``), one per variant: called by every attention layer
+  with ``query (B, H, Nq, D)``, ``key``/``value (B, Hkv, Nk, D)`` (after the cache update, grouped heads
+  not repeated), ``attention_mask`` (whatever the mask function below returned), ``scaling`` and
+  ``dropout``; it must return ``(output (B, Nq, H, Dv), weights or None)``. The variant gets the grouped
+  K/V as they are (variants read them without a copy where they can), ``scaling`` as ``scale=`` (left
+  out when it is the default ``1/sqrt(D)``, and for a variant whose scores have no scale, additive),
+  and the mask as below. Weights are always None.
+- **Mask function** (``AttentionMaskInterface``): transformers calls it once per forward pass (not
+  per layer) from ``create_causal_mask`` / ``create_bidirectional_mask`` with ``mask_function`` (the
+  pattern as a predicate ``(b, h, q_idx, kv_idx) -> bool``), the 2-D ``attention_mask (B, past + Nq)``
+  (True = real token), ``q_length``, ``kv_length``, ``q_offset`` and ``kv_offset`` (the positions of
+  the first query and the first key in the cache). It returns a :class:`MaskSpec`:
+
+  * the pattern is transformers' plain causal predicate -> ``causal=True`` (bottom-right, the suite's
+    convention: the queries are the last ``Nq`` keys) and ``key_padding_mask (B, Nk)`` cut from the
+    2-D mask, or None when no key is padding. With a ``DynamicCache`` (prefill, prefill onto a
+    cache, decoding) the queries are the last keys (``q_offset + Nq == kv_offset + Nk``); a static
+    cache has empty slots after the last query, which causal attention never reads: the spec says
+    how many keys are used and the layer passes only those (a view), as transformers' sdpa does;
+  * the pattern is the plain bidirectional predicate -> ``causal=False`` and the key padding;
+  * anything else (sliding-window or chunked predicates, packed sequences, extra overlays) ->
+    transformers' own boolean mask ``(B, 1, Nq, Nk)``, materialised once per forward pass, passed as
+    ``attn_mask`` (pattern variants take no ``attn_mask``: they raise :class:`variants.Unsupported`
+    with the reason).
+
+  Left padding is key padding: a padded key is masked for every query, and the rows of padded
+  queries (which see no key) come out as zeros (transformers' eager gives them a uniform average:
+  compare non-pad positions only). A 4-D tensor mask the caller built itself is passed on as
+  ``attn_mask`` (boolean) or ``bias`` (float, additive).
+- Without the mask function transformers would pass no mask at all (padding silently ignored), so
+  :func:`register` registers both under ``attnbench_<name>``.
+
+Learned variants (``has_params``, e.g. additive) need one instance per layer: :func:`attach` adds it
+to every attention module as the submodule ``attnbench_attention`` (so it is in ``state_dict()``, moves
+with ``.to()`` and trains with the model) and switches the model to ``attnbench_<name>``. Stateless
+variants share one instance per name, built by :func:`register` with that name's knobs; ``attach``
+also works for them (per-model knobs). flex compiles per shape by default, so decoding (a new key
+length every token) recompiles: pass ``{"flex": {"compile": False}}`` on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .base import AttentionVariant, Unsupported
+from .registry import available, build, check_knobs, get
+
+PREFIX = "attnbench_"
+#: attribute name of the per-layer variant instance that :func:`attach` adds to an attention module
+ATTACHED = "attnbench_attention"
+
+_KNOBS: dict[str, dict[str, Any]] = {}  # name -> knobs given to register()
+_SHARED: dict[str, AttentionVariant] = {}  # name -> the instance every layer uses (stateless variants)
+
+
+def implementation(name: str) -> str:
+    """The ``attn_implementation`` string of variant ``name``: ``attnbench_<name>``."""
+    return PREFIX + name
+
+
+@dataclass(frozen=True, eq=False)
+class MaskSpec:
+    """What the mask function hands to every layer of one forward pass.
+
+    Either ``causal`` (bottom-right: the queries are the last ``Nq`` of the first ``keys_used`` keys)
+    and/or ``key_padding_mask (B, keys_used)`` (True = real key; None = no padding), or a general
+    boolean ``attn_mask (B, 1, Nq, Nk)`` (True = may attend) with ``causal=False`` and no padding mask.
+    ``keys_used < kv_length`` only for a static cache: the keys past the last query are empty slots
+    that causal attention never reads, and the layer passes the first ``keys_used`` (a view).
+    """
+
+    causal: bool
+    key_padding_mask: torch.Tensor | None
+    attn_mask: torch.Tensor | None
+    q_length: int
+    kv_length: int
+    keys_used: int
+    # generate() with a static (compileable) cache builds the masks before the forward pass, calls
+    # .contiguous() on them and hands them back to create_causal_mask, which reads .ndim: these two
+    # let the spec pass through unchanged (the mask function returns a spec it is given as is)
+    ndim: ClassVar[int] = 4
+
+    def contiguous(self) -> MaskSpec:
+        """Itself (transformers calls ``.contiguous()`` on pre-built masks)."""
+        return self
+
+    def __repr__(self) -> str:
+        if self.attn_mask is not None:
+            return f"MaskSpec(attn_mask {tuple(self.attn_mask.shape)})"
+        pad = "none" if self.key_padding_mask is None else tuple(self.key_padding_mask.shape)
+        return (
+            f"MaskSpec(causal={self.causal}, key_padding={pad}, Nq={self.q_length}, Nk={self.kv_length}, "
+            f"keys_used={self.keys_used})"
+        )
+
+
+def mask_function(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | MaskSpec | None = None,
+    **kwargs: Any,
+) -> MaskSpec:
+    """The mask for one forward pass, in the form the attention function reads (see the module doc).
+
+    ``attention_mask`` is transformers' 2-D ``(B, past + Nq)`` padding mask (boolean, True = real) or
+    None; the result covers ``Nq = q_length`` queries at positions ``q_offset ...`` and ``Nk =
+    kv_length`` keys at positions ``kv_offset ...``.
+    """
+    from transformers.masking_utils import (
+        bidirectional_mask_function,
+        causal_mask_function,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
+
+    if isinstance(attention_mask, MaskSpec):  # pre-built by generate() (static cache): already done
+        return attention_mask
+    if mask_function is None:
+        mask_function = causal_mask_function
+    # one past the last query's position; a static cache passes q_offset as a 0-d tensor
+    q_end = int(q_offset) + q_length
+    causal = {causal_mask_function: True, bidirectional_mask_function: False}.get(mask_function)
+    # causal: keys from the last query's position on are never seen (a static cache's empty slots)
+    used = min(q_end - kv_offset, kv_length) if causal else kv_length
+    if causal is not None and used > 0 and (not causal or q_end == kv_offset + used):
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, >= kv_offset + Nk)
+        if padding is not None:
+            padding = padding[:, kv_offset : kv_offset + used]  # (B, keys_used): the keys this call reads
+            if bool(padding.all()):
+                padding = None
+        return MaskSpec(causal, padding, None, q_length, kv_length, used)
+    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    full = sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        **kwargs,
+    )  # (B, 1, Nq, Nk) bool, True = may attend
+    return MaskSpec(False, None, full, q_length, kv_length, kv_length)
+
+
+def _variant_for(module: nn.Module, name: str) -> AttentionVariant:
+    """The instance that attends for ``module``: its attached one, else the shared one of ``name``."""
+    attached = getattr(module, ATTACHED, None)
+    if isinstance(attached, AttentionVariant) and attached.name == name:
+        return attached
+    shared = _SHARED.get(name)
+    if shared is not None:
+        return shared
+    if get(name).has_params:
+        raise Unsupported(
+            f"{implementation(name)}: {name} has learned parameters, one set per layer: call "
+            f"variants.transformers_backend.attach(model, '{name}') before running the model"
+        )
+    raise Unsupported(
+        f"{implementation(name)} is not registered: call variants.transformers_backend.register()"
+    )
+
+
+def _mask_args(
+    module: nn.Module, attention_mask: object, nq: int, nk: int, is_causal: bool | None
+) -> dict[str, Any]:
+    """The variant's mask keywords (``causal``, ``key_padding_mask``, ``attn_mask``, ``bias``) for the
+    ``attention_mask`` transformers passed to a layer with ``nq`` queries and ``nk`` keys."""
+    if isinstance(attention_mask, MaskSpec):
+        if (attention_mask.q_length, attention_mask.kv_length) != (nq, nk):
+            raise ValueError(
+                f"the mask was built for Nq={attention_mask.q_length}, Nk={attention_mask.kv_length} but "
+                f"the layer has Nq={nq}, Nk={nk} (a cache whose layers hold different lengths?)"
+            )
+        return {
+            "causal": attention_mask.causal,
+            "key_padding_mask": attention_mask.key_padding_mask,
+            "attn_mask": attention_mask.attn_mask,
+        }
+    if attention_mask is None:  # no mask built (a model that never calls the mask function)
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        return {"causal": bool(causal)}
+    if isinstance(attention_mask, torch.Tensor):  # a 4-D mask the caller built
+        if attention_mask.dtype == torch.bool:
+            return {"attn_mask": attention_mask}
+        return {"bias": attention_mask}
+    raise TypeError(
+        f"attnbench backends read a MaskSpec, a tensor or None as attention_mask; got "
+        f"{type(attention_mask).__name__} (was the mask built for another attn_implementation?)"
+    )
+
+
+def _describe_call(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -> str:
+    """One line with the shapes and masks of a call, for error messages."""
+    parts = [f"q {tuple(query.shape)}", f"k/v {tuple(key.shape)}"]
+    if kw.get("causal"):
+        parts.append("causal")
+    for k in ("key_padding_mask", "attn_mask", "bias"):
+        if kw.get(k) is not None:
+            parts.append(f"{k} {tuple(kw[k].shape)}")
+    if kw.get("scale") is not None:
+        parts.append(f"scale {kw['scale']:g}")
+    return ", ".join(parts)
+
+
+def _where(name: str, module: nn.Module) -> str:
+    """``attnbench_<name> in <LayerClass> (layer <i>)``, for error messages."""
+    return f"{implementation(name)} in {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+
+
+def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
+    """The attention function transformers calls for ``attn_implementation="attnbench_<name>"``."""
+
+    def attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: object,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """``query (B, H, Nq, D)``, ``key (B, Hkv, Nk, D)``, ``value (B, Hkv, Nk, Dv)`` -> ``(output
+        (B, Nq, H, Dv), None)``, attended by variant ``name``."""
+        if dropout:
+            raise Unsupported(
+                f"{_where(name, module)}: attnbench variants have no attention dropout ({dropout=})"
+            )
+        for unsupported in ("softcap", "s_aux"):
+            if kwargs.get(unsupported) is not None:
+                raise Unsupported(f"{_where(name, module)}: attnbench variants do not take {unsupported}")
+        variant = _variant_for(module, name)
+        kw = _mask_args(module, attention_mask, query.shape[2], key.shape[2], kwargs.get("is_causal"))
+        position_bias = kwargs.get("position_bias")
+        if position_bias is not None:
+            kw["bias"] = position_bias if kw.get("bias") is None else kw["bias"] + position_bias
+        if scaling is not None and scaling != query.shape[-1] ** -0.5 and variant.supports_scale:
+            kw["scale"] = float(scaling)
+        used = attention_mask.keys_used if isinstance(attention_mask, MaskSpec) else key.shape[2]
+        if used < key.shape[2]:  # a static cache: the empty slots past the last query are left out
+            key, value = key[:, :, :used], value[:, :, :used]  # (B, Hkv, keys_used, D|Dv), views
+            if kw.get("bias") is not None and kw["bias"].shape[-1] > 1:
+                kw["bias"] = kw["bias"][..., :used]  # (..., keys_used)
+        try:
+            out = variant(query, key, value, **kw)  # (B, H, Nq, Dv)
+        except Unsupported as exc:
+            where = _where(name, module)
+            raise Unsupported(f"{where} cannot run {_describe_call(query, key, kw)}: {exc}") from None
+        # (B, H, Nq, Dv) -> (B, Nq, H, Dv); contiguous so that the layer's reshape is a view
+        return out.transpose(1, 2).contiguous(), None
+
+    attention.__name__ = attention.__qualname__ = implementation(name)
+    return attention
+
+
+def register(names: Iterable[str] | None = None, knobs: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """Register variants (default: every one in :func:`variants.available`) with transformers.
+
+    Each ``name`` becomes ``attn_implementation="attnbench_<name>"`` in ``AttentionInterface`` and
+    ``AttentionMaskInterface``; ``knobs[name]`` are its constructor knobs (checked here: an unknown
+    knob or a wrong type is a one-line ``ValueError``). Stateless variants get one shared instance
+    built now; learned ones are built per layer by :func:`attach`. Registering a name again replaces
+    its knobs. Returns the implementation names registered.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    knobs = dict(knobs or {})
+    names = list(available()) if names is None else list(names)
+    unknown = set(knobs) - set(names)
+    if unknown:
+        raise ValueError(f"knobs given for variants not being registered: {', '.join(sorted(unknown))}")
+    done = []
+    for name in names:
+        cls = get(name)  # UnknownVariant (one line) lists the known names
+        given = dict(knobs.get(name, {}))
+        check_knobs(cls, given, name)
+        _KNOBS[name] = given
+        if cls.has_params:
+            _SHARED.pop(name, None)
+        else:
+            _SHARED[name] = build(name, **given)
+        AttentionInterface.register(implementation(name), _make_attention(name))
+        AttentionMaskInterface.register(implementation(name), mask_function)
+        done.append(implementation(name))
+    return done
+
+
+def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every attention layer: a module whose class name ends in
+    ``Attention`` with an integer ``head_dim`` (Llama, Mistral, Qwen, GPT-2, ... in transformers 5),
+    not an attached variant itself."""
+    return [
+        (qn, m)
+        for qn, m in model.named_modules()
+        if type(m).__name__.endswith("Attention")
+        and isinstance(getattr(m, "head_dim", None), int)
+        and not isinstance(m, AttentionVariant)
+    ]
+
+
+def attach(model: nn.Module, name: str, **knobs: Any) -> list[str]:
+    """Give every attention layer of ``model`` its own instance of variant ``name`` and switch the
+    model to ``attnbench_<name>``.
+
+    Each instance is built with ``heads`` and ``head_dim`` of its layer and the knobs (``knobs`` over
+    those given to :func:`register`), placed on the layer's device and dtype, and added as the
+    submodule ``<layer>.attnbench_attention``: learned parameters are per layer and appear in
+    ``model.state_dict()``. Registers ``name`` if it is not yet. Returns the layers' qualified names.
+    """
+    cls = get(name)
+    check_knobs(cls, knobs, name)
+    if not _registered(implementation(name)):
+        register([name], {name: knobs})
+    layers = _attention_modules(model)
+    if not layers:
+        raise ValueError(
+            f"attach: no attention layer found in {type(model).__name__} (looked for modules named "
+            "*Attention with an integer head_dim)"
+        )
+    for _, module in layers:
+        heads = getattr(module, "num_heads", None) or module.config.num_attention_heads
+        inst = build(name, **{**_KNOBS.get(name, {}), **knobs, "heads": heads, "head_dim": module.head_dim})
+        ref = next(module.parameters(), None)
+        if ref is not None:
+            inst = inst.to(device=ref.device, dtype=ref.dtype)
+        module.add_module(ATTACHED, inst)
+    model.set_attn_implementation(implementation(name))
+    if model.config._attn_implementation != implementation(name):  # transformers only warns
+        raise ValueError(
+            f"attach: {type(model).__name__} kept attn_implementation="
+            f"{model.config._attn_implementation!r}: it cannot switch to {implementation(name)!r}"
+        )
+    return [qn for qn, _ in layers]
+
+
+def _registered(impl: str) -> bool:
+    """Whether ``impl`` has both an attention function and a mask function in transformers."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    return impl in AttentionInterface() and impl in AttentionMaskInterface()
+
+
+def layer_variants(model: nn.Module) -> dict[str, AttentionVariant]:
+    """The variant instance each attention layer of ``model`` calls, by qualified module name, for
+    the model's current ``attnbench_<name>`` implementation (for records: ``describe()``)."""
+    impl = getattr(model.config, "_attn_implementation", None) or ""
+    if not impl.startswith(PREFIX):
+        raise ValueError(f"model uses attn_implementation={impl!r}, not an attnbench one")
+    name = impl[len(PREFIX) :]
+    return {qn: _variant_for(m, name) for qn, m in _attention_modules(model)}
