@@ -122,14 +122,31 @@ class LocalWindowAttention(AttentionVariant):
             k, v = k[:, :, lo:], v[:, :, lo:]  # (B, Hkv, Nk - lo, D|Dv), views
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask[:, lo:]  # (B, Nk - lo)
-        k, v = repeat_kv(k, h), repeat_kv(v, h)  # grouped heads: only the keys kept are copied
         impl = self.choose_impl(Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask))
         self.impl_ran = impl
+        if impl == "sdpa" and nq < nk and nq <= (self.block or max(self.window, 16)):
+            return self._few_queries_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        k, v = repeat_kv(k, h), repeat_kv(v, h)  # grouped heads: only the keys kept are copied
         if impl == "flex":
             return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         if impl == "sdpa":
             return self._sdpa_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self._blocked_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+    def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask):
+        """Fewer queries than keys, all within one query block (decoding, a short prefill onto a cache):
+        one fused SDPA call on the keys in reach (``k``, ``v`` already cut to them) with the band as its
+        mask, grouped K/V heads left to SDPA (no copy, no padding, no spans). ``O(Nq (Nq + window))``."""
+        nq, nk = q.shape[2], k.shape[2]
+        p = torch.arange(nk - nq, nk, device=q.device)[:, None]  # (Nq, 1): positions of the queries
+        j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
+        blocked = (p - j).abs() > self.window
+        if causal:
+            blocked = blocked | (j > p)
+        blocked = blocked[None, None]  # (1, 1, Nq, Nk)
+        if key_padding_mask is not None:
+            blocked = blocked | ~key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, Nq, Nk)
+        return sdpa_blocked(q, k, v, blocked, enable_gqa=k.shape[1] != q.shape[1])  # (B, H, Nq, Dv)
 
     def _geometry(self, nq: int, nk: int, causal: bool) -> tuple[int, int, int, int, int, int, int]:
         """``(w, b, nb, n_pad, span, off, right)``: clipped window, block, query blocks, padded query

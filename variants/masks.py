@@ -88,14 +88,17 @@ def zero_empty_rows(out: torch.Tensor, blocked: torch.Tensor | None) -> torch.Te
     return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
-def sdpa_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+def sdpa_blocked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, enable_gqa: bool = False
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` with the ``blocked`` entries (True) left out, zeros on rows
     that see nothing.
 
     ``q (G, M, Lq, D)``, ``k (G, M, Lk, D)``, ``v (G, M, Lk, Dv)``; ``blocked`` 4-D, broadcastable to
     ``(G, M, Lq, Lk)`` (4-D so the CPU takes its fused flash kernel, not the math path). A row with no
     visible key would come out NaN: it is let see key 0 and zeroed after, which also zeroes its
-    gradients. Returns ``(G, M, Lq, Dv)``.
+    gradients. Returns ``(G, M, Lq, Dv)``. ``enable_gqa``: ``k`` and ``v`` have fewer heads (dim 1)
+    than ``q``, each shared by a group of them (SDPA's own grouping, no copy).
     """
     empty = blocked.all(dim=-1, keepdim=True)  # (G|1, M|1, Lq, 1)
     if bool(empty.any()):
@@ -103,7 +106,8 @@ def sdpa_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: tor
     else:
         empty = None
     bias = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill_(blocked, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (G, M, Lq, Dv)
+    gqa = {"enable_gqa": True} if enable_gqa else {}
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **gqa)  # (G, M, Lq, Dv)
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 

@@ -1,10 +1,12 @@
-"""Random inputs for one workload: q, k, v and the key padding mask."""
+"""Random inputs for one workload: q, k, v, the key padding mask, and the scale and bias."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from variants.masks import alibi_bias
 
 DTYPES = {
     "float32": torch.float32,
@@ -17,12 +19,20 @@ DTYPES = {
 @dataclass
 class Inputs:
     q: torch.Tensor  # (B, H, Nq, D)
-    k: torch.Tensor  # (B, H, Nk, D)
-    v: torch.Tensor  # (B, H, Nk, Dv)
+    k: torch.Tensor  # (B, Hkv, Nk, D)
+    v: torch.Tensor  # (B, Hkv, Nk, Dv)
     key_padding_mask: torch.Tensor | None  # (B, Nk), True = real key
+    scale: float | None = None
+    bias: torch.Tensor | None = None  # (1, H, Nq, Nk)
 
     def kwargs(self, causal: bool) -> dict[str, object]:
-        return {"causal": causal, "key_padding_mask": self.key_padding_mask}
+        """The keyword arguments of the variant's call (scale and bias only when set)."""
+        kw: dict[str, object] = {"causal": causal, "key_padding_mask": self.key_padding_mask}
+        if self.scale is not None:
+            kw["scale"] = self.scale
+        if self.bias is not None:
+            kw["bias"] = self.bias
+        return kw
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q, self.k, self.v
@@ -41,9 +51,14 @@ def make_inputs(
     padding: float = 0.0,
     seed: int = 0,
     requires_grad: bool = False,
+    kv_heads: int | None = None,
+    scale: float | None = None,
+    bias: str | None = None,
+    causal: bool = False,
 ) -> Inputs:
-    """Standard-normal q, k, v drawn from ``seed``; with ``padding > 0`` the last
-    ``round(padding * Nk)`` keys of every sequence are padding (never all of them)."""
+    """Standard-normal q, k, v drawn from ``seed`` (k and v with ``kv_heads`` heads, default
+    ``heads``); with ``padding > 0`` the last ``round(padding * Nk)`` keys of every sequence are
+    padding (never all of them); ``bias="alibi"`` adds ALiBi's ``(1, H, Nq, Nk)`` bias."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
@@ -51,11 +66,14 @@ def make_inputs(
         return t.requires_grad_(requires_grad)
 
     q = draw(batch, heads, nq, head_dim)
-    k = draw(batch, heads, nk, head_dim)
-    v = draw(batch, heads, nk, v_head_dim)
+    k = draw(batch, kv_heads or heads, nk, head_dim)
+    v = draw(batch, kv_heads or heads, nk, v_head_dim)
     kpm = None
     n_pad = min(nk - 1, round(padding * nk))
     if n_pad > 0:
         kpm = torch.ones(batch, nk, dtype=torch.bool, device=device)
         kpm[:, nk - n_pad :] = False
-    return Inputs(q, k, v, kpm)
+    bias_t = None
+    if bias == "alibi":
+        bias_t = alibi_bias(heads, nq, nk, causal=causal, dtype=dtype, device=device)
+    return Inputs(q, k, v, kpm, scale, bias_t)

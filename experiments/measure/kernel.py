@@ -20,7 +20,7 @@ from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
 from .common import build_variant, check_device, job_threads
-from .inputs import DTYPES, make_inputs
+from .inputs import DTYPES, Inputs, make_inputs
 from .machine_load import load_average, others_cores, snapshot
 from .memory import peak_bytes
 from .spec import Device, JobSpec, Mode
@@ -148,7 +148,21 @@ def workload(spec: JobSpec) -> Workload:
         key_padding=spec.padding > 0,
         attn_mask=False,
         backward=spec.mode is Mode.fwd_bwd,
+        kv_heads=spec.kv_heads if spec.kv_heads != spec.heads else None,
+        scale=spec.scale,
+        bias=spec.bias is not None,
     )
+
+
+def min_bytes(w: Workload, inp: Inputs) -> int:
+    """Bytes one forward call must move at least: read q, K and V (``Hkv`` heads: the K/V cache of a
+    decoding step) and the bias, write the output. The key padding mask (one byte per key) is left out.
+    """
+    elem = inp.q.element_size()
+    qo = w.batch * w.heads * w.nq * (w.head_dim + w.v_head_dim)  # q read, output written
+    kv = w.batch * w.hkv * w.nk * (w.head_dim + w.v_head_dim)  # the whole K and V, read once
+    bias = 0 if inp.bias is None else inp.bias.numel() * inp.bias.element_size()
+    return (qo + kv) * elem + bias
 
 
 def precheck(spec: JobSpec, variant: AttentionVariant) -> dict[str, Any] | None:
@@ -194,6 +208,10 @@ def _measure(spec: JobSpec, result: dict[str, Any]) -> None:
         padding=spec.padding,
         seed=spec.seed,
         requires_grad=backward,
+        kv_heads=w.kv_heads,
+        scale=spec.scale,
+        bias=spec.bias,
+        causal=spec.causal,
     )
     q, k, v = inp.tensors()
     kw = inp.kwargs(spec.causal)
@@ -272,6 +290,9 @@ def _measure(spec: JobSpec, result: dict[str, Any]) -> None:
     fig["flops"] = flops
     fig["gflops_per_s"] = flops / measured / 1e9
     fig["tokens_per_s"] = w.batch * nq / measured
+    # the bytes a forward call cannot avoid moving: decoding is bound by them, not by FLOPs
+    fig["min_bytes"] = min_bytes(w, inp)
+    fig["bytes_per_s"] = fig["min_bytes"] / fig["fwd_median_s"]
 
     # peak memory above the inputs (and the kept graph, for bwd) during one call of the mode
     out = grads = None  # free the kept graph and gradients: they are not part of the next call

@@ -50,11 +50,15 @@ class JobSpec:
     tokens: int | None = None  # tokens per batch: batch = max(1, tokens // seq_len), overriding batch
     heads: int = 8
     seq_len: int = 1024
-    kv_len: int | None = None  # keys/values length for cross-attention (None: = seq_len)
+    kv_len: int | None = None  # keys/values length (None: = seq_len); > seq_len: the queries are the last
+    # seq_len positions of a kv_len sequence (decoding, prefill onto a cache), causal bottom-right
+    kv_heads: int | None = None  # key/value heads, dividing heads (None: = heads; 1: multi-query)
     head_dim: int = 64
     v_head_dim: int | None = None  # None: = head_dim
     causal: bool = False
     padding: float = 0.0  # fraction of keys that are padding, in [0, 1)
+    scale: float | None = None  # the softmax scale (None: 1/sqrt(head_dim))
+    bias: str | None = None  # an additive bias on the scores: None or "alibi" (ALiBi's per-head slopes)
     mode: Mode = Mode.fwd
     seed: int = 0
     threads: int | None = None  # None: every CPU the job may run on (its affinity)

@@ -13,11 +13,16 @@ SCHEMA_VERSION = 1
 
 # config fields that say how to run a job, not what is measured: they do not enter the hash
 _NOT_HASHED = {"records_dir", "isolate", "timeout_s", "resume", "progress", "report", "roofline"}
+# fields added after records were committed: at their default (null) they are left out, so the configs
+# of older records hash as before and resume finds them
+_HASHED_UNLESS_NULL = {"kv_heads", "scale", "bias"}
 
 
 def config_hash(cfg: dict[str, Any]) -> str:
     """Stable 16-hex-digit hash of the measured configuration (key order does not matter)."""
-    measured = {k: v for k, v in cfg.items() if k not in _NOT_HASHED}
+    measured = {
+        k: v for k, v in cfg.items() if k not in _NOT_HASHED and not (k in _HASHED_UNLESS_NULL and v is None)
+    }
     blob = json.dumps(measured, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -31,10 +31,13 @@ WORKLOAD = [
     "tokens",
     "heads",
     "kv_len",
+    "kv_heads",
     "head_dim",
     "v_head_dim",
     "causal",
     "padding",
+    "scale",
+    "bias",
 ]
 # a measurement's identity: the same values here are "the same configuration" for newest-selection.
 # min_run_time, accuracy_rows and the code version are left out on purpose: re-measuring with other
@@ -43,7 +46,17 @@ CELL_KEYS = ["env_host", *WORKLOAD, "seed", "threads", "extra", "variant_key", "
 STATUSES = ("ok", "unsupported", "unavailable", "oom", "killed", "timeout", "nan", "error")
 # config keys that do not describe the variant's structure (shape hints follow the workload)
 _NOT_KNOBS = {"_target_", "heads", "head_dim"}
-_NULLABLE_INT = ["batch", "heads", "seq_len", "kv_len", "head_dim", "v_head_dim", "seed", "threads"]
+_NULLABLE_INT = [
+    "batch",
+    "heads",
+    "seq_len",
+    "kv_len",
+    "kv_heads",
+    "head_dim",
+    "v_head_dim",
+    "seed",
+    "threads",
+]
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .tables import (  # noqa: E402
     GROUP_BASE,
     group_keys,
     groups,
+    length_axis,
     mode_times,
     pivot_cells,
     scaling_fits,
@@ -99,6 +100,7 @@ def _plot_vs_n(
     if data.empty:
         return None
     data = data.assign(_row=_facet_rows(data), _col=data["mode"].map(lambda m: MODE_TITLES.get(m, m)))
+    axis = length_axis(data)
     names = sorted(data["variant"].unique())
     colors, markers = _palette(names), _markers(names)
     rows, cols = sorted(data["_row"].unique()), sorted(data["_col"].unique(), key=lambda c: c != "forward")
@@ -114,14 +116,27 @@ def _plot_vs_n(
         for j, c in enumerate(cols):
             ax = axes[i][j]
             sub = data[(data["_row"] == r) & (data["_col"] == c)]
-            for name, pts in sub.groupby("variant"):
-                pts = pts.sort_values("seq_len")
+            # decode sweeps: x = cached keys Nk, one line per variant and query length
+            by = ["variant", "seq_len"] if axis == "kv_len" else ["variant"]
+            styles = dict(zip(sorted(sub["seq_len"].unique()), ["-", "--", ":", "-."] * 4, strict=False))
+            for key, pts in sub.groupby(by):
+                name = key[0] if isinstance(key, tuple) else key
+                label = f"{name}, Nq={int(key[1])}" if axis == "kv_len" else name
+                ls = styles[key[1]] if axis == "kv_len" else "-"
+                pts = pts.sort_values(axis)
                 ax.plot(
-                    pts["seq_len"], pts[y], marker=markers[name], color=colors[name], label=name, lw=1.6, ms=5
+                    pts[axis],
+                    pts[y],
+                    marker=markers[name],
+                    color=colors[name],
+                    label=label,
+                    lw=1.6,
+                    ms=5,
+                    ls=ls,
                 )
                 if band is not None:
                     ax.fill_between(
-                        pts["seq_len"], pts[band[0]], pts[band[1]], color=colors[name], alpha=0.2, lw=0
+                        pts[axis], pts[band[0]], pts[band[1]], color=colors[name], alpha=0.2, lw=0
                     )
             if ceiling is not None and ceiling in sub and sub[ceiling].notna().any():
                 top = float(sub[ceiling].median())
@@ -134,12 +149,13 @@ def _plot_vs_n(
                     fontsize=8,
                     color="0.3",
                 )
-            ns = sorted(int(n) for n in data["seq_len"].unique())
+            ns = sorted(int(n) for n in data[axis].unique())
             _n_axis(ax, ns)
             if _spans_decades(data[y]):
                 ax.set_yscale("log")
             ax.set_title(f"{r} | {c}", fontsize=10)
-            ax.set_xlabel("sequence length N (tokens)" if i == len(rows) - 1 else "")
+            xlabel = "cached keys Nk (tokens)" if axis == "kv_len" else "sequence length N (tokens)"
+            ax.set_xlabel(xlabel if i == len(rows) - 1 else "")
             ax.set_ylabel(ylabel if j == 0 else "")
             ax.grid(True, which="major", alpha=0.3)
             if sub.empty:
@@ -280,7 +296,7 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
     if vmax - vmin < 1:
         vmin, vmax = vmin - 0.5, vmax + 0.5
     heights = [max(1.6, 0.45 * p[2]["variant"].nunique() + 0.9) for p in panels]
-    width = max(5.5, 1.15 * max(p[2]["seq_len"].nunique() for p in panels) + 3.5)
+    width = max(5.5, 1.15 * max(p[2][length_axis(p[2])].nunique() for p in panels) + 3.5)
     fig, axes = plt.subplots(
         len(panels),
         1,
@@ -292,8 +308,8 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
     for ax, (title, what, sub, col) in zip(axes[:, 0], panels, strict=True):
         annot = pivot_cells(sub, text(col))
         vals = sub.assign(_v=np.log10(pd.to_numeric(sub[col], errors="coerce").where(sub["status"] == "ok")))
-        vals = vals.pivot_table(index="variant", columns="seq_len", values="_v", aggfunc="last")
-        vals = vals.reindex(index=annot.index, columns=[int(c[2:]) for c in annot.columns])
+        vals = vals.pivot_table(index="variant", columns=length_axis(sub), values="_v", aggfunc="last")
+        vals = vals.reindex(index=annot.index, columns=[int(c.split("=")[1]) for c in annot.columns])
         ax.set_facecolor("#e6e6e6")  # cells without an error figure: gray, with the status written in
         shown = np.where(vals.notna().to_numpy(), annot.to_numpy(), "")
         sns.heatmap(
@@ -450,7 +466,8 @@ def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
     every registered variant with its example knobs at N = 48 when nothing ran."""
     panels = _swept_variants(df) if len(df) else []
     if panels:
-        n = int(min(n_max, df.loc[df["status"] == "ok", "seq_len"].min()))
+        # at least 16 tokens: a decode sweep's single query shows no pattern
+        n = int(min(n_max, max(16, df.loc[df["status"] == "ok", "seq_len"].min())))
         which = "the variants that ran, with their knobs"
     else:
         n, which, panels = 48, "every registered variant, example knobs", _example_variants()
@@ -477,7 +494,7 @@ def _why_empty(fn: object, df: pd.DataFrame) -> str:
     """Why plot ``fn`` had nothing to draw from ``df``, in a few words."""
     usable = _usable_rows(df) if len(df) else df
     if fn is plot_scaling and len(usable):
-        lengths = sorted(int(n) for n in usable["seq_len"].unique())
+        lengths = sorted(int(n) for n in usable[length_axis(usable)].unique())
         if len(lengths) < 2:
             return f"scaling needs >= 2 lengths per variant (these records have only N={lengths[0]})"
     return "no usable records"

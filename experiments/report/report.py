@@ -109,6 +109,7 @@ def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | N
     """Every table of the report, in reading order."""
     sections = [
         T.speed_table(shown),
+        *[sec for sec in [T.bandwidth_table(shown)] if sec.parts],  # only sweeps with decoding jobs
         T.memory_table(shown),
         T.accuracy_table(shown),
         T.scaling_table(shown),

@@ -114,9 +114,22 @@ def select(df: pd.DataFrame, all_measurements: bool = False) -> pd.DataFrame:
     return out
 
 
+def length_axis(df: pd.DataFrame) -> str:
+    """The tables' column axis: ``seq_len`` (N), or ``kv_len`` (Nk) where the key length takes more
+    values than the query length (decode sweeps: Nq = 1 or 16 against Nk = 1k to 128k)."""
+    if "kv_len" not in df:
+        return "seq_len"
+    nk = df["kv_len"].dropna().nunique()
+    return "kv_len" if nk > 1 and nk >= df["seq_len"].nunique() else "seq_len"
+
+
 def group_keys(df: pd.DataFrame) -> list[str]:
-    """device, dtype, mode, then every other workload field that takes several values in ``df``."""
-    extra = [c for c in GROUP_EXTRA if c in df and df[c].astype(str).nunique(dropna=False) > 1]
+    """device, dtype, mode, then every other workload field that takes several values in ``df``
+    (except the length axis; with the key length as the axis, the query length is a group key)."""
+    axis = length_axis(df)
+    extra = [c for c in GROUP_EXTRA if c in df and c != axis and df[c].astype(str).nunique(dropna=False) > 1]
+    if axis == "kv_len" and df["seq_len"].nunique() > 1:
+        extra.append("seq_len")
     if "tokens" in df and df["tokens"].notna().any():
         extra = [c for c in extra if c != "batch"]  # batch = tokens // N: it follows the length
     return GROUP_BASE + extra
@@ -152,19 +165,27 @@ def workload_line(df: pd.DataFrame) -> str:
     return ", ".join(same)
 
 
+def _unique(cols: list[str]) -> list[str]:
+    """``cols`` without repeats (``seq_len`` is a group key in decode sweeps), in order."""
+    return list(dict.fromkeys(cols))
+
+
 def _row_index(df: pd.DataFrame) -> list[str]:
     return ["variant", "run"] if "run" in df else ["variant"]
 
 
 def pivot_cells(df: pd.DataFrame, cell: Callable[[pd.Series], str]) -> pd.DataFrame:
-    """Variant x N table of ``cell(row)`` strings; missing combinations show ``NO_RECORD``."""
+    """Variant x N (or x Nk, see :func:`length_axis`) table of ``cell(row)`` strings; missing
+    combinations show ``NO_RECORD``."""
     if df.empty:
         return pd.DataFrame()
-    long = df.assign(_cell=df.apply(cell, axis=1), _n=df["seq_len"].astype("Int64"))
+    axis = length_axis(df)
+    long = df.assign(_cell=df.apply(cell, axis=1), _n=df[axis].astype("Int64"))
     long = long.sort_values("started_at", na_position="first")
     table = long.pivot_table(index=_row_index(df), columns="_n", values="_cell", aggfunc="last")
     table = table.reindex(sorted(table.columns), axis=1).fillna(NO_RECORD)
-    table.columns = [f"N={n}" for n in table.columns]
+    label = "Nk" if axis == "kv_len" else "N"
+    table.columns = [f"{label}={n}" for n in table.columns]
     table.columns.name = None
     return table.sort_index()
 
@@ -187,12 +208,12 @@ def _value_cell(fmt: Callable[[pd.Series], str]) -> Callable[[pd.Series], str]:
 
 def _numbers(df: pd.DataFrame, keys: list[str], cols: dict[str, pd.Series]) -> pd.DataFrame:
     """Long frame for CSV: identifying columns, status, and ``cols`` blanked where not usable."""
-    ident = [*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid"]
+    ident = _unique([*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid"])
     out = df[ident + ["reason", "config_hash", "started_at", "path"]].copy()
     ok = usable(df)
     for name, values in cols.items():
         out[name] = values.where(ok)
-    return out.sort_values([*keys, "variant", "seq_len"]).reset_index(drop=True)
+    return out.sort_values(_unique([*keys, "variant", "seq_len"])).reset_index(drop=True)
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -276,6 +297,49 @@ def _col(df: pd.DataFrame, name: str) -> pd.Series:
     return pd.to_numeric(df[name], errors="coerce") if name in df else pd.Series(np.nan, index=df.index)
 
 
+def bandwidth_table(df: pd.DataFrame) -> Section:
+    """Decoding (fewer queries than keys, forward): GB/s of the bytes a call must move (K/V cache, q,
+    output, bias) and their share of the same sweep's copy bandwidth, variant x length, per group."""
+    keys = group_keys(df)
+    sec = Section(
+        "bandwidth",
+        "Bandwidth (decoding and prefill onto a cache)",
+        "A forward call with fewer queries than keys is bound by the bytes it moves, not by FLOPs: it must "
+        "read K and V (the cache, with its own number of heads), q and the bias and write the output. "
+        "GB/s = those bytes / median forward time (GB = 1e9 bytes); the percentage divides by the copy "
+        "bandwidth measured on the same device in the same sweep (bytes read + written per second).",
+    )
+    nk = _col(df, "kv_len")
+    dec = df[(nk > pd.to_numeric(df["seq_len"], errors="coerce")) & (df["mode"] == "fwd")]
+    if "min_bytes" not in dec or dec.empty:
+        return sec
+    for title, sub in groups(dec, keys):
+        sec.parts.append((f"{title}: GB/s (% of copy bandwidth)", pivot_cells(sub, _value_cell(_gbps_text))))
+    sec.data = _numbers(
+        dec,
+        keys,
+        {
+            "min_bytes": _col(dec, "min_bytes"),
+            "gbytes_per_s": _col(dec, "bytes_per_s") / 1e9,
+            "pct_of_copy": pct_of_copy(dec),
+            "copy_gbytes_per_s": _col(dec, "roofline_copy_bytes_per_s") / 1e9,
+        },
+    )
+    return sec
+
+
+def pct_of_copy(df: pd.DataFrame) -> pd.Series:
+    """Bytes moved per second as a percentage of the same sweep's copy bandwidth (NaN without one)."""
+    return 100 * _col(df, "bytes_per_s") / _col(df, "roofline_copy_bytes_per_s")
+
+
+def _gbps_text(row: pd.Series) -> str:
+    bps = pd.to_numeric(row.get("bytes_per_s", np.nan), errors="coerce")
+    text = num(bps / 1e9)
+    pct = 100 * bps / pd.to_numeric(row.get("roofline_copy_bytes_per_s", np.nan), errors="coerce")
+    return text if pd.isna(pct) else f"{text} ({pct:.0f}%)"
+
+
 def memory_table(df: pd.DataFrame) -> Section:
     """Peak memory (MiB above the inputs) during one call of the mode, variant x N, per group."""
     keys = group_keys(df)
@@ -332,11 +396,13 @@ def accuracy_table(df: pd.DataFrame) -> Section:
                 (f"{title}: gradient rel. error vs oracle", pivot_cells(sub, err_cell("grad_rel_err")))
             )
     cols = ["out_rel_err", "out_max_err", "out_mean_err", "out_scale", "dev_full_rel_err", "grad_rel_err"]
-    ident = [*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid", "exact"]
+    ident = _unique(
+        [*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid", "exact"]
+    )
     data = df[ident].copy()
     for c in cols:
         data[c] = _col(df, c).where(df["status"] == "ok")
-    sec.data = data.sort_values([*keys, "variant", "seq_len"]).reset_index(drop=True)
+    sec.data = data.sort_values(_unique([*keys, "variant", "seq_len"])).reset_index(drop=True)
     return sec
 
 
@@ -358,21 +424,23 @@ def fit_exponent(n: np.ndarray | list[float], y: np.ndarray | list[float]) -> tu
 
 
 def scaling_fits(df: pd.DataFrame) -> pd.DataFrame:
-    """Per group and variant: exponents of time and of peak memory against N, R², N range, points."""
+    """Per group and variant: exponents of time and of peak memory against N (or Nk, see
+    :func:`length_axis`), R², length range, points."""
     keys = group_keys(df)
-    ok = df[usable(df)].assign(time_s=mode_times(df)["time_s"], peak=_col(df, "peak_mib"))
+    axis = length_axis(df)
+    ok = df[usable(df)].assign(time_s=mode_times(df)["time_s"], peak=_col(df, "peak_mib"), _n=_col(df, axis))
     rows = []
     for vals, sub in ok.groupby([*keys, "variant"], dropna=False, sort=True):
         row = dict(zip([*keys, "variant"], vals, strict=True))
         for what, col in (("time", "time_s"), ("memory", "peak")):
             pts = sub[sub[col] > 0]  # log needs positive values; a zero peak is "below resolution"
             try:
-                row[f"{what}_exponent"], row[f"{what}_r2"] = fit_exponent(pts["seq_len"], pts[col])
+                row[f"{what}_exponent"], row[f"{what}_r2"] = fit_exponent(pts["_n"], pts[col])
             except ValueError:
                 row[f"{what}_exponent"] = row[f"{what}_r2"] = np.nan
-            row[f"{what}_points"] = int(pts["seq_len"].nunique())
-            row[f"{what}_n_min"] = pts["seq_len"].min() if len(pts) else pd.NA
-            row[f"{what}_n_max"] = pts["seq_len"].max() if len(pts) else pd.NA
+            row[f"{what}_points"] = int(pts["_n"].nunique())
+            row[f"{what}_n_min"] = pts["_n"].min() if len(pts) else pd.NA
+            row[f"{what}_n_max"] = pts["_n"].max() if len(pts) else pd.NA
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -446,7 +514,9 @@ def status_table(df_all: pd.DataFrame, shown: pd.DataFrame) -> Section:
         sec.parts.append(("jobs without usable figures (newest measurement of each configuration)", tab))
     else:
         sec.note = "Every shown job ran and passed its correctness check."
-    sec.data = shown[[*keys, "variant", "seq_len", "status", "valid", "reason", "config_hash", "path"]]
+    sec.data = shown[
+        _unique([*keys, "variant", "seq_len", "status", "valid", "reason", "config_hash", "path"])
+    ]
     return sec
 
 

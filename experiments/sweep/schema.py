@@ -38,7 +38,8 @@ def register_schema() -> None:
 
 
 _POSITIVE = ("batch", "heads", "seq_len", "head_dim", "min_run_time", "timeout_s", "accuracy_rows")
-_POSITIVE_OR_NONE = ("kv_len", "v_head_dim", "threads", "tokens")
+_POSITIVE_OR_NONE = ("kv_len", "kv_heads", "v_head_dim", "threads", "tokens", "scale")
+BIASES = (None, "alibi")
 
 
 def validate(conf: BenchConfig) -> None:
@@ -51,10 +52,14 @@ def validate(conf: BenchConfig) -> None:
             raise ValueError(f"{name} must be > 0 (or null), got {getattr(conf, name)}")
     if not 0.0 <= conf.padding < 1.0:
         raise ValueError(f"padding must be in [0, 1), got {conf.padding}")
-    if conf.causal and conf.kv_len not in (None, conf.seq_len):
+    if conf.causal and conf.kv_len is not None and conf.kv_len < conf.seq_len:
         raise ValueError(
-            f"causal=true needs kv_len = seq_len (or null): causal masking is defined for Nq == Nk; "
+            f"causal=true needs kv_len >= seq_len (or null): the queries are the last seq_len positions; "
             f"got seq_len={conf.seq_len}, kv_len={conf.kv_len}"
         )
+    if conf.kv_heads is not None and conf.heads % conf.kv_heads:
+        raise ValueError(f"kv_heads must divide heads, got heads={conf.heads}, kv_heads={conf.kv_heads}")
+    if conf.bias not in BIASES:
+        raise ValueError(f"bias must be one of null, alibi; got {conf.bias!r}")
     if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
         raise ValueError("variant must be chosen: variant=<name> (see conf/variant/)")
