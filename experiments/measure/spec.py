@@ -66,6 +66,7 @@ class JobSpec:
     accuracy_rows: int = 256  # query rows checked against the float64 oracle
     cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only)
     task: Any = None  # a task from conf/task/: train a small model instead of timing the kernel
+    model: Any = None  # a model from conf/model/: time a transformers model with the variant as attention
 
     @classmethod
     def from_config(cls: type[S], cfg: Mapping[str, Any]) -> S:

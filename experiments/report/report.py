@@ -106,7 +106,11 @@ def header(
 
 
 def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | None) -> list[T.Section]:
-    """Every table of the report, in reading order."""
+    """Every table of the report, in reading order (model jobs get their own table, not the kernels')."""
+    models = T.model_table(shown)
+    if models.parts and T.is_model_job(shown).all():
+        return [models, T.status_table(df, shown)]
+    df, shown = df[~T.is_model_job(df)], shown[~T.is_model_job(shown)]
     sections = [
         T.speed_table(shown),
         *[sec for sec in [T.bandwidth_table(shown)] if sec.parts],  # only sweeps with decoding jobs
@@ -115,6 +119,8 @@ def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | N
         T.scaling_table(shown),
         T.status_table(df, shown),
     ]
+    if models.parts:
+        sections.insert(0, models)
     if base is not None and len(base):
         sections.append(T.baseline_table(df, base))
     return sections
@@ -169,7 +175,8 @@ def report_paths(
         from .plots import write_all
 
         # plots always show the newest measurement: several runs on one line would zigzag
-        written += write_all(T.select(df), out)
+        kernels = T.select(df)
+        written += write_all(kernels[~T.is_model_job(kernels)], out)  # model jobs: a table, no plots
     print(f"report written to {out}: {', '.join(p.name for p in written)}")
     return written
 

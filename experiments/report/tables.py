@@ -9,6 +9,7 @@ Each :class:`Section` holds the formatted tables (for Markdown) and a long numer
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -338,6 +339,52 @@ def _gbps_text(row: pd.Series) -> str:
     text = num(bps / 1e9)
     pct = 100 * bps / pd.to_numeric(row.get("roofline_copy_bytes_per_s", np.nan), errors="coerce")
     return text if pd.isna(pct) else f"{text} ({pct:.0f}%)"
+
+
+def is_model_job(df: pd.DataFrame) -> pd.Series:
+    """Rows of model jobs (``model=``: a transformers model end to end), not kernel or task jobs."""
+    if "model" not in df:
+        return pd.Series(False, index=df.index)
+    return df["model"].map(lambda m: isinstance(m, str) and m not in ("", "null"))
+
+
+def _model_title(row: pd.Series) -> str:
+    m = json.loads(row["model"])
+    return (
+        f"{row['device']} · {row['dtype']} · Llama-style, {m.get('layers')} layers, width {m.get('hidden')}, "
+        f"{m.get('heads')} heads / {m.get('kv_heads')} K/V heads, batch {m.get('batch')}: "
+        f"prefill {m.get('prefill_len')} tokens, then {m.get('new_tokens')} decoded"
+    )
+
+
+def model_table(df: pd.DataFrame) -> Section:
+    """Model jobs: prefill time, time per decoded token and peak memory per variant, per model."""
+    sec = Section(
+        "model",
+        "A transformers model end to end",
+        "Each variant as the attention of a random-weight Llama-style model (Hugging Face transformers, "
+        "through attn_implementation='attnbench_<name>'). Prefill: median of 3 forwards of the prompt "
+        "into an empty cache; decode: median time of one greedy step (one token against the cache). "
+        "Peak: CUDA allocator peak, or on the CPU the process high-water mark during the run (weights, "
+        "cache and allocator slack included: an upper bound).",
+    )
+    rows = df[is_model_job(df)]
+    if rows.empty:
+        return sec
+    rows = rows.assign(_title=rows.apply(_model_title, axis=1))
+    cols = {"prefill ms": "prefill_ms", "ms / decoded token": "decode_ms_per_token", "peak MiB": "peak_mib"}
+    for title, sub in rows.groupby("_title", sort=True):
+        sub = sub.sort_values("started_at").groupby("variant").tail(1).set_index("variant").sort_index()
+        tab = pd.DataFrame(index=sub.index)
+        for name, col in cols.items():
+            tab[name] = [
+                status_cell(r) or num(pd.to_numeric(r.get(col), errors="coerce")) for _, r in sub.iterrows()
+            ]
+        sec.parts.append((title, tab))
+    sec.data = rows.drop(columns="_title")[
+        ["device", "dtype", "model", "variant", "status", "reason", *cols.values(), "config_hash", "path"]
+    ].reset_index(drop=True)
+    return sec
 
 
 def memory_table(df: pd.DataFrame) -> Section:

@@ -98,8 +98,16 @@ def job_label(spec: JobSpec, name: str) -> str:
     ]
     if spec.task:
         parts.insert(0, f"task={spec.task.get('name', '?')}")
+    if spec.model:
+        parts.insert(0, f"model(L={spec.model.get('layers')}, +{spec.model.get('new_tokens')} tokens)")
     if spec.kv_len:
         parts.append(f"Nk={spec.kv_len}")
+    if spec.kv_heads:
+        parts.append(f"Hkv={spec.kv_heads}")
+    if spec.scale is not None:
+        parts.append(f"scale={spec.scale:g}")
+    if spec.bias:
+        parts.append(f"bias={spec.bias}")
     if spec.tokens:
         parts.append(f"B={spec.batch}")  # from the token budget
     # a task job trains (mode does not apply) and its seed is what tells its runs apart
@@ -122,6 +130,12 @@ def summary_line(rec: dict[str, Any]) -> str:
             f"{head}: test accuracy {f['test_accuracy']:.3f}"
             f", final loss {f.get('final_loss', float('nan')):.3g}"
             f", {f.get('steps')} steps in {f.get('train_s', float('nan')):.1f} s, {f.get('params')} params"
+        )
+    if "decode_ms_per_token" in f:  # a model job: end to end through transformers
+        peak = "n/a" if f.get("peak_mib") is None else f"{f['peak_mib']:.4g} MiB"
+        return (
+            f"{head}: prefill {f['prefill_ms']:.4g} ms, {f['decode_ms_per_token']:.3g} ms per decoded token "
+            f"({f['tokens_generated']} tokens), peak {peak}"
         )
     key = "fwd_bwd" if rec["config"]["mode"] == "fwd_bwd" else "fwd"
     bits = [f"{key} {f[f'{key}_median_s'] * 1e3:.3g} ms (IQR {f[f'{key}_iqr_s'] * 1e3:.2g})"]

@@ -1,0 +1,63 @@
+"""A model job: the variant as the attention of a random-weight Llama-style transformers model, timed
+end to end (prefill, time per decoded token, peak memory) through :func:`llama_e2e.measure_llama`.
+
+Chosen by ``model=<name>`` (``conf/model/``); the variant comes from ``variant=`` as for kernel jobs.
+The record's figures: ``prefill_ms``, ``decode_ms_per_token``, ``tokens_generated``, peak memory
+(CUDA: the allocator's peak; CPU: the process high-water mark during the run, which includes the
+weights, the cache and the C allocator's retained memory, so read it as an upper bound).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from variants.registry import SHAPE_HINTS, registered_name
+
+from .common import check_device, job_threads
+from .memory import hwm_peak_bytes
+from .spec import JobSpec
+
+MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "prefill_len", "new_tokens", "batch", "vocab")
+
+
+def measure_model(spec: JobSpec, result: dict[str, Any]) -> None:
+    """Fill ``result`` (status, variant, figures) for a model job; raises like a kernel job does."""
+    from hydra.utils import get_class
+
+    from .llama_e2e import measure_llama
+
+    device = spec.device.value
+    check_device(device)
+    torch.set_num_threads(job_threads(spec))
+    torch._dynamo.reset()  # as in kernel jobs: earlier shapes must not count against the recompile limit
+    cls = get_class(spec.variant["_target_"])
+    name = registered_name(cls)
+    if name is None:
+        raise ValueError(f"model jobs need a registered variant; {spec.variant['_target_']} is not one")
+    knobs = {k: v for k, v in spec.variant.items() if k != "_target_" and k not in SHAPE_HINTS}
+    model = {k: v for k, v in dict(spec.model).items() if k in MODEL_FIELDS}
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        out.update(measure_llama(name, knobs, device=device, dtype=spec.dtype.value, seed=spec.seed, **model))
+
+    hwm = hwm_peak_bytes(run) if device == "cpu" else (run() or None)
+    peak = out["peak_memory_bytes"] if device == "cuda" else hwm
+    result["variant"] = out["variant_describe"]
+    result["figures"].update(
+        {
+            "prefill_ms": out["prefill_ms"],
+            "prefill_ms_runs": out["prefill_ms_runs"],
+            "decode_ms_per_token": out["decode_ms_per_token"],
+            "decode_ms_steps": out["decode_ms_steps"],
+            "tokens_generated": out["tokens_generated"],
+            "kv_length_final": out["kv_length_final"],
+            "peak_bytes": peak,
+            "peak_mib": None if peak is None else peak / 2**20,
+            "peak_kind": "cuda allocator" if device == "cuda" else "process high-water mark (VmHWM)",
+            "threads": torch.get_num_threads(),
+            "transformers": out["transformers"],
+        }
+    )
