@@ -1,0 +1,158 @@
+"""Decode, grouped-head, scale and bias jobs, and model jobs, end to end through the job runner:
+their configs are checked, their records carry the right byte counts, and the report puts them on
+the right axis. Oracles: analytic byte counts, the float64 reference with the same bias, and what a
+config means by construction."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from experiments.measure.kernel import measure
+from experiments.records.records import config_hash
+from experiments.report import tables as T
+from experiments.sweep.schema import BenchConfig, validate
+
+from .test_runner import job_cfg, job_spec
+
+
+def _conf(**over) -> BenchConfig:
+    cfg = job_cfg(**over)
+    cfg.pop("hydra", None)
+    return BenchConfig(**{k: v for k, v in cfg.items() if k in BenchConfig.__dataclass_fields__})
+
+
+@pytest.mark.parametrize(
+    "over,msg",
+    [
+        (dict(heads=8, kv_heads=3), "kv_heads must divide heads"),
+        (dict(bias="t5"), "bias must be one of"),
+        (dict(causal=True, seq_len=64, kv_len=32), "kv_len >= seq_len"),
+        (dict(scale=-0.5), "scale must be > 0"),
+    ],
+)
+def test_bad_decode_settings_are_one_line_errors(over, msg):
+    with pytest.raises(ValueError, match=msg):
+        validate(_conf(**over))
+
+
+def test_a_causal_decode_config_is_valid():
+    validate(_conf(causal=True, seq_len=1, kv_len=4096, heads=8, kv_heads=2, bias="alibi"))
+
+
+def test_configs_without_the_new_fields_hash_as_before():
+    cfg = job_cfg(variant="naive")
+    old = {k: v for k, v in cfg.items() if k not in ("kv_heads", "scale", "bias", "model")}
+    assert config_hash(cfg) == config_hash(old)  # committed records are still found on resume
+    assert config_hash({**cfg, "kv_heads": 2}) != config_hash(cfg)
+
+
+@pytest.mark.parametrize(
+    "variant,bias", [("naive", "alibi"), ("sdpa", "alibi"), ("chunked", "alibi"), ("local_window", None)]
+)
+def test_decode_job_with_grouped_heads_and_alibi_is_checked_and_counts_its_bytes(variant, bias):
+    b, h, hkv, nq, nk, d = 2, 8, 2, 1, 96, 16
+    spec = job_spec(
+        variant=variant,
+        batch=b,
+        heads=h,
+        kv_heads=hkv,
+        seq_len=nq,
+        kv_len=nk,
+        head_dim=d,
+        causal=True,
+        min_run_time=0.02,
+        **({"bias": bias} if bias else {}),
+    )
+    res = measure(spec)
+    assert res["status"] == "ok", res
+    f = res["figures"]
+    assert f["valid"] is True and f["out_rel_err"] < 1e-5  # the oracle applies the same ALiBi bias
+    # q read + output written, the whole K/V cache (Hkv heads) read, the (1, H, Nq, Nk) bias read; fp32
+    want = (b * h * nq * 2 * d + b * hkv * nk * 2 * d) * 4 + (h * nq * nk * 4 if bias else 0)
+    assert f["min_bytes"] == want
+    assert f["bytes_per_s"] == pytest.approx(want / f["fwd_median_s"])
+
+
+def _decode_frame() -> pd.DataFrame:
+    rows = []
+    for nq in (1, 16):
+        for nk in (1024, 4096, 16384):
+            rows.append(
+                dict(
+                    variant="sdpa",
+                    status="ok",
+                    valid=True,
+                    device="cpu",
+                    dtype="float32",
+                    mode="fwd",
+                    seq_len=nq,
+                    kv_len=nk,
+                    heads=32,
+                    kv_heads=4,
+                    fwd_median_s=1e-3,
+                    bytes_per_s=5e9 * nq,
+                    roofline_copy_bytes_per_s=20e9,
+                    min_bytes=5e6,
+                    started_at="2026-01-01",
+                    config_hash="x",
+                    path="p",
+                    reason=None,
+                )
+            )
+    return pd.DataFrame(rows)
+
+
+def test_decode_tables_put_the_key_length_on_the_axis_and_split_by_query_length():
+    df = _decode_frame()
+    assert T.length_axis(df) == "kv_len"
+    assert "seq_len" in T.group_keys(df) and "kv_len" not in T.group_keys(df)
+    sec = T.bandwidth_table(df)
+    assert [title.split(": ")[0] for title, _ in sec.parts] == [
+        "cpu · float32 · fwd · seq_len=1",
+        "cpu · float32 · fwd · seq_len=16",
+    ]
+    tab = sec.parts[0][1]
+    assert list(tab.columns) == ["Nk=1024", "Nk=4096", "Nk=16384"]
+    assert tab.loc["sdpa", "Nk=4096"] == "5.00 (25%)"  # 5 GB/s of a 20 GB/s copy
+    assert sec.data["pct_of_copy"].tolist() == pytest.approx([25.0] * 3 + [400.0] * 3)
+
+
+def test_self_attention_sweeps_keep_the_query_length_axis():
+    df = _decode_frame().assign(kv_len=None)
+    df = df[df["kv_len"].isna()].drop_duplicates("seq_len")
+    assert T.length_axis(df) == "seq_len"
+    assert T.bandwidth_table(df).parts == []  # no job has fewer queries than keys
+
+
+def test_model_job_runs_a_transformers_model_and_reports_it():
+    pytest.importorskip("transformers")
+    spec = job_spec(
+        variant="local_window",
+        experiment="llama",
+        **{"model.layers": 1, "model.hidden": 64, "model.prefill_len": 24, "model.new_tokens": 3},
+    )
+    res = measure(spec)
+    assert res["status"] == "ok", res
+    f = res["figures"]
+    assert f["tokens_generated"] == 3 and f["kv_length_final"] == 24 + 2
+    assert f["prefill_ms"] > 0 and f["decode_ms_per_token"] > 0
+    row = dict(
+        variant="local_window",
+        status="ok",
+        valid=None,
+        device="cpu",
+        dtype="float32",
+        model=json.dumps(dict(spec.model)),
+        started_at="t",
+        config_hash="x",
+        path="p",
+        reason=None,
+        **{k: f[k] for k in ("prefill_ms", "decode_ms_per_token", "peak_mib")},
+    )
+    sec = T.model_table(pd.DataFrame([row]))
+    title, tab = sec.parts[0]
+    assert "1 layers, width 64" in title and "prefill 24 tokens, then 3 decoded" in title
+    assert tab.loc["local_window", "ms / decoded token"] == T.num(f["decode_ms_per_token"])
