@@ -172,7 +172,7 @@ def mask_function(
 
 def _variant_for(module: nn.Module, name: str) -> AttentionVariant:
     """The instance that attends for ``module``: its attached one, else the shared one of ``name``."""
-    attached = getattr(module, ATTACHED, None)
+    attached = module._modules.get(ATTACHED)  # not getattr: nn.Module's raises (slow) when absent
     if isinstance(attached, AttentionVariant) and attached.name == name:
         return attached
     shared = _SHARED.get(name)
