@@ -473,7 +473,8 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
             ["variant=local_window", "variant.window=16.0"],
             "error: local_window knob window must be int, got 16.0",
         ),
-        (["causal=true", "kv_len=512"], "error: causal=true needs kv_len = seq_len (or null)"),
+        (["causal=true", "kv_len=512"], "error: causal=true needs kv_len >= seq_len (or null)"),
+        (["heads=8", "kv_heads=3"], "error: kv_heads must divide heads, got heads=8, kv_heads=3"),
     ],
 )
 def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, message):

@@ -24,12 +24,13 @@ class NaiveAttention(AttentionVariant):
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None):
         b, h, nq, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-        # scale q first: in fp16, q k^T can overflow before a division
-        qs = q * (d**-0.5 if scale is None else scale)
-        # grouped heads: the G query heads of a K/V head are one longer query sequence, so each K/V
-        # head is read by one plain batched matmul (a broadcast batch dim would copy K G times)
-        qg = qs.reshape(b, hkv, (h // hkv) * nq, d)  # (B, Hkv, G*Nq, D)
+        # scale q first: in fp16, q k^T can overflow before a division. Grouped heads: the G query
+        # heads of a K/V head are one longer query sequence, so each K/V head is read by one plain
+        # batched matmul (a broadcast batch dim would copy K G times). One expression, so the scaled
+        # q is freed before the softmax
+        qg = (q * (d**-0.5 if scale is None else scale)).reshape(b, hkv, (h // hkv) * nq, d)  # (B,Hkv,G*Nq,D)
         scores = (qg @ k.transpose(-2, -1)).view(b, h, nq, nk)  # (B, Hkv, G*Nq, Nk) -> (B, H, Nq, Nk)
+        del qg
         if bias is not None:
             scores = scores + bias
         mask = combined_mask(
