@@ -132,7 +132,7 @@ def main() -> None:
         mask = torch.ones(args.batch, n + 1, dtype=torch.long)  # (B, N + 1), 1 = real token
         mask[0, : args.pad] = 0
         outs, times = {}, {impl: [] for impl in models}
-        with torch.inference_mode():
+        with torch.no_grad():  # as generate() runs
             steps = {impl: timed_call(m, ids, mask, args.mode) for impl, m in models.items()}
             for impl, step in steps.items():
                 outs[impl] = step()  # (B, N | 1, hidden)

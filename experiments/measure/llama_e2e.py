@@ -9,7 +9,8 @@ The model is ``LlamaForCausalLM`` built offline from a config (random weights, n
 (``attach``). Inputs are ``input_ids (batch, prefill_len)``, random, no padding.
 
 What is timed (``time.perf_counter``, with ``torch.cuda.synchronize()`` before each clock read on
-CUDA), all under ``torch.inference_mode``:
+CUDA), all under ``torch.no_grad`` as ``generate`` runs (not ``inference_mode``: under it sdpa's
+kernel spy sees no fused kernel and reports ``math``, and flex cannot cache block masks):
 
 - **prefill**: one forward of the whole prompt into an empty ``DynamicCache`` (embedding, every layer,
   cache writes, the LM head over all ``prefill_len`` positions): one untimed warm-up, then
@@ -136,7 +137,7 @@ def measure_llama(
     prefill_ms: list[float] = []
     decode_ms: list[float] = []
     peak = None
-    with torch.inference_mode():
+    with torch.no_grad():
         prefill()  # warm-up: first-call costs (allocations, sdpa's kernel check) stay out of the figures
         for run in range(prefill_runs):
             last = cache = None  # the previous run's cache is freed before the next is built
