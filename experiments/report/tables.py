@@ -308,7 +308,9 @@ def bandwidth_table(df: pd.DataFrame) -> Section:
         "A forward call with fewer queries than keys is bound by the bytes it moves, not by FLOPs: it must "
         "read K and V (the cache, with its own number of heads), q and the bias and write the output. "
         "GB/s = those bytes / median forward time (GB = 1e9 bytes); the percentage divides by the copy "
-        "bandwidth measured on the same device in the same sweep (bytes read + written per second).",
+        "bandwidth measured on the same device in the same sweep (bytes read + written per second). "
+        "The bytes are full attention's: a pattern variant that reads only part of the cache (a window, "
+        "sparse blocks) can pass 100%, which says it reads less, not that it moves bytes faster.",
     )
     nk = _col(df, "kv_len")
     dec = df[(nk > pd.to_numeric(df["seq_len"], errors="coerce")) & (df["mode"] == "fwd")]
@@ -550,14 +552,15 @@ def status_table(df_all: pd.DataFrame, shown: pd.DataFrame) -> Section:
     if len(bad):
         bad["status"] = bad["status"].where(~is_invalid(bad), "ok (invalid)")
         bad["reason"] = bad["reason"].astype(object).fillna("(no reason recorded)")
+        axis = length_axis(shown)  # the lengths listed: N, or Nk in a decode sweep
         agg = (
-            bad.groupby([*keys, "variant", "status", "reason"], dropna=False, sort=True)["seq_len"]
-            .agg(lambda s: ", ".join(str(n) for n in sorted(set(s.dropna()))))
+            bad.groupby([*keys, "variant", "status", "reason"], dropna=False, sort=True)[axis]
+            .agg(lambda s: ", ".join(str(int(n)) for n in sorted(set(s.dropna()))))
             .reset_index()
         )
         agg["where"] = _titles(agg, keys)
-        tab = agg.set_index(["where", "variant"])[["status", "seq_len", "reason"]]
-        tab.columns = ["status", "N", "reason"]
+        tab = agg.set_index(["where", "variant"])[["status", axis, "reason"]]
+        tab.columns = ["status", "Nk" if axis == "kv_len" else "N", "reason"]
         sec.parts.append(("jobs without usable figures (newest measurement of each configuration)", tab))
     else:
         sec.note = "Every shown job ran and passed its correctness check."
