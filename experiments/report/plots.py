@@ -186,7 +186,7 @@ def plot_time(df: pd.DataFrame, out_dir: Path) -> Path | None:
         _usable_rows(df),
         "time_ms",
         "median time (ms)",
-        "Time vs sequence length (median; band = interquartile range)",
+        "Time vs length (median; band = interquartile range)",
         out_dir / "time_vs_n.png",
         band=("q1_ms", "q3_ms"),
     )
@@ -198,7 +198,7 @@ def plot_memory(df: pd.DataFrame, out_dir: Path) -> Path | None:
         _usable_rows(df),
         "peak",
         "peak memory (MiB)",
-        "Peak memory vs sequence length (above the inputs)",
+        "Peak memory vs length (above the inputs)",
         out_dir / "memory_vs_n.png",
         band=None,
     )
@@ -210,7 +210,7 @@ def plot_gflops(df: pd.DataFrame, out_dir: Path) -> Path | None:
         _usable_rows(df),
         "gflops",
         "GFLOP/s (useful pairs)",
-        "Throughput vs sequence length (FLOPs of useful (query, key) pairs; dashed: the device's GEMM rate)",
+        "Throughput vs length (FLOPs of useful (query, key) pairs; dashed: the device's GEMM rate)",
         out_dir / "gflops_vs_n.png",
         band=None,
         ceiling="gemm_gflops",
@@ -260,7 +260,9 @@ def plot_scaling(df: pd.DataFrame, out_dir: Path) -> Path | None:
         ax.set_xlim(0, max(2.3, float(long["exponent"].max()) * 1.15))
     g.legend.set_title("exponent of")
     # above the facet titles; bbox_inches="tight" on saving keeps it in the picture
-    g.figure.suptitle("Scaling exponents: log-log fit against N (1 = linear, 2 = quadratic)", y=1.06)
+    g.figure.suptitle(
+        "Scaling exponents: log-log fit against the length, N or Nk (1 = linear, 2 = quadratic)", y=1.06
+    )
     return _save(g.figure, out_dir / "scaling_exponents.png")
 
 
@@ -329,7 +331,9 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
             if pd.isna(vals.iat[i, j]):  # seaborn leaves empty cells unannotated: say why they are empty
                 ax.text(j + 0.5, i + 0.5, txt, ha="center", va="center", fontsize=8, color="#555555")
         ax.set_title(f"{title}: {what}", fontsize=10)
-        ax.set_xlabel("sequence length N (tokens)")
+        ax.set_xlabel(
+            "cached keys Nk (tokens)" if length_axis(sub) == "kv_len" else "sequence length N (tokens)"
+        )
         ax.set_ylabel("")
         ax.set_xticklabels([str(c) for c in vals.columns], rotation=0)
     fig.suptitle("Accuracy: max |out − ref| / max |ref|", fontsize=12)
