@@ -313,6 +313,16 @@ def register(names: Iterable[str] | None = None, knobs: dict[str, dict[str, Any]
     return done
 
 
+def shared(name: str) -> AttentionVariant:
+    """The instance every layer of an ``attnbench_<name>`` model calls (stateless variants, built by
+    :func:`register` with its knobs): for its ``pattern()`` and ``describe()`` after a run."""
+    if name not in _SHARED:
+        raise ValueError(
+            f"{implementation(name)} has no shared instance: register() it (learned variants: attach())"
+        )
+    return _SHARED[name]
+
+
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of every attention layer: a module whose class name ends in
     ``Attention`` with an integer ``head_dim`` (Llama, Mistral, Qwen, GPT-2, ... in transformers 5),

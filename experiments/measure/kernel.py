@@ -89,6 +89,10 @@ def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
             from .model_job import measure_model  # a transformers model end to end
 
             measure_model(spec, result)
+        elif spec.pretrained:
+            from .pretrained.job import measure_pretrained  # fidelity inside a pretrained encoder
+
+            measure_pretrained(spec, result)
         else:
             _measure(spec, result)
     except BaseException as exc:  # the whole point: turn anything into a status
@@ -104,7 +108,7 @@ def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
     result["figures"]["others_cpu_cores"] = others_cores(result.pop("busy_start", busy_start), snapshot())
     if spec.device is Device.cuda and torch.cuda.is_available():
         result["env"] = torch_gpu_info()
-    if roofline and not spec.task and not spec.model:
+    if roofline and not (spec.task or spec.model or spec.pretrained):
         result["roofline"] = _roofline(spec)
     # what the OS saw, beside the allocator's peak: the C allocator may keep freed memory (resident
     # GBs while torch's peak is MBs). Per job only in an isolated child, whose count includes torch.
@@ -176,7 +180,7 @@ def precheck(spec: JobSpec, variant: AttentionVariant) -> dict[str, Any] | None:
     """
     try:
         check_device(spec.device.value)
-        if not spec.task and not spec.model:  # these check their own workloads (training, decoding)
+        if not (spec.task or spec.model or spec.pretrained):  # these check their own workloads
             variant.check(workload(spec))
     except (Unavailable, Unsupported) as exc:
         status, reason = classify(exc)

@@ -67,6 +67,7 @@ class JobSpec:
     cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only)
     task: Any = None  # a task from conf/task/: train a small model instead of timing the kernel
     model: Any = None  # a model from conf/model/: time a transformers model with the variant as attention
+    pretrained: Any = None  # an encoder from conf/pretrained/: the variant inside a pretrained model
 
     @classmethod
     def from_config(cls: type[S], cfg: Mapping[str, Any]) -> S:

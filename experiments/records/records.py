@@ -15,7 +15,7 @@ SCHEMA_VERSION = 1
 _NOT_HASHED = {"records_dir", "isolate", "timeout_s", "resume", "progress", "report", "roofline"}
 # fields added after records were committed: at their default (null) they are left out, so the configs
 # of older records hash as before and resume finds them
-_HASHED_UNLESS_NULL = {"kv_heads", "scale", "bias", "model"}
+_HASHED_UNLESS_NULL = {"kv_heads", "scale", "bias", "model", "pretrained"}
 
 
 def config_hash(cfg: dict[str, Any]) -> str:

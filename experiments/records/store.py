@@ -261,6 +261,14 @@ def is_task(df: pd.DataFrame) -> pd.Series:
     return df["task"].map(lambda v: isinstance(v, str) and v not in ("", "null"))
 
 
+def is_pretrained(df: pd.DataFrame) -> pd.Series:
+    """True for pretrained-model records (``config.pretrained`` set): a variant's fidelity inside a
+    pretrained encoder, reported by ``experiments.report.pretrained_report``."""
+    if "pretrained" not in df:
+        return pd.Series(False, index=df.index)
+    return df["pretrained"].map(lambda v: isinstance(v, str) and v not in ("", "null"))
+
+
 def status_counts(df: pd.DataFrame) -> pd.Series:
     """Number of records per status, known statuses first; ``ok`` rows that failed the check count as
     ``ok (invalid)``."""

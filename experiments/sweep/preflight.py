@@ -25,10 +25,13 @@ _PLAIN = re.compile(r"^[^()\[\]{}'\"$]*$")  # a plain value or comma list, no sw
 
 
 def known_variants() -> list[str]:
-    """Names ``variant=`` accepts: the config files in ``conf/variant`` and every registered variant."""
+    """Names ``variant=`` accepts: the config files under ``conf/variant`` (``pretrained/sparse_b16`` for
+    one in a subfolder: a registered variant with preset knobs) and every registered variant."""
     import variants
 
-    return sorted({p.stem for p in (CONF / "variant").glob("*.yaml")} | set(variants.available()))
+    root = CONF / "variant"
+    files = {p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml")}
+    return sorted(files | set(variants.available()))
 
 
 def _fail(msg: str) -> None:

@@ -100,6 +100,8 @@ def job_label(spec: JobSpec, name: str) -> str:
         parts.insert(0, f"task={spec.task.get('name', '?')}")
     if spec.model:
         parts.insert(0, f"model(L={spec.model.get('layers')}, +{spec.model.get('new_tokens')} tokens)")
+    if spec.pretrained:
+        parts.insert(0, f"pretrained={spec.pretrained.get('name', '?')}")
     if spec.kv_len:
         parts.append(f"Nk={spec.kv_len}")
     if spec.kv_heads:
@@ -130,6 +132,14 @@ def summary_line(rec: dict[str, Any]) -> str:
             f"{head}: test accuracy {f['test_accuracy']:.3f}"
             f", final loss {f.get('final_loss', float('nan')):.3g}"
             f", {f.get('steps')} steps in {f.get('train_s', float('nan')):.1f} s, {f.get('params')} params"
+        )
+    if "cosine_mean" in f:  # a pretrained job: fidelity inside a pretrained encoder
+        flag = f" (beyond the {f['trained_len']} tokens it was trained on)" if f.get("beyond_trained") else ""
+        return (
+            f"{head}: cosine mean {f['cosine_mean']:.5f} (p5 {f['cosine_p5']:.4f}), top-1 agreement "
+            f"{f['top1_agreement']:.2f}, keeps {100 * f['kept_pairs']:.0f}% of pairs and "
+            f"{100 * f['mass_inside_mean']:.0f}% of the attention mass, {f['batch_ms_median']:.4g} ms per "
+            f"{f['batch_texts']} texts{flag}"
         )
     if "decode_ms_per_token" in f:  # a model job: end to end through transformers
         peak = "n/a" if f.get("peak_mib") is None else f"{f['peak_mib']:.4g} MiB"
@@ -221,7 +231,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
 
     # the device's ceilings, once per sweep and (device, dtype): the first job that runs measures them
     roof_path = sweep_dir / f"roofline-{conf.device.value}-{conf.dtype.value}.json"
-    want_roof = conf.roofline and not conf.task and not roof_path.exists()
+    want_roof = conf.roofline and not (conf.task or conf.pretrained) and not roof_path.exists()
     spec = JobSpec.from_config(cfg)  # what the job's process gets: the measurement's half of conf
     result = precheck(spec, variant)  # unsupported / unavailable without spawning a child
     if result is None:

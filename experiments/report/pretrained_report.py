@@ -1,0 +1,354 @@
+"""Report of the pretrained-model axis: what each variant keeps of a pretrained encoder, beside its cost.
+
+- :func:`fidelity_table`: one table per (device, dtype, encoder, N): kept pairs, the model's attention
+  mass inside the pattern, embedding cosine (mean, 5th percentile), retrieval agreement, time per batch
+  and peak memory; a length beyond what the model was trained on says so in the table's title.
+- :func:`ablation_table`: variants with a global block (sparse's ``global_blocks``) beside the same
+  layout without it.
+- :func:`plot_frontier`: the cost-quality frontier per length (mean cosine against time per batch, and
+  against the share of pairs kept), the points on the frontier filled.
+- :func:`plot_token_mass`: per layer, the unmodified model's attention mass on the first token and
+  on the diagonal band, per length, and inside each pattern at the longest length.
+
+``python -m experiments.report.pretrained_report RECORD_DIR [...] --out DIR``. ``O(records)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from ..records.store import is_pretrained  # noqa: E402
+from .tables import markdown, num  # noqa: E402
+
+DPI = 110
+_IDENT = ["env_host", "device", "dtype", "pretrained", "variant_key", "seq_len"]
+
+
+def _obj(v: Any) -> Any:
+    """A dict or list cell as an object (a CSV or Parquet round trip may leave JSON text)."""
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return None
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
+
+
+def newest(df: pd.DataFrame) -> pd.DataFrame:
+    """The pretrained records, the newest measurement of each (host, device, dtype, encoder, variant
+    and knobs, N)."""
+    rows = df[is_pretrained(df)]
+    if rows.empty:
+        return rows
+    return rows.sort_values(["started_at", "path"]).groupby(_IDENT, dropna=False).tail(1)
+
+
+def _encoder_name(row: pd.Series) -> str:
+    return str((_obj(row["pretrained"]) or {}).get("name", "?"))
+
+
+def _title(device: str, dtype: str, encoder: str, n: int, sub: pd.DataFrame) -> str:
+    ok = sub[sub["status"] == "ok"]
+    title = f"{device} · {dtype} · {encoder} · N={n}"
+    if len(ok) and "beyond_trained" in ok and bool(ok["beyond_trained"].fillna(False).astype(bool).any()):
+        trained = int(pd.to_numeric(ok["trained_len"], errors="coerce").max())
+        title += f" · BEYOND the {trained} tokens the model was trained on"
+    return title
+
+
+def _pct(x: object, digits: int = 0) -> str:
+    v = pd.to_numeric(x, errors="coerce")
+    return "n/a" if pd.isna(v) else f"{100 * v:.{digits}f}"
+
+
+def _dec(x: object, digits: int) -> str:
+    v = pd.to_numeric(x, errors="coerce")
+    return "n/a" if pd.isna(v) else f"{v:.{digits}f}"
+
+
+def _time_text(row: pd.Series) -> str:
+    med, iqr = (pd.to_numeric(row.get(k), errors="coerce") for k in ("batch_ms_median", "batch_ms_iqr"))
+    return "n/a" if pd.isna(med) else f"{num(med)} ({num(iqr)})"
+
+
+COLUMNS = {
+    "pairs kept %": lambda r: _pct(r.get("kept_pairs")),
+    "attn mass inside %": lambda r: _pct(r.get("mass_inside_mean")),
+    "cosine mean": lambda r: _dec(r.get("cosine_mean"), 5),
+    "cosine p5": lambda r: _dec(r.get("cosine_p5"), 4),
+    "top-1 agree %": lambda r: _pct(r.get("top1_agreement")),
+    "top-5 agree %": lambda r: _pct(r.get("top5_agreement")),
+    "retrieval top-1 %": lambda r: _pct(r.get("retrieval_top1")),
+    "ms / batch (IQR)": _time_text,
+    "peak MiB": lambda r: num(pd.to_numeric(r.get("peak_mib"), errors="coerce")),
+}
+
+
+def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """``(title, table)`` per (device, dtype, encoder, N), rows by variant (best mean cosine first;
+    jobs that did not run show their status)."""
+    rows = newest(df)
+    if rows.empty:
+        return []
+    rows = rows.assign(_encoder=rows.apply(_encoder_name, axis=1))
+    out = []
+    for (device, dtype, encoder, n), sub in rows.groupby(
+        ["device", "dtype", "_encoder", "seq_len"], sort=True
+    ):
+        sub = sub.assign(_order=pd.to_numeric(sub.get("cosine_mean"), errors="coerce").fillna(-1))
+        sub = sub.sort_values(["_order", "variant"], ascending=[False, True])
+        tab = pd.DataFrame(index=pd.Index(sub["variant"].tolist(), name="variant"))
+        for col, fmt in COLUMNS.items():
+            tab[col] = [fmt(r) if r["status"] == "ok" else str(r["status"]) for _, r in sub.iterrows()]
+        out.append((_title(device, dtype, encoder, int(n), sub), tab))
+    return out
+
+
+def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Each ok record with ``global_blocks > 0`` beside the record with the same variant, knobs, N
+    and workload but ``global_blocks = 0``: cosine, top-1 agreement and attention mass inside, with
+    and without the global block. Empty when the store has no such pair."""
+    rows = newest(df)
+    rows = rows[rows["status"] == "ok"]
+    found = []
+    for _, r in rows.iterrows():
+        knobs = json.loads(r["knobs"])
+        if not knobs.get("global_blocks"):
+            continue
+        without = json.dumps({**knobs, "global_blocks": 0}, sort_keys=True)
+        match = rows[
+            (rows["knobs"] == without)
+            & (rows["variant_name"] == r["variant_name"])
+            & (rows["seq_len"] == r["seq_len"])
+            & (rows["device"] == r["device"])
+            & (rows["dtype"] == r["dtype"])
+            & (rows["pretrained"] == r["pretrained"])
+        ]
+        if match.empty:
+            continue
+        m = match.iloc[-1]
+        found.append(
+            {
+                "variant": r["variant"],
+                "N": int(r["seq_len"]),
+                "global blocks": knobs["global_blocks"],
+                "cosine with / without": f"{_dec(r['cosine_mean'], 4)} / {_dec(m['cosine_mean'], 4)}",
+                "top-1 agree % with / without": f"{_pct(r['top1_agreement'])} / {_pct(m['top1_agreement'])}",
+                "attn mass inside % with / without": (
+                    f"{_pct(r['mass_inside_mean'])} / {_pct(m['mass_inside_mean'])}"
+                ),
+                "pairs kept % with / without": f"{_pct(r['kept_pairs'])} / {_pct(m['kept_pairs'])}",
+            }
+        )
+    return pd.DataFrame(found).sort_values(["variant", "N"]) if found else pd.DataFrame()
+
+
+def _csv_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """The numbers behind the tables, one row per (variant, N)."""
+    rows = newest(df)
+    cols = [
+        "device", "dtype", "variant", "seq_len", "status", "reason", "kept_pairs", "mass_inside_mean",
+        "cosine_mean", "cosine_p5", "cosine_min", "top1_agreement", "top5_agreement", "retrieval_top1",
+        "retrieval_top1_ref", "batch_ms_median", "batch_ms_iqr", "batch_texts", "tokens_per_s",
+        "peak_mib", "texts", "texts_available", "subsampled", "beyond_trained", "trained_len",
+        "corpus_sha256", "texts_sha256", "python", "threads", "config_hash", "path",
+    ]  # fmt: skip
+    return rows.reindex(columns=cols).sort_values(["device", "dtype", "seq_len", "variant"])
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def _pareto(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Mask of the points no other point beats: lower or equal ``x`` (cost) and higher or equal ``y``
+    (fidelity), one of them strictly. ``O(P^2)``."""
+    keep = np.ones(len(x), dtype=bool)
+    for i in range(len(x)):
+        better = (x <= x[i]) & (y >= y[i]) & ((x < x[i]) | (y > y[i]))
+        keep[i] = not better.any()
+    return keep
+
+
+def plot_frontier(df: pd.DataFrame, path: Path) -> Path | None:
+    """Mean cosine against time per batch (top) and against the share of pairs kept (bottom), one
+    column per length, one point per variant and knobs; the cost-fidelity frontier (points nothing
+    beats on both axes) filled and joined. None when no record is usable."""
+    rows = newest(df)
+    rows = rows[rows["status"] == "ok"]
+    if rows.empty:
+        return None
+    ns = sorted(int(n) for n in rows["seq_len"].unique())
+    names = sorted(rows["variant"].unique())
+    colors = dict(
+        zip(names, sns.color_palette("tab10" if len(names) <= 10 else "tab20", len(names)), strict=True)
+    )
+    fig, axes = plt.subplots(2, len(ns), figsize=(3.4 * len(ns) + 2.4, 6.6), squeeze=False, sharey=True)
+    axes_x = [("batch_ms_median", "ms per batch (whole model)"), ("kept_pairs", "share of pairs kept")]
+    for col, n in enumerate(ns):
+        sub = rows[rows["seq_len"] == n]
+        beyond = bool(sub["beyond_trained"].fillna(False).astype(bool).any())
+        for r, (xcol, xlabel) in enumerate(axes_x):
+            ax = axes[r, col]
+            x = pd.to_numeric(sub[xcol], errors="coerce").to_numpy(float)
+            y = pd.to_numeric(sub["cosine_mean"], errors="coerce").to_numpy(float)
+            front = _pareto(x, y)
+            order = np.argsort(x[front])
+            ax.plot(x[front][order], y[front][order], color="0.6", lw=1, zorder=1, drawstyle="steps-post")
+            for (xi, yi, on), name in zip(zip(x, y, front, strict=True), sub["variant"], strict=True):
+                c = colors[name]
+                ax.scatter(xi, yi, s=42, color=c if on else "white", edgecolor=c, lw=1.5, zorder=2)
+            ax.set_xlabel(xlabel)
+            if xcol == "kept_pairs":
+                ax.set_xlim(0, 1.05)
+            if r == 0:
+                ax.set_title(f"N={n}" + (" (beyond training length)" if beyond else ""), fontsize=9)
+            if col == 0:
+                ax.set_ylabel("mean cosine to the unmodified model")
+            ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], ls="", marker="o", color=colors[nm], label=nm) for nm in names]
+    handles.append(plt.Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="not on the frontier"))
+    fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
+    encoder = _encoder_name(rows.iloc[0])
+    fig.suptitle(
+        f"{encoder}, {rows['device'].iloc[0]} {rows['dtype'].iloc[0]}: fidelity against cost "
+        "(filled: on the frontier, nothing is both cheaper and closer)",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 0.95))
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def plot_token_mass(df: pd.DataFrame, path: Path) -> Path | None:
+    """Per layer: the unmodified model's attention mass on the first token and on the band
+    ``|i - j| <= band`` (one line per length), and inside each variant's pattern at the longest
+    length. None when no record is usable."""
+    rows = newest(df)
+    rows = rows[(rows["status"] == "ok") & rows["mass_first_token"].notna()]
+    if rows.empty:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
+    ns = sorted(int(n) for n in rows["seq_len"].unique())
+    shades = dict(zip(ns, sns.color_palette("viridis", len(ns)), strict=True))
+    band = int(pd.to_numeric(rows["band"], errors="coerce").dropna().iloc[0])
+    for n in ns:
+        r = rows[rows["seq_len"] == n].iloc[0]  # the reference's figures: the same in every job of a length
+        for ax, col in zip(axes[:2], ("mass_first_token", "mass_band"), strict=True):
+            vals = _obj(r[col])
+            ax.plot(range(1, len(vals) + 1), vals, marker="o", color=shades[n], label=f"N={n}")
+    axes[0].set_title("mass on the first token ([CLS])", fontsize=10)
+    axes[1].set_title(f"mass on the diagonal band |i-j| <= {band}", fontsize=10)
+    longest = rows[rows["seq_len"] == ns[-1]].sort_values("variant")
+    names = longest["variant"].tolist()
+    colors = dict(
+        zip(names, sns.color_palette("tab10" if len(names) <= 10 else "tab20", len(names)), strict=True)
+    )
+    for _, r in longest.iterrows():
+        vals = _obj(r["mass_inside"])
+        axes[2].plot(
+            range(1, len(vals) + 1), vals, marker="o", color=colors[r["variant"]], label=r["variant"]
+        )
+    axes[2].set_title(f"mass inside each pattern, N={ns[-1]}", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("layer")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("share of the unmodified model's attention")
+    fig.suptitle(
+        f"Where {_encoder_name(rows.iloc[0])} attends (mean over heads, queries and texts)", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- report
+NOTE = (
+    "Each variant replaces the attention of the pretrained encoder in every layer, with no training. "
+    "cosine: of each text's mean-pooled embedding to the unmodified model's (mean and 5th percentile "
+    "over the texts); top-1 / top-5 agree: retrieval (a sentence of each text as the query, the texts "
+    "as the collection), share of queries whose nearest text is the same as the unmodified model's, "
+    "and the mean overlap of the five nearest; retrieval top-1: share of queries whose nearest text "
+    "is their own; pairs kept: (query, key) pairs the pattern lets interact; attn mass inside: share of "
+    "the unmodified model's attention weights (mean over layers, heads, queries, texts) that falls on "
+    "those pairs; ms / batch: one forward pass of the whole model over a batch of texts, median (IQR) "
+    "over the batches; peak MiB: allocator peak of one batch above the weights and inputs. A title "
+    "marked BEYOND is a length longer than the inputs the model was fine-tuned on."
+)
+
+
+def report_markdown(df: pd.DataFrame) -> str:
+    """The whole report as Markdown: the note, one table per length, the ablation, the corpus."""
+    parts = ["## Fidelity inside a pretrained model", "", NOTE, ""]
+    for title, tab in fidelity_table(df):
+        parts += [f"**{title}**", "", markdown(tab), ""]
+    abl = ablation_table(df)
+    if len(abl):
+        parts += ["**Ablation: the global block**", "", markdown(abl.set_index("variant")), ""]
+    rows = newest(df)
+    ok = rows[rows["status"] == "ok"]
+    if len(ok):
+        r = ok.iloc[0]
+        sub = ok.groupby("seq_len")[["texts", "texts_available"]].first()
+        counts = ", ".join(f"N={n}: {int(t)} of {int(a)}" for n, (t, a) in sub.iterrows())
+        parts += [
+            f"Corpus: {int(r['corpus_sentences'])} sentences, SHA-256 `{str(r['corpus_sha256'])[:16]}...` "
+            f"(Python {r['python']}): {r['corpus_recipe']}. Texts used of those available: {counts}.",
+            "",
+        ]
+    return "\n".join(parts)
+
+
+def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -> list[Path]:
+    """Write ``pretrained.md``/``.csv`` and (``plots``) the frontier and token-mass plots into
+    ``out_dir``; returns the files written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pretrained.md").write_text(report_markdown(df))
+    _csv_frame(df).to_csv(out / "pretrained.csv", index=False)
+    written = [out / "pretrained.md", out / "pretrained.csv"]
+    if plots:
+        for p in (
+            plot_frontier(df, out / "pretrained_frontier.png"),
+            plot_token_mass(df, out / "pretrained_token_mass.png"),
+        ):
+            if p is not None:
+                written.append(p)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.report.pretrained_report RECORD_DIR [...] --out DIR``."""
+    from ..records.store import load
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", nargs="+", help="record folders, record files or sweep folders")
+    ap.add_argument("--out", default="outputs/pretrained_report", help="folder for the tables and plots")
+    args = ap.parse_args(argv)
+    df = load(args.inputs)
+    if not is_pretrained(df).any():
+        print("no pretrained records found")
+        return 1
+    files = write_report(df, args.out)
+    print(report_markdown(df))
+    print(f"report written to {args.out}: {', '.join(p.name for p in files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
