@@ -109,7 +109,8 @@ def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     for (device, dtype, encoder, n), sub in rows.groupby(
         ["device", "dtype", "_encoder", "seq_len"], sort=True
     ):
-        sub = sub.assign(_order=pd.to_numeric(sub.get("cosine_mean"), errors="coerce").fillna(-1))
+        # ranked by the cosine as shown (5 decimals), so exact variants tie and list by name
+        sub = sub.assign(_order=pd.to_numeric(sub.get("cosine_mean"), errors="coerce").round(5).fillna(-1))
         sub = sub.sort_values(["_order", "variant"], ascending=[False, True])
         tab = pd.DataFrame(index=pd.Index(sub["variant"].tolist(), name="variant"))
         for col, fmt in COLUMNS.items():

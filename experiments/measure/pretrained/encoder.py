@@ -105,10 +105,11 @@ def load_encoder(package: str, device: str = "cpu", dtype: torch.dtype = torch.f
 
 
 def padded(
-    seqs: Sequence[Sequence[int]], pad_id: int, device: str = "cpu"
+    seqs: Sequence[Sequence[int]], pad_id: int, device: str = "cpu", multiple: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``(ids (B, L), mask (B, L))`` of token-id lists, ``L`` the longest (mask 1 = real)."""
-    width = max(len(s) for s in seqs)
+    """Right-padded ``(ids (B, L), mask (B, L))`` of token-id lists (mask 1 = real), ``L`` the longest
+    rounded up to a multiple of ``multiple``."""
+    width = -(-max(len(s) for s in seqs) // multiple) * multiple
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -124,10 +125,11 @@ def _sync(device: str) -> None:
 
 @torch.no_grad()
 def encode(
-    enc: Encoder, seqs: Sequence[Sequence[int]], batch: int, attentions: Any = None
+    enc: Encoder, seqs: Sequence[Sequence[int]], batch: int, attentions: Any = None, multiple: int = 1
 ) -> tuple[torch.Tensor, list[float]]:
     """Mean-pooled unit embeddings ``(len(seqs), E)`` of ``seqs`` in batches of ``batch`` with the
-    model's current attention implementation, and each batch's forward time in seconds.
+    model's current attention implementation, and each batch's forward time in seconds. A batch is
+    padded to its longest sequence rounded up to a multiple of ``multiple``.
 
     ``attentions``: a callable given each batch's per-layer weights ``(B, H, L, L)`` (eager only:
     transformers returns them with ``output_attentions``). ``O(len(seqs) * cost of one forward)``.
@@ -135,7 +137,7 @@ def encode(
     device = next(enc.model.parameters()).device.type
     out, times = [], []
     for start in range(0, len(seqs), batch):
-        ids, mask = padded(seqs[start : start + batch], enc.tokenizer.pad_token_id, device)
+        ids, mask = padded(seqs[start : start + batch], enc.tokenizer.pad_token_id, device, multiple)
         _sync(device)
         t0 = time.perf_counter()
         res = enc.model(input_ids=ids, attention_mask=mask, output_attentions=attentions is not None)

