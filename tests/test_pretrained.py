@@ -118,6 +118,14 @@ def test_a_pattern_that_keeps_every_pair_gives_the_unmodified_embeddings(enc, na
     assert _cos(ref, narrow).min() < 0.99
 
 
+def test_compiled_flex_on_a_padded_batch_matches_eager(enc):
+    # the experiment runs flex compiled (its default): key padding becomes part of its block mask
+    seqs = _sentences(enc, [30, 9, 17])
+    hf.register(["flex"], {"flex": {"compile": True}})
+    got = _embed(enc, seqs, hf.implementation("flex"))
+    assert _cos(_embed(enc, seqs, "eager"), got).min() >= SAME
+
+
 # every variant that can run inside the model on the CPU, with knobs that make patterns bite at N=40
 SWAPPABLE = {
     **{n: CPU_KNOBS.get(n, {}) for n in EXACT},
@@ -150,6 +158,11 @@ def test_corpus_is_deterministic_and_texts_are_exactly_n_tokens(enc):
     first = (corpus.sentences(), corpus.corpus_hash())
     corpus.sentences.cache_clear()
     assert (corpus.sentences(), corpus.corpus_hash()) == first  # parsed again from the sources
+    # another process, another string-hash seed, none of the suite's imports: the same corpus
+    code = "from experiments.measure.pretrained import corpus; print(corpus.corpus_hash())"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="12345")
+    other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert other.stdout.strip() == first[1], other.stderr[-2000:]
     assert len(first[0]) > 2000 and len(set(first[0])) == len(first[0])
     tok = enc.tokenizer
     pieces = corpus.tokenized_sentences(lambda s: tok(s, add_special_tokens=False)["input_ids"])
@@ -220,10 +233,17 @@ def test_attention_mass_and_kept_pairs_against_plain_python():
         want = sum(a[b][h][i][j] for h in range(3) for i in range(6) for j in range(6) if k[i][j]) / 18
         assert float(mass_inside(attn, keep)[b]) == pytest.approx(want, abs=1e-12)
     tally = MassTally(layers=2, keep=keep, radius=1)
-    tally.add((attn, attn.flip(-1)))
+    tally.add((attn, attn.flip(-1)))  # layer 1: the keys in reverse order
     figs = tally.figures()
     first = sum(a[b][h][i][0] for b in range(2) for h in range(3) for i in range(6)) / 36
-    assert figs["mass_first_token"][0] == pytest.approx(first, abs=1e-12)
+    last = sum(a[b][h][i][5] for b in range(2) for h in range(3) for i in range(6)) / 36
+    assert figs["mass_first_token"] == pytest.approx([first, last], abs=1e-12)
+    inside = [
+        sum(a[b][h][i][j if layer == 0 else 5 - j] for b in range(2) for h in range(3) for i in range(6)
+            for j in range(6) if k[i][j]) / 36
+        for layer in (0, 1)
+    ]  # fmt: skip
+    assert figs["mass_inside"] == pytest.approx(inside, abs=1e-12)
     band = sum(
         a[b][h][i][j]
         for b in range(2)
@@ -240,7 +260,7 @@ def test_attention_mass_and_kept_pairs_against_plain_python():
 
 
 # ------------------------------------------------------------------------------------ the job
-CFG = {"name": "minilm", "package": PACKAGE, "texts": 6, "batch": 3, "band": 4}
+CFG = {"name": "minilm", "package": PACKAGE, "trained_len": 128, "texts": 6, "batch": 3, "band": 4}
 LW = {"_target_": "variants.local_window.LocalWindowAttention", "window": 8, "block": None, "impl": "auto"}
 
 
@@ -259,7 +279,9 @@ def test_a_job_twice_gives_the_same_fidelity_figures():
         assert fa[key] == fb[key], key
     assert fa["texts"] == 6 and fa["subsampled"] and fa["texts_available"] > 6
     assert fa["kept_pairs"] == pytest.approx((64 * 17 - 8 * 9) / 64**2)
-    assert not fa["beyond_trained"] and fa["trained_len"] == 256
+    assert (
+        not fa["beyond_trained"] and fa["trained_len"] == 128
+    )  # conf/pretrained/minilm.yaml's model card figure
     assert 0 < fa["cosine_mean"] < 1 and len(fa["mass_inside"]) == 6 and len(fa["batch_ms_runs"]) == 2
 
 
@@ -269,6 +291,18 @@ def test_axial_runs_on_query_batches_of_any_length():
     r = _job({"_target_": "variants.axial.AxialAttention", "rows": None})
     assert r["status"] == "ok", r["reason"]
     assert r["figures"]["kept_pairs"] == pytest.approx(15 / 64)
+
+
+def test_pretrained_config_errors_are_one_line(tmp_path):
+    from experiments.sweep.runner import run_job  # noqa: F401  (the schema's validation is what runs)
+    from experiments.sweep.schema import BenchConfig, validate
+
+    base = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "pretrained": dict(CFG)}
+    with pytest.raises(ValueError, match="pretrained.texts must be an integer >= 5"):
+        validate(BenchConfig.from_config({**base, "pretrained": {**CFG, "texts": 3}}))
+    with pytest.raises(ValueError, match="causal, padding, kv_len"):
+        validate(BenchConfig.from_config({**base, "causal": True}))
+    validate(BenchConfig.from_config(base))  # the committed settings pass
 
 
 def test_jobs_that_cannot_run_say_why():
@@ -284,7 +318,7 @@ def test_pretrained_sweep_writes_its_report(tmp_path):
     cmd = [
         sys.executable, "run.py", "-m", "experiment=pretrained",
         "variant=sdpa,pretrained/sparse_b16,pretrained/sparse_b16_noglobal", "seq_len=64,272",
-        "pretrained.texts=4", "pretrained.batch=4", "threads=2",
+        "pretrained.texts=5", "pretrained.batch=5", "threads=2",
         f"records_dir={tmp_path / 'records'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -293,8 +327,8 @@ def test_pretrained_sweep_writes_its_report(tmp_path):
     assert p.stdout.count("] ok: cosine mean") == 6, p.stdout[-3000:]
     report = tmp_path / "sweep" / "report"
     text = (report / "pretrained.md").read_text()
-    # 272 > the 256 tokens the model was fine-tuned on: flagged in its table's title, not in 64's
-    assert "N=272 · BEYOND the 256 tokens" in text and "N=64 · BEYOND" not in text
+    # 272 > the 128 tokens the model was fine-tuned on: flagged in its table's title, not in 64's
+    assert "N=272 · BEYOND the 128 tokens" in text and "N=64 · BEYOND" not in text
     assert "**Ablation: the global block**" in text
     for png in ("pretrained_frontier.png", "pretrained_token_mass.png"):
         assert (report / png).stat().st_size > 10_000

@@ -1,6 +1,6 @@
-"""What a kernel measurement (:mod:`experiments.measure.kernel`) and a task measurement
-(:mod:`experiments.measure.tasks`) both need before they start: the device check, the variant built
-from its config, the thread count. Below both, so neither imports the other for it."""
+"""What kernel, task, model and pretrained measurements need before they start: the device check,
+the variant built from its config (or, for model-level jobs, its registered name and knobs), the
+thread count. Below all of them, so none imports another for it."""
 
 from __future__ import annotations
 
@@ -22,6 +22,22 @@ def build_variant(variant_cfg: dict[str, Any]) -> AttentionVariant:
     if not isinstance(obj, AttentionVariant):
         raise TypeError(f"variant._target_ {variant_cfg.get('_target_')} is not an AttentionVariant")
     return obj
+
+
+def registered_variant(spec: JobSpec, kind: str) -> tuple[type[AttentionVariant], str, dict[str, Any]]:
+    """For jobs that run a variant inside a transformers model (``kind``: "model", "pretrained"),
+    which reaches it by its registered name: the variant's class, that name and its knobs (the
+    config without ``_target_`` and the shape hints, which the model's layers set)."""
+    from hydra.utils import get_class
+
+    from variants.registry import SHAPE_HINTS, registered_name
+
+    cls = get_class(spec.variant["_target_"])
+    name = registered_name(cls)
+    if name is None:
+        raise ValueError(f"{kind} jobs need a registered variant; {spec.variant['_target_']} is not one")
+    knobs = {k: v for k, v in spec.variant.items() if k != "_target_" and k not in SHAPE_HINTS}
+    return cls, name, knobs
 
 
 def job_threads(spec: JobSpec) -> int:

@@ -13,9 +13,7 @@ from typing import Any
 
 import torch
 
-from variants.registry import SHAPE_HINTS, registered_name
-
-from .common import check_device, job_threads
+from .common import check_device, job_threads, registered_variant
 from .memory import hwm_peak_bytes
 from .spec import JobSpec
 
@@ -24,19 +22,13 @@ MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "prefill_len", "new_tok
 
 def measure_model(spec: JobSpec, result: dict[str, Any]) -> None:
     """Fill ``result`` (status, variant, figures) for a model job; raises like a kernel job does."""
-    from hydra.utils import get_class
-
     from .llama_e2e import measure_llama
 
     device = spec.device.value
     check_device(device)
     torch.set_num_threads(job_threads(spec))
     torch._dynamo.reset()  # as in kernel jobs: earlier shapes must not count against the recompile limit
-    cls = get_class(spec.variant["_target_"])
-    name = registered_name(cls)
-    if name is None:
-        raise ValueError(f"model jobs need a registered variant; {spec.variant['_target_']} is not one")
-    knobs = {k: v for k, v in spec.variant.items() if k != "_target_" and k not in SHAPE_HINTS}
+    _, name, knobs = registered_variant(spec, "model")
     model = {k: v for k, v in dict(spec.model).items() if k in MODEL_FIELDS}
     out: dict[str, Any] = {}
 

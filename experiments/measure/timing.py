@@ -51,7 +51,7 @@ class Timing:
 
 def is_stable(times: list[float]) -> bool:
     """Whether per-call ``times`` already make a stable figure (see :class:`Timing`)."""
-    return len(times) >= MIN_SAMPLES and _summary(times).stable
+    return len(times) >= MIN_SAMPLES and summarize(times).stable
 
 
 def budget_s(min_run_time: float, one_call_s: float) -> float:
@@ -59,7 +59,7 @@ def budget_s(min_run_time: float, one_call_s: float) -> float:
     return min(MAX_BUDGET_S, max(BUDGET_FACTOR * min_run_time, (MIN_SAMPLES + 0.5) * one_call_s))
 
 
-def _summary(times: list[float]) -> Timing:
+def summarize(times: list[float]) -> Timing:
     """Median and quartiles of per-call ``times`` (seconds), one repetition each."""
     times = sorted(times)
     q1, med, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
@@ -126,7 +126,7 @@ def time_cuda(
         times += [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)]
         if is_stable(times) or sum(times) >= budget or len(times) >= 10_000:
             break
-    t = _summary(times)
+    t = summarize(times)
     t.cpu_per_wall = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
     return t
 
@@ -189,7 +189,7 @@ def time_backward(
         total += t
         if len(times) >= 1000:
             break
-    summary = _summary(times)
+    summary = summarize(times)
     summary.cpu_per_wall = (time.process_time() - c0) / max(time.perf_counter() - w0, 1e-9)
     return summary
 
@@ -226,7 +226,7 @@ def _time_backward_cuda(
         total = sum(times)
         done = total >= min_run_time and (is_stable(times) or total >= budget)
         if done or len(times) >= 1000:
-            return _summary(times)
+            return summarize(times)
         # enough repetitions to fill the rest of min_run_time at the rate seen so far
         batch = int(min(1000 - len(times), max(min_reps, (min_run_time - total) / (total / len(times)))))
 

@@ -78,8 +78,9 @@ def read_records(directory: str | Path) -> list[dict[str, Any]]:
 #: and unavailable may come out otherwise after a fix, a longer timeout or an install)
 REUSABLE = frozenset({"ok", "unsupported", "oom"})
 #: what must match between a record's ``env`` and this run's for the record to be reused: the
-#: measuring code, the variant's own source (third-party plugins included), torch, and the machine
-FINGERPRINT = ("code_version", "variant_code", "torch", "host", "cpu_model", "gpu_name")
+#: measuring code, the variant's own source (third-party plugins included), torch, Python (the
+#: pretrained experiment's corpus is its standard library's docstrings), and the machine
+FINGERPRINT = ("code_version", "variant_code", "torch", "python", "host", "cpu_model", "gpu_name")
 
 
 def find_existing(directory: str | Path, chash: str, env: dict[str, Any]) -> Path | None:

@@ -29,48 +29,70 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from ..records.store import is_pretrained  # noqa: E402
+from ..records.store import is_pretrained, newest_mask  # noqa: E402
+from .plots import _palette  # noqa: E402
 from .tables import markdown, num  # noqa: E402
+from .task_report import _obj  # noqa: E402
 
 DPI = 110
+# one measurement: the same values here are the same configuration (the newest one is shown)
 _IDENT = ["env_host", "device", "dtype", "pretrained", "variant_key", "seq_len"]
-
-
-def _obj(v: Any) -> Any:
-    """A dict or list cell as an object (a CSV or Parquet round trip may leave JSON text)."""
-    if isinstance(v, str):
-        try:
-            return json.loads(v)
-        except json.JSONDecodeError:
-            return None
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    return v
+# one table, one frontier: records that may be compared with each other
+GROUP = ["env_host", "device", "dtype", "_encoder", "_corpus"]
+# columns the figures of a pretrained record fill (absent when no job of the store got that far)
+_FIGURES = [
+    "kept_pairs", "mass_inside_mean", "mass_inside", "mass_first_token", "mass_band", "band", "cosine_mean",
+    "cosine_p5", "cosine_min", "top1_agreement", "top5_agreement", "retrieval_top1", "retrieval_top1_ref",
+    "batch_ms_median", "batch_ms_iqr", "batch_ms_unstable", "batch_texts", "tokens_per_s", "peak_mib",
+    "texts", "texts_available", "subsampled", "beyond_trained", "trained_len", "corpus_sha256",
+    "corpus_sentences", "corpus_recipe", "texts_sha256", "python", "threads",
+]  # fmt: skip
 
 
 def newest(df: pd.DataFrame) -> pd.DataFrame:
     """The pretrained records, the newest measurement of each (host, device, dtype, encoder, variant
-    and knobs, N)."""
+    and knobs, N), with every figure column present (NaN where a job did not get that far) and the
+    grouping columns ``_encoder`` (the encoder's name) and ``_corpus`` (the corpus hash, short)."""
     rows = df[is_pretrained(df)]
-    if rows.empty:
-        return rows
-    return rows.sort_values(["started_at", "path"]).groupby(_IDENT, dropna=False).tail(1)
+    rows = rows[newest_mask(rows, _IDENT)] if len(rows) else rows
+    rows = rows.reindex(columns=[*rows.columns, *(c for c in _FIGURES if c not in rows.columns)])
+    return rows.assign(
+        _encoder=rows["pretrained"].map(lambda v: str((_obj(v) or {}).get("name", "?"))),
+        # a job that did not run has no hash: it joins the table of the corpus its length was run on
+        _corpus=rows["corpus_sha256"]
+        .map(lambda h: str(h)[:12] if isinstance(h, str) else "")
+        .replace("", np.nan)
+        .groupby(rows["seq_len"])
+        .transform(lambda s: s.ffill().bfill())
+        .fillna("n/a"),
+    )
 
 
-def _encoder_name(row: pd.Series) -> str:
-    return str((_obj(row["pretrained"]) or {}).get("name", "?"))
+def _groups(rows: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
+    """``(keys, rows)`` per comparable set (host, device, dtype, encoder, corpus)."""
+    return [
+        (dict(zip(GROUP, k, strict=True)), sub) for k, sub in rows.groupby(GROUP, sort=True, dropna=False)
+    ]
 
 
-def _title(device: str, dtype: str, encoder: str, n: int, sub: pd.DataFrame) -> str:
+def _group_title(keys: dict[str, Any], several_hosts: bool, several_corpora: bool) -> str:
+    parts = [str(keys["device"]), str(keys["dtype"]), str(keys["_encoder"])]
+    if several_hosts:
+        parts.insert(0, str(keys["env_host"]))
+    if several_corpora:
+        parts.append(f"corpus {keys['_corpus']}")
+    return " · ".join(parts)
+
+
+def _beyond(sub: pd.DataFrame) -> int | None:
+    """The trained length when ``sub``'s length is beyond it, else None."""
     ok = sub[sub["status"] == "ok"]
-    title = f"{device} · {dtype} · {encoder} · N={n}"
-    if len(ok) and "beyond_trained" in ok and bool(ok["beyond_trained"].fillna(False).astype(bool).any()):
-        trained = int(pd.to_numeric(ok["trained_len"], errors="coerce").max())
-        title += f" · BEYOND the {trained} tokens the model was trained on"
-    return title
+    if len(ok) and bool(ok["beyond_trained"].fillna(False).astype(bool).any()):
+        return int(pd.to_numeric(ok["trained_len"], errors="coerce").max())
+    return None
 
 
-def _pct(x: object, digits: int = 0) -> str:
+def _pct(x: object, digits: int = 0) -> str:  # a share in [0, 1] as a percentage
     v = pd.to_numeric(x, errors="coerce")
     return "n/a" if pd.isna(v) else f"{100 * v:.{digits}f}"
 
@@ -99,23 +121,26 @@ COLUMNS = {
 
 
 def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """``(title, table)`` per (device, dtype, encoder, N), rows by variant (best mean cosine first;
-    jobs that did not run show their status)."""
+    """``(title, table)`` per comparable set and N, rows by variant (best mean cosine first; jobs that
+    did not run show their status); a length beyond the model's training says so in its title."""
     rows = newest(df)
     if rows.empty:
         return []
-    rows = rows.assign(_encoder=rows.apply(_encoder_name, axis=1))
+    hosts, corpora = rows["env_host"].nunique() > 1, rows["_corpus"].nunique() > 1
     out = []
-    for (device, dtype, encoder, n), sub in rows.groupby(
-        ["device", "dtype", "_encoder", "seq_len"], sort=True
-    ):
-        # ranked by the cosine as shown (5 decimals), so exact variants tie and list by name
-        sub = sub.assign(_order=pd.to_numeric(sub.get("cosine_mean"), errors="coerce").round(5).fillna(-1))
-        sub = sub.sort_values(["_order", "variant"], ascending=[False, True])
-        tab = pd.DataFrame(index=pd.Index(sub["variant"].tolist(), name="variant"))
-        for col, fmt in COLUMNS.items():
-            tab[col] = [fmt(r) if r["status"] == "ok" else str(r["status"]) for _, r in sub.iterrows()]
-        out.append((_title(device, dtype, encoder, int(n), sub), tab))
+    for keys, grp in _groups(rows):
+        for n, sub in grp.groupby("seq_len", sort=True):
+            # ranked by the cosine as shown (5 decimals), so exact variants tie and list by name
+            sub = sub.assign(_order=pd.to_numeric(sub["cosine_mean"], errors="coerce").round(5).fillna(-1))
+            sub = sub.sort_values(["_order", "variant"], ascending=[False, True])
+            tab = pd.DataFrame(index=pd.Index(sub["variant"].tolist(), name="variant"))
+            for col, fmt in COLUMNS.items():
+                tab[col] = [fmt(r) if r["status"] == "ok" else str(r["status"]) for _, r in sub.iterrows()]
+            title = f"{_group_title(keys, hosts, corpora)} · N={int(n)}"
+            trained = _beyond(sub)
+            if trained is not None:
+                title += f" · BEYOND the {trained} tokens the model was trained on"
+            out.append((title, tab))
     return out
 
 
@@ -138,14 +163,18 @@ def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
             & (rows["device"] == r["device"])
             & (rows["dtype"] == r["dtype"])
             & (rows["pretrained"] == r["pretrained"])
+            & (rows["env_host"] == r["env_host"])
+            & (rows["_corpus"] == r["_corpus"])
         ]
         if match.empty:
             continue
         m = match.iloc[-1]
+        beyond = bool(r["beyond_trained"]) if pd.notna(r["beyond_trained"]) else False
         found.append(
             {
                 "variant": r["variant"],
-                "N": int(r["seq_len"]),
+                "N": f"{int(r['seq_len'])}" + (" (beyond training)" if beyond else ""),
+                "_n": int(r["seq_len"]),
                 "global blocks": knobs["global_blocks"],
                 "cosine with / without": f"{_dec(r['cosine_mean'], 4)} / {_dec(m['cosine_mean'], 4)}",
                 "top-1 agree % with / without": f"{_pct(r['top1_agreement'])} / {_pct(m['top1_agreement'])}",
@@ -155,20 +184,16 @@ def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
                 "pairs kept % with / without": f"{_pct(r['kept_pairs'])} / {_pct(m['kept_pairs'])}",
             }
         )
-    return pd.DataFrame(found).sort_values(["variant", "N"]) if found else pd.DataFrame()
+    return pd.DataFrame(found).sort_values(["variant", "_n"]).drop(columns="_n") if found else pd.DataFrame()
 
 
 def _csv_frame(df: pd.DataFrame) -> pd.DataFrame:
     """The numbers behind the tables, one row per (variant, N)."""
     rows = newest(df)
-    cols = [
-        "device", "dtype", "variant", "seq_len", "status", "reason", "kept_pairs", "mass_inside_mean",
-        "cosine_mean", "cosine_p5", "cosine_min", "top1_agreement", "top5_agreement", "retrieval_top1",
-        "retrieval_top1_ref", "batch_ms_median", "batch_ms_iqr", "batch_texts", "tokens_per_s",
-        "peak_mib", "texts", "texts_available", "subsampled", "beyond_trained", "trained_len",
-        "corpus_sha256", "texts_sha256", "python", "threads", "config_hash", "path",
-    ]  # fmt: skip
-    return rows.reindex(columns=cols).sort_values(["device", "dtype", "seq_len", "variant"])
+    cols = ["env_host", "device", "dtype", "_encoder", "variant", "seq_len", "status", "reason"]
+    cols += [c for c in _FIGURES if c != "corpus_recipe"] + ["config_hash", "path"]
+    out = rows.reindex(columns=cols).rename(columns={"_encoder": "encoder"})
+    return out.sort_values(["env_host", "device", "dtype", "seq_len", "variant"])
 
 
 # ---------------------------------------------------------------------------------------------- plots
@@ -182,24 +207,30 @@ def _pareto(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return keep
 
 
-def plot_frontier(df: pd.DataFrame, path: Path) -> Path | None:
+def _suffix(keys: dict[str, Any], several: bool) -> str:
+    """File-name suffix of a comparable set's plot: none when the store has only one set."""
+    if not several:
+        return ""
+    bits = [keys["env_host"], keys["device"], keys["dtype"], keys["_encoder"], keys["_corpus"]]
+    return "_" + "_".join("".join(c if c.isalnum() else "-" for c in str(b)) for b in bits)
+
+
+def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     """Mean cosine against time per batch (top) and against the share of pairs kept (bottom), one
     column per length, one point per variant and knobs; the cost-fidelity frontier (points nothing
-    beats on both axes) filled and joined. None when no record is usable."""
-    rows = newest(df)
+    beats on both axes) filled and joined. ``rows``: one comparable set (:func:`newest`'s rows).
+    None when no record is usable."""
     rows = rows[rows["status"] == "ok"]
     if rows.empty:
         return None
     ns = sorted(int(n) for n in rows["seq_len"].unique())
     names = sorted(rows["variant"].unique())
-    colors = dict(
-        zip(names, sns.color_palette("tab10" if len(names) <= 10 else "tab20", len(names)), strict=True)
-    )
+    colors = _palette(names)
     fig, axes = plt.subplots(2, len(ns), figsize=(3.4 * len(ns) + 2.4, 6.6), squeeze=False, sharey=True)
     axes_x = [("batch_ms_median", "ms per batch (whole model)"), ("kept_pairs", "share of pairs kept")]
     for col, n in enumerate(ns):
         sub = rows[rows["seq_len"] == n]
-        beyond = bool(sub["beyond_trained"].fillna(False).astype(bool).any())
+        beyond = _beyond(sub) is not None
         for r, (xcol, xlabel) in enumerate(axes_x):
             ax = axes[r, col]
             x = pd.to_numeric(sub[xcol], errors="coerce").to_numpy(float)
@@ -207,7 +238,7 @@ def plot_frontier(df: pd.DataFrame, path: Path) -> Path | None:
             front = _pareto(x, y)
             order = np.argsort(x[front])
             ax.plot(x[front][order], y[front][order], color="0.6", lw=1, zorder=1, drawstyle="steps-post")
-            for (xi, yi, on), name in zip(zip(x, y, front, strict=True), sub["variant"], strict=True):
+            for xi, yi, on, name in zip(x, y, front, sub["variant"], strict=True):
                 c = colors[name]
                 ax.scatter(xi, yi, s=42, color=c if on else "white", edgecolor=c, lw=1.5, zorder=2)
             ax.set_xlabel(xlabel)
@@ -221,10 +252,8 @@ def plot_frontier(df: pd.DataFrame, path: Path) -> Path | None:
     handles = [plt.Line2D([], [], ls="", marker="o", color=colors[nm], label=nm) for nm in names]
     handles.append(plt.Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="not on the frontier"))
     fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
-    encoder = _encoder_name(rows.iloc[0])
     fig.suptitle(
-        f"{encoder}, {rows['device'].iloc[0]} {rows['dtype'].iloc[0]}: fidelity against cost "
-        "(filled: on the frontier, nothing is both cheaper and closer)",
+        f"{title}: fidelity against cost (filled: on the frontier, nothing is both cheaper and closer)",
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 0.95))
@@ -233,11 +262,10 @@ def plot_frontier(df: pd.DataFrame, path: Path) -> Path | None:
     return path
 
 
-def plot_token_mass(df: pd.DataFrame, path: Path) -> Path | None:
+def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     """Per layer: the unmodified model's attention mass on the first token and on the band
     ``|i - j| <= band`` (one line per length), and inside each variant's pattern at the longest
-    length. None when no record is usable."""
-    rows = newest(df)
+    length. ``rows``: one comparable set. None when no record is usable."""
     rows = rows[(rows["status"] == "ok") & rows["mass_first_token"].notna()]
     if rows.empty:
         return None
@@ -253,10 +281,7 @@ def plot_token_mass(df: pd.DataFrame, path: Path) -> Path | None:
     axes[0].set_title("mass on the first token ([CLS])", fontsize=10)
     axes[1].set_title(f"mass on the diagonal band |i-j| <= {band}", fontsize=10)
     longest = rows[rows["seq_len"] == ns[-1]].sort_values("variant")
-    names = longest["variant"].tolist()
-    colors = dict(
-        zip(names, sns.color_palette("tab10" if len(names) <= 10 else "tab20", len(names)), strict=True)
-    )
+    colors = _palette(longest["variant"].tolist())
     for _, r in longest.iterrows():
         vals = _obj(r["mass_inside"])
         axes[2].plot(
@@ -270,7 +295,7 @@ def plot_token_mass(df: pd.DataFrame, path: Path) -> Path | None:
         ax.legend(fontsize=7)
     axes[0].set_ylabel("share of the unmodified model's attention")
     fig.suptitle(
-        f"Where {_encoder_name(rows.iloc[0])} attends (mean over heads, queries and texts)", fontsize=10
+        f"{title}: where the unmodified model attends (mean over heads, queries, texts)", fontsize=10
     )
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -303,33 +328,41 @@ def report_markdown(df: pd.DataFrame) -> str:
         parts += ["**Ablation: the global block**", "", markdown(abl.set_index("variant")), ""]
     rows = newest(df)
     ok = rows[rows["status"] == "ok"]
-    if len(ok):
-        r = ok.iloc[0]
-        sub = ok.groupby("seq_len")[["texts", "texts_available"]].first()
-        counts = ", ".join(f"N={n}: {int(t)} of {int(a)}" for n, (t, a) in sub.iterrows())
+    for corpus_hash, sub in ok.groupby("corpus_sha256"):
+        r = sub.iloc[0]
+        counts = sub.groupby("seq_len")[["texts", "texts_available"]].first()
+        used = ", ".join(f"N={n}: {int(t)} of {int(a)}" for n, (t, a) in counts.iterrows())
         parts += [
-            f"Corpus: {int(r['corpus_sentences'])} sentences, SHA-256 `{str(r['corpus_sha256'])[:16]}...` "
-            f"(Python {r['python']}): {r['corpus_recipe']}. Texts used of those available: {counts}.",
+            f"Corpus `{str(corpus_hash)[:12]}` (SHA-256 of the recipe and sentences; Python {r['python']}): "
+            f"{int(r['corpus_sentences'])} sentences; {r['corpus_recipe']}. Texts used of those available: "
+            f"{used}.",
             "",
         ]
+    if ok["corpus_sha256"].nunique() > 1:
+        parts += ["Several corpora (other Python versions): their records are in separate tables.", ""]
     return "\n".join(parts)
 
 
 def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -> list[Path]:
-    """Write ``pretrained.md``/``.csv`` and (``plots``) the frontier and token-mass plots into
-    ``out_dir``; returns the files written."""
+    """Write ``pretrained.md``/``.csv`` and (``plots``) a frontier and a token-mass plot per
+    comparable set into ``out_dir``; returns the files written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pretrained.md").write_text(report_markdown(df))
     _csv_frame(df).to_csv(out / "pretrained.csv", index=False)
     written = [out / "pretrained.md", out / "pretrained.csv"]
     if plots:
-        for p in (
-            plot_frontier(df, out / "pretrained_frontier.png"),
-            plot_token_mass(df, out / "pretrained_token_mass.png"),
-        ):
-            if p is not None:
-                written.append(p)
+        rows = newest(df)
+        sets = _groups(rows)
+        hosts, corpora = rows["env_host"].nunique() > 1, rows["_corpus"].nunique() > 1
+        for keys, sub in sets:
+            title, tag = _group_title(keys, hosts, corpora), _suffix(keys, len(sets) > 1)
+            for p in (
+                plot_frontier(sub, title, out / f"pretrained_frontier{tag}.png"),
+                plot_token_mass(sub, title, out / f"pretrained_token_mass{tag}.png"),
+            ):
+                if p is not None:
+                    written.append(p)
     return written
 
 
@@ -346,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no pretrained records found")
         return 1
     files = write_report(df, args.out)
-    print(report_markdown(df))
+    print((Path(args.out) / "pretrained.md").read_text())
     print(f"report written to {args.out}: {', '.join(p.name for p in files)}")
     return 0
 

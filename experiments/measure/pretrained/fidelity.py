@@ -48,9 +48,10 @@ def retrieval_agreement(
     mean share of the ``k`` nearest texts the two have in common; ``retrieval_top1`` and
     ``retrieval_top1_ref``: share of queries whose nearest text is the one they come from. ``O(Q T E)``.
     """
-    k = min(k, ref_t.shape[0])
+    if ref_t.shape[0] < k:
+        raise ValueError(f"top-{k} agreement needs at least {k} texts, got {ref_t.shape[0]}")
     a, b = _top(ref_q, ref_t, k), _top(got_q, got_t, k)  # (Q, k) each
-    source = torch.arange(ref_q.shape[0])
+    source = torch.arange(ref_q.shape[0], device=a.device)
     common = [len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(a, b, strict=True)]
     return {
         "top1_agreement": float((a[:, 0] == b[:, 0]).double().mean()),

