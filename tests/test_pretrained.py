@@ -279,9 +279,7 @@ def test_a_job_twice_gives_the_same_fidelity_figures():
         assert fa[key] == fb[key], key
     assert fa["texts"] == 6 and fa["subsampled"] and fa["texts_available"] > 6
     assert fa["kept_pairs"] == pytest.approx((64 * 17 - 8 * 9) / 64**2)
-    assert (
-        not fa["beyond_trained"] and fa["trained_len"] == 128
-    )  # conf/pretrained/minilm.yaml's model card figure
+    assert not fa["beyond_trained"] and fa["trained_len"] == 128  # the model card's figure, given in CFG
     assert 0 < fa["cosine_mean"] < 1 and len(fa["mass_inside"]) == 6 and len(fa["batch_ms_runs"]) == 2
 
 
@@ -294,7 +292,6 @@ def test_axial_runs_on_query_batches_of_any_length():
 
 
 def test_pretrained_config_errors_are_one_line(tmp_path):
-    from experiments.sweep.runner import run_job  # noqa: F401  (the schema's validation is what runs)
     from experiments.sweep.schema import BenchConfig, validate
 
     base = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "pretrained": dict(CFG)}
