@@ -269,7 +269,7 @@ def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     rows = rows[(rows["status"] == "ok") & rows["mass_first_token"].notna()]
     if rows.empty:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
+    fig, axes = plt.subplots(1, 3, figsize=(15.5, 4.0))
     ns = sorted(int(n) for n in rows["seq_len"].unique())
     shades = dict(zip(ns, sns.color_palette("viridis", len(ns)), strict=True))
     band = int(pd.to_numeric(rows["band"], errors="coerce").dropna().iloc[0])
@@ -281,18 +281,24 @@ def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     axes[0].set_title("mass on the first token ([CLS])", fontsize=10)
     axes[1].set_title(f"mass on the diagonal band |i-j| <= {band}", fontsize=10)
     longest = rows[rows["seq_len"] == ns[-1]].sort_values("variant")
+    # variants that keep every pair sit at 1.0 on every layer: one line would hide the others' legend
+    full = longest["kept_pairs"].astype(float) >= 1.0
+    longest = longest[~full]
     colors = _palette(longest["variant"].tolist())
     for _, r in longest.iterrows():
         vals = _obj(r["mass_inside"])
         axes[2].plot(
             range(1, len(vals) + 1), vals, marker="o", color=colors[r["variant"]], label=r["variant"]
         )
-    axes[2].set_title(f"mass inside each pattern, N={ns[-1]}", fontsize=10)
+    axes[2].set_title(f"mass inside each pattern, N={ns[-1]} (full attention: 1)", fontsize=10)
     for ax in axes:
         ax.set_xlabel("layer")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    if len(longest):
+        axes[2].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes[0].set_ylabel("share of the unmodified model's attention")
     fig.suptitle(
         f"{title}: where the unmodified model attends (mean over heads, queries, texts)", fontsize=10
