@@ -26,6 +26,8 @@ from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registere
 from ..measure.spec import JobSpec
 from ..records.environment import environment, variant_code_version
 from ..records.records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
+from .allocator import keep_freed_memory
+from .allocator import settings as malloc_settings
 from .concurrency import measuring
 from .progress import following, say
 from .schema import BenchConfig, register_schema, validate
@@ -218,6 +220,9 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     env = environment()
     env["variant_code"] = variant_code_version(cls)
     env["launcher"] = _launcher_name(hc)
+    if conf.isolate:
+        keep_freed_memory()  # what the job's process will start with (isolation.context_for sets it too)
+    env["malloc"] = malloc_settings(conf.isolate)
 
     existing = find_existing(records_dir, chash, env) if conf.resume else None
     if existing is not None:
