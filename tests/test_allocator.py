@@ -49,7 +49,9 @@ def test_a_cpu_job_process_reuses_freed_memory():
     faults, env = recv.recv()
     proc.join(30)
     assert env == KEEP_FREED or all(v is not None for v in env.values())  # a user's own values stay
-    assert faults < FRESH / 10, faults  # fresh pages would fault every page of every buffer
+    # fresh pages fault every page of both buffers on every call (16386 measured); a kept heap faults
+    # none on most runs, and up to ~2700 per call on some (seen under load), never near a buffer's worth
+    assert faults < FRESH / 2, faults
 
 
 def test_without_the_settings_every_call_faults_fresh_pages():
