@@ -12,27 +12,11 @@ Refresh the committed baseline after an intended change (see ``gates.REFRESH_COM
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import pytest
 
 from benchmarks import gates
-from experiments.sweep.allocator import KEEP_FREED
-
-# Kernels are timed as sweep jobs time them: with glibc keeping the buffers torch frees
-# (experiments/sweep/allocator.py; without it sparse's forward here paid page faults on every call and
-# ran 1.2-1.4x compiled flex, with it within the 1.15x gate). glibc reads the settings when a process
-# starts, so pytest starts again with them once; a user's own values are kept.
-if any(k not in os.environ for k in KEEP_FREED) and not os.environ.get("ATTNBENCH_REEXECUTED"):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(
-        sys.executable,
-        [sys.executable, *sys.orig_argv[1:]],
-        {**KEEP_FREED, **os.environ, "ATTNBENCH_REEXECUTED": "1"},
-    )
 
 _ENTRIES = pytest.StashKey[dict[str, dict[str, Any]]]()
 
