@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import mmap
 import random
+import sys
 import time
 
-from experiments.measure.timing import MIN_SAMPLES, budget_s, is_stable, time_cpu
+import pytest
+
+from experiments.measure.timing import (
+    MIN_SAMPLES,
+    WARMUP_FAULT_PAGES,
+    WARMUP_MAX_CALLS,
+    budget_s,
+    is_stable,
+    time_cpu,
+    warm_up,
+)
 
 
 def test_stability_needs_samples_and_a_narrow_spread():
@@ -15,10 +27,34 @@ def test_stability_needs_samples_and_a_narrow_spread():
     assert is_stable([1.0, 1.01, 1.02, 1.03, 1.04])
 
 
-def test_budget_stretches_for_slow_calls_and_is_capped():
+def test_budget_stretches_for_slow_calls():
     assert budget_s(0.2, 0.001) == 1.0  # five times min_run_time
     assert budget_s(0.2, 2.0) == (MIN_SAMPLES + 0.5) * 2.0  # room for the samples of a slow call
-    assert budget_s(0.2, 100.0) == 60.0
+    assert budget_s(0.2, 100.0) == (MIN_SAMPLES + 0.5) * 100.0  # never too short for them
+
+
+def _faulting_call(faulting_calls: int):
+    """A call that touches fresh pages (4 times the warm-up's threshold) on its first
+    ``faulting_calls`` calls and nothing new afterwards; ``calls`` counts its calls."""
+    calls = []
+
+    def call() -> None:
+        calls.append(1)
+        if len(calls) <= faulting_calls:
+            pages = 4 * WARMUP_FAULT_PAGES
+            with mmap.mmap(-1, pages * mmap.PAGESIZE) as m:  # anonymous: every page faults when written
+                for i in range(pages):
+                    m[i * mmap.PAGESIZE] = 1
+
+    return call, calls
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no page-fault count on Windows")
+@pytest.mark.parametrize("faulting", [0, 2, 100])
+def test_warm_up_repeats_while_a_call_touches_new_memory(faulting):
+    call, calls = _faulting_call(faulting)
+    warm_up(call, min_run_time=10.0)
+    assert len(calls) == min(faulting + 1, WARMUP_MAX_CALLS)
 
 
 def test_a_noisy_call_is_marked_unstable_and_cpu_per_wall_is_recorded():

@@ -4,10 +4,12 @@ CPU: ``torch.utils.benchmark.Timer.adaptive_autorange`` (warm-up, blocks of runs
 first estimate, thread count pinned to the current one). CUDA: CUDA events around each repetition,
 with the L2 cache flushed in between, and optionally a CUDA-graph replay figure.
 
-Every figure repeats until it is stable (at least :data:`MIN_SAMPLES` samples and an IQR within
-:data:`STABLE_IQR` of the median) or its budget runs out: :data:`BUDGET_FACTOR` times
-``min_run_time``, stretched so that a slow call still gets its samples, at most
-:data:`MAX_BUDGET_S`. A figure that is still not stable says so (:attr:`Timing.stable`); the tables
+On the CPU the warm-up repeats while a call still touches new memory (:func:`warm_up`): the C
+allocator's heap grows over the first calls, and a call that page-faults is slower than the steady
+state the figure is meant to describe. Every figure then repeats until it is stable (at least
+:data:`MIN_SAMPLES` samples and an IQR within :data:`STABLE_IQR` of the median) or its budget runs
+out: :data:`BUDGET_FACTOR` times ``min_run_time``, stretched so that a slow call still gets its
+:data:`MIN_SAMPLES` samples. A figure that is still not stable says so (:attr:`Timing.stable`); the tables
 mark it. Each figure also records its process CPU time over its wall time (:attr:`Timing.cpu_per_wall`:
 about the thread count on a quiet machine, less when the cores were shared).
 """
@@ -24,8 +26,9 @@ import torch.utils.benchmark as tbench
 
 STABLE_IQR = 0.10  # a figure is stable when its IQR is within this fraction of its median ...
 MIN_SAMPLES = 4  # ... over at least this many samples (blocks on the CPU, calls on CUDA)
-BUDGET_FACTOR = 5.0  # a figure may take this many times min_run_time to become stable ...
-MAX_BUDGET_S = 60.0  # ... stretched for slow calls up to this many seconds
+BUDGET_FACTOR = 5.0  # a figure may take this many times min_run_time to become stable
+WARMUP_MAX_CALLS = 5  # CPU warm-up: at most this many calls ...
+WARMUP_FAULT_PAGES = 256  # ... while a call still page-faults more than this many pages (1 MiB)
 
 
 @dataclass
@@ -55,8 +58,40 @@ def is_stable(times: list[float]) -> bool:
 
 
 def budget_s(min_run_time: float, one_call_s: float) -> float:
-    """Seconds a figure may take to become stable: enough for its samples even when a call is slow."""
-    return min(MAX_BUDGET_S, max(BUDGET_FACTOR * min_run_time, (MIN_SAMPLES + 0.5) * one_call_s))
+    """Seconds a figure may take to become stable: ``BUDGET_FACTOR * min_run_time``, or enough for
+    :data:`MIN_SAMPLES` samples when a call is slow (the job's ``timeout_s`` bounds the whole job)."""
+    return max(BUDGET_FACTOR * min_run_time, (MIN_SAMPLES + 0.5) * one_call_s)
+
+
+def _page_faults() -> int | None:
+    """Minor page faults of this process so far (``getrusage``), or None where there is no such count."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def warm_up(call: Callable[[], object], min_run_time: float) -> float:
+    """Call ``call`` until one call faults at most :data:`WARMUP_FAULT_PAGES` pages (at most
+    :data:`WARMUP_MAX_CALLS` calls, and no new call once the figure's budget, :func:`budget_s` of
+    the fastest call so far, is spent); return the last call's seconds.
+
+    Why: glibc's heap grows over the first calls of a large kernel (naive at N=4096, H=8 faulted
+    266941, 131072, 131072, then 0 pages, 650 -> 530 -> 400 ms), and counting those calls made a
+    steady figure look unstable.
+    """
+    spent, cap = 0.0, float("inf")
+    for _ in range(WARMUP_MAX_CALLS):
+        f0, t0 = _page_faults(), time.perf_counter()
+        call()
+        last = time.perf_counter() - t0
+        f1 = _page_faults()
+        spent += last
+        cap = min(cap, budget_s(min_run_time, last))
+        if f0 is None or f1 is None or f1 - f0 <= WARMUP_FAULT_PAGES or spent >= cap:
+            break
+    return last
 
 
 def summarize(times: list[float]) -> Timing:
@@ -69,9 +104,8 @@ def summarize(times: list[float]) -> Timing:
 def time_cpu(fn: Callable[[], object], min_run_time: float = 1.0, threads: int | None = None) -> Timing:
     """Time ``fn`` on the CPU with ``Timer.adaptive_autorange``: blocks of calls until the figure is
     stable or its budget (:func:`budget_s`) is spent."""
-    t0 = time.perf_counter()
-    fn()  # warm-up, and a first estimate of one call
-    budget = budget_s(min_run_time, time.perf_counter() - t0)
+    one = warm_up(fn, min_run_time)  # and a first estimate of one call
+    budget = budget_s(min_run_time, one)
     timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads or torch.get_num_threads())
     c0, w0 = time.process_time(), time.perf_counter()
     m = timer.adaptive_autorange(threshold=STABLE_IQR, min_run_time=min_run_time, max_run_time=budget)
@@ -173,9 +207,8 @@ def time_backward(
     if device == "cuda":
         return _time_backward_cuda(forward, backward, min_run_time, min_reps)
     times: list[float] = []
-    t0 = time.perf_counter()
-    backward(forward())  # warm-up
-    budget = budget_s(min_run_time, time.perf_counter() - t0)
+    one = warm_up(lambda: backward(forward()), min_run_time)
+    budget = budget_s(min_run_time, one)
     total = 0.0
     c0, w0 = time.process_time(), time.perf_counter()
     # enough calls, then on until stable or out of budget
