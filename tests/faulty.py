@@ -54,19 +54,3 @@ class NeedsHiddenGpuAttention(NaiveAttention):
         if visible != "":
             raise RuntimeError(f"a GPU is visible: CUDA_VISIBLE_DEVICES={visible!r}")
         return super()._attend(q, k, v, **kw)
-
-
-class PidLoggingAttention(NaiveAttention):
-    """Naive attention that appends its process id to the file ``log`` once per process."""
-
-    def __init__(self, log: str = "") -> None:
-        super().__init__()
-        self.log = log
-        self._logged = False
-
-    def _attend(self, q, k, v, **kw):
-        if not self._logged:
-            with open(self.log, "a") as f:
-                f.write(f"{os.getpid()}\n")
-            self._logged = True
-        return super()._attend(q, k, v, **kw)

@@ -151,9 +151,6 @@ def summary_line(rec: dict[str, Any]) -> str:
         )
     key = "fwd_bwd" if rec["config"]["mode"] == "fwd_bwd" else "fwd"
     bits = [f"{key} {f[f'{key}_median_s'] * 1e3:.3g} ms (IQR {f[f'{key}_iqr_s'] * 1e3:.2g})"]
-    if f.get("processes", 1) > 1:
-        lo, hi = f[f"{key}_proc_min_s"] * 1e3, f[f"{key}_proc_max_s"] * 1e3
-        bits.append(f"median of {f['processes']} processes ({lo:.3g}-{hi:.3g} ms)")
     bits.append(f"peak {f['peak_mib']:.3g} MiB")
     if "out_rel_err" in f:
         bits.append(f"rel err {f['out_rel_err']:.1e}")
@@ -244,7 +241,6 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     result = precheck(spec, variant)  # unsupported / unavailable without spawning a child
     if result is None:
         from .isolation import run_inline, run_isolated
-        from .processes import run_in_processes
 
         with measuring() as concurrent:  # other jobs measuring on this host meanwhile
             if conf.isolate:
@@ -252,10 +248,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
                 def alive(elapsed: float) -> None:
                     say(f"[{label}] still running: {elapsed:.0f} s (timeout_s={conf.timeout_s:g})")
 
-                def one_process(first: bool) -> dict[str, Any]:
-                    return run_isolated(spec, conf.timeout_s, roofline=want_roof and first, heartbeat=alive)
-
-                result = run_in_processes(one_process, conf.processes)
+                result = run_isolated(spec, conf.timeout_s, roofline=want_roof, heartbeat=alive)
             else:
                 result = run_inline(spec, roofline=want_roof)
             result.setdefault("figures", {})["concurrent_jobs"] = concurrent()

@@ -21,8 +21,7 @@ class BenchConfig(JobSpec):
 
     roofline: bool = True  # measure the device's GEMM FLOP/s and copy bandwidth once per sweep
     isolate: bool = True  # run each job in its own child process
-    timeout_s: float = 600.0  # per job (per process), with isolation
-    processes: int = 1  # measure a kernel job in this many fresh processes; its record is the median one's
+    timeout_s: float = 600.0  # per job, with isolation
     resume: bool = True  # skip configs whose record (same code, same host) exists
     records_dir: str = "outputs/records"
     report: bool = True  # print tables and write plots at the end of a multirun
@@ -38,16 +37,7 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="bench_schema", node=node)
 
 
-_POSITIVE = (
-    "batch",
-    "heads",
-    "seq_len",
-    "head_dim",
-    "min_run_time",
-    "timeout_s",
-    "accuracy_rows",
-    "processes",
-)
+_POSITIVE = ("batch", "heads", "seq_len", "head_dim", "min_run_time", "timeout_s", "accuracy_rows")
 _POSITIVE_OR_NONE = ("kv_len", "kv_heads", "v_head_dim", "threads", "tokens", "scale")
 BIASES = (None, "alibi")
 
@@ -69,10 +59,6 @@ def validate(conf: BenchConfig) -> None:
         )
     if conf.kv_heads is not None and conf.heads % conf.kv_heads:
         raise ValueError(f"kv_heads must divide heads, got heads={conf.heads}, kv_heads={conf.kv_heads}")
-    if conf.processes > 1 and not conf.isolate:
-        raise ValueError("processes > 1 needs isolate=true: each measurement runs in its own process")
-    if conf.processes > 1 and (conf.task or conf.model or conf.pretrained):
-        raise ValueError("processes > 1 applies to kernel jobs, not to task, model or pretrained jobs")
     if conf.bias not in BIASES:
         raise ValueError(f"bias must be one of null, alibi; got {conf.bias!r}")
     if conf.pretrained:
