@@ -16,12 +16,18 @@ _NOT_HASHED = {"records_dir", "isolate", "timeout_s", "resume", "progress", "rep
 # fields added after records were committed: at their default (null) they are left out, so the configs
 # of older records hash as before and resume finds them
 _HASHED_UNLESS_NULL = {"kv_heads", "scale", "bias", "model", "pretrained"}
+# likewise, fields added later whose default is not null: left out at that default
+_HASHED_UNLESS_DEFAULT = {"round": 0}
 
 
 def config_hash(cfg: dict[str, Any]) -> str:
     """Stable 16-hex-digit hash of the measured configuration (key order does not matter)."""
     measured = {
-        k: v for k, v in cfg.items() if k not in _NOT_HASHED and not (k in _HASHED_UNLESS_NULL and v is None)
+        k: v
+        for k, v in cfg.items()
+        if k not in _NOT_HASHED
+        and not (k in _HASHED_UNLESS_NULL and v is None)
+        and not (k in _HASHED_UNLESS_DEFAULT and v == _HASHED_UNLESS_DEFAULT[k])
     }
     blob = json.dumps(measured, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

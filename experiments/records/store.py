@@ -3,7 +3,8 @@
 One row per measurement (one record = one job = one row), with the workload config, the variant, the
 figures and the environment as columns. Nothing is dropped silently: records of every status are
 kept, unreadable files and duplicate copies are counted and printed. The same configuration measured
-twice on one machine keeps both rows; the ``newest`` column marks the one tables show by default.
+twice on one machine keeps both rows; the ``newest`` column marks the one tables show by default: the
+newest measurement, or of a sweep run in rounds the median round (:mod:`experiments.records.rounds`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from .rounds import shown_rows
 
 MANIFEST = "manifest.jsonl"
 # folders a recursive search never enters: our own output and Hydra's config copies
@@ -236,7 +239,11 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
             df[col] = None
     df["variant_key"] = df["variant_target"].astype(str) + df["knobs"].astype(str)
     df["variant"] = variant_labels(df).astype(str)
-    df["newest"] = newest_mask(df)
+    # records from before rounds existed are round 0
+    df["round"] = pd.to_numeric(df.get("round", 0), errors="coerce").fillna(0).astype("Int64")
+    df["newest"], extra = shown_rows(df, CELL_KEYS, newest_mask(df, [*CELL_KEYS, "round"]))
+    for col in extra:
+        df[col] = extra[col]
     return df
 
 

@@ -98,8 +98,9 @@ def header(
     hidden = len(df) - len(shown)
     if not all_measurements and hidden:
         lines += [
-            f"{hidden} older measurement(s) of the same configurations are hidden: tables show the newest "
-            "(`--all-measurements` shows every one, one row per run).",
+            f"{hidden} other measurement(s) of the same configurations are hidden: tables show the newest, "
+            "or of a sweep run in rounds the median round (`--all-measurements` shows every one, one row "
+            "per run).",
             "",
         ]
     lines += [T.LEGEND, ""]

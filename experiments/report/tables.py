@@ -229,6 +229,14 @@ def speed_table(df: pd.DataFrame) -> Section:
         "IQR n/a = one timed block, so no spread was measured.",
     )
     df = df.assign(time_ms=t["time_s"] * 1e3, iqr_ms=t["iqr_s"] * 1e3, unstable=t["unstable"])
+    both = df["mode"] == "fwd_bwd"
+    rounds_min = _col(df, "fwd_bwd_rounds_min_s").where(both, _col(df, "fwd_rounds_min_s"))
+    rounds_max = _col(df, "fwd_bwd_rounds_max_s").where(both, _col(df, "fwd_rounds_max_s"))
+    if _col(df, "rounds").notna().any():
+        sec.note += (
+            " Measured in rounds: each cell is the round with the median time; speed.csv gives the "
+            "range across rounds (rounds_min_ms, rounds_max_ms)."
+        )
     for title, sub in groups(df, keys):
         sec.parts.append(
             (f"{title}: median time, ms (IQR)", pivot_cells(sub, _value_cell(_time_text))),
@@ -257,6 +265,9 @@ def speed_table(df: pd.DataFrame) -> Section:
             "q1_ms": t["q1_s"] * 1e3,
             "q3_ms": t["q3_s"] * 1e3,
             "graph_ms": _col(df, "fwd_graph_median_s") * 1e3,
+            "rounds": _col(df, "rounds"),
+            "rounds_min_ms": rounds_min * 1e3,
+            "rounds_max_ms": rounds_max * 1e3,
             "gflops_per_s": _col(df, "gflops_per_s"),
             "pct_of_gemm": pct_of_gemm(df),
             "gemm_gflops_per_s": _col(df, "roofline_gemm_flops_per_s") / 1e9,

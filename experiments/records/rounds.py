@@ -1,0 +1,63 @@
+"""Rounds: a sweep run several times over (``round=0,1,2`` as its first sweep parameter), so that
+each configuration is measured at several moments minutes apart; tables show the median round.
+
+Why: on a shared machine the speed drifts over minutes. On this project's 2-core VM whole jobs of
+the quick sweep ran 15-30% slower in one run than in the next while their own IQR stayed within
+10%; no repetition inside one job can see that. Rounds interleave the repetitions with the rest of
+the sweep, as airspeed velocity's ``rounds`` do, so a slow minute hits one round of a configuration,
+not all of them.
+
+A configuration's rounds are the newest record of each ``round`` measured with the same code as its
+newest record (a resumed sweep keeps the rounds it had; rounds from older code are left out).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+#: timing figures that get their range across rounds (``<fig>_rounds_min_s``, ``_rounds_max_s``)
+TIMED = ("fwd", "bwd", "fwd_bwd", "fwd_graph")
+
+
+def main_time(df: pd.DataFrame) -> pd.Series:
+    """The time a round is ranked by: forward+backward for fwd_bwd jobs, else the forward."""
+    return _num(df, "fwd_bwd_median_s").where(df["mode"] == "fwd_bwd", _num(df, "fwd_median_s"))
+
+
+def _num(df: pd.DataFrame, col: str) -> pd.Series:
+    return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(np.nan, index=df.index)
+
+
+def shown_rows(df: pd.DataFrame, cell_keys: list[str], newest: pd.Series) -> tuple[pd.Series, pd.DataFrame]:
+    """Which row tables show per configuration (``cell_keys``), and the round columns to add.
+
+    ``newest``: the newest row per configuration and round. Of a configuration with several ``ok``
+    rounds, the row shown is the one with the median :func:`main_time` (the lower middle for an even
+    count); otherwise its newest row. Returns the mask and a frame (same index) with ``rounds`` and
+    each timing figure's min and max across the rounds, filled on the shown rows only.
+    """
+    shown = pd.Series(False, index=df.index)
+    extra = pd.DataFrame(index=df.index, columns=["rounds"], dtype="float64")
+    latest = df[newest]
+    order = latest.sort_values(["started_at", "finished_at", "path"], na_position="first")
+    time = main_time(latest)
+    for _, cell in order.groupby(cell_keys, dropna=False, sort=False):
+        last = cell.index[-1]
+        code = cell.get("env_code_version")
+        if code is not None:  # only rounds measured with the newest record's code
+            cell = cell[(code == code.loc[last]) | (code.isna() & pd.isna(code.loc[last]))]
+        ok = cell[(cell["status"] == "ok") & time.loc[cell.index].notna()]
+        if len(ok) < 2:
+            shown[last] = True
+            continue
+        ranked = time.loc[ok.index].sort_values(kind="stable")
+        pick = ranked.index[(len(ranked) - 1) // 2]
+        shown[pick] = True
+        extra.loc[pick, "rounds"] = len(ok)
+        for p in TIMED:
+            vals = _num(ok, f"{p}_median_s").dropna()
+            if len(vals):
+                extra.loc[pick, f"{p}_rounds_min_s"] = float(vals.min())
+                extra.loc[pick, f"{p}_rounds_max_s"] = float(vals.max())
+    return shown, extra
