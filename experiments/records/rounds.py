@@ -13,6 +13,8 @@ newest record (a resumed sweep keeps the rounds it had; rounds from older code a
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
@@ -29,16 +31,25 @@ def _num(df: pd.DataFrame, col: str) -> pd.Series:
     return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(np.nan, index=df.index)
 
 
-def shown_rows(df: pd.DataFrame, cell_keys: list[str], newest: pd.Series) -> tuple[pd.Series, pd.DataFrame]:
-    """Which row tables show per configuration (``cell_keys``), and the round columns to add.
+#: per timing figure, the fields that come with its median round
+_FIELDS = ("median_s", "q1_s", "q3_s", "iqr_s", "unstable", "samples", "reps", "cpu_per_wall")
+
+
+def shown_rows(
+    df: pd.DataFrame, cell_keys: list[str], newest: pd.Series
+) -> tuple[pd.Series, dict[str, dict[Any, Any]]]:
+    """Which row tables show per configuration (``cell_keys``), and the values to set on it.
 
     ``newest``: the newest row per configuration and round. Of a configuration with several ``ok``
     rounds, the row shown is the one with the median :func:`main_time` (the lower middle for an even
-    count); otherwise its newest row. Returns the mask and a frame (same index) with ``rounds`` and
-    each timing figure's min and max across the rounds, filled on the shown rows only.
+    count), so its derived figures (FLOP/s, tokens/s) go with its time; every other timing figure
+    (the forward and backward of a fwd_bwd job) is set to its own median round's value, with that
+    round's quartiles and stability. Otherwise the newest row is shown as it is. Returns the mask and
+    ``{column: {row index: value}}``: those figures, ``rounds`` and each timing figure's min and max
+    across the rounds (``<fig>_rounds_min_s``, ``<fig>_rounds_max_s``).
     """
     shown = pd.Series(False, index=df.index)
-    extra = pd.DataFrame(index=df.index, columns=["rounds"], dtype="float64")
+    values: dict[str, dict[Any, Any]] = {}
     latest = df[newest]
     order = latest.sort_values(["started_at", "finished_at", "path"], na_position="first")
     time = main_time(latest)
@@ -51,13 +62,23 @@ def shown_rows(df: pd.DataFrame, cell_keys: list[str], newest: pd.Series) -> tup
         if len(ok) < 2:
             shown[last] = True
             continue
-        ranked = time.loc[ok.index].sort_values(kind="stable")
-        pick = ranked.index[(len(ranked) - 1) // 2]
+        pick = _median_index(time.loc[ok.index])
         shown[pick] = True
-        extra.loc[pick, "rounds"] = len(ok)
+        values.setdefault("rounds", {})[pick] = len(ok)
         for p in TIMED:
             vals = _num(ok, f"{p}_median_s").dropna()
-            if len(vals):
-                extra.loc[pick, f"{p}_rounds_min_s"] = float(vals.min())
-                extra.loc[pick, f"{p}_rounds_max_s"] = float(vals.max())
-    return shown, extra
+            if not len(vals):
+                continue
+            values.setdefault(f"{p}_rounds_min_s", {})[pick] = float(vals.min())
+            values.setdefault(f"{p}_rounds_max_s", {})[pick] = float(vals.max())
+            own = _median_index(vals)
+            for field in _FIELDS:
+                if f"{p}_{field}" in df:
+                    values.setdefault(f"{p}_{field}", {})[pick] = df.at[own, f"{p}_{field}"]
+    return shown, values
+
+
+def _median_index(s: pd.Series) -> Any:
+    """The index of the median value of ``s`` (the lower middle for an even count)."""
+    ranked = s.sort_values(kind="stable")
+    return ranked.index[(len(ranked) - 1) // 2]

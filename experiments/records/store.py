@@ -241,9 +241,15 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
     df["variant"] = variant_labels(df).astype(str)
     # records from before rounds existed are round 0
     df["round"] = pd.to_numeric(df.get("round", 0), errors="coerce").fillna(0).astype("Int64")
-    df["newest"], extra = shown_rows(df, CELL_KEYS, newest_mask(df, [*CELL_KEYS, "round"]))
-    for col in extra:
-        df[col] = extra[col]
+    df["newest"], values = shown_rows(df, CELL_KEYS, newest_mask(df, [*CELL_KEYS, "round"]))
+    for col, by_row in values.items():  # a sweep run in rounds: its median figures on the shown row
+        if col not in df:
+            df[col] = pd.Series(None, index=df.index, dtype=object)
+        elif df[col].dtype != object:
+            df[col] = df[col].astype(object)  # a bool or int may land in a float column
+        for i, v in by_row.items():
+            df.at[i, col] = v
+        df[col] = df[col].infer_objects()
     return df
 
 
