@@ -13,6 +13,8 @@
 # Accounting (slurmdbd on MariaDB) is not optional here: without it submitit cannot see a job that
 # died before writing its result, and waits for it forever.
 set -euo pipefail
+# runuser, mysqld and the Slurm daemons live in sbin, which a non-login shell's PATH may lack
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 
 CLUSTER=attnbench
 HOST=$(hostname -s)
