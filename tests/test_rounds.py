@@ -108,3 +108,10 @@ def test_round_enters_the_hash_only_when_not_zero():
     without = {k: v for k, v in r["config"].items() if k != "round"}
     assert config_hash(r["config"]) == config_hash(without)  # records from before rounds still resume
     assert config_hash({**r["config"], "round": 1}) != config_hash(r["config"])
+
+
+def test_records_from_before_rounds_load_as_round_zero():
+    old = record(0, 0.030, 0.001, 10)
+    del old["config"]["round"]  # written before the knob existed
+    _, rows = shown([old])
+    assert rows["round"].tolist() == [0] and rows["fwd_bwd_median_s"].tolist() == [0.030]

@@ -240,7 +240,9 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
     df["variant_key"] = df["variant_target"].astype(str) + df["knobs"].astype(str)
     df["variant"] = variant_labels(df).astype(str)
     # records from before rounds existed are round 0
-    df["round"] = pd.to_numeric(df.get("round", 0), errors="coerce").fillna(0).astype("Int64")
+    if "round" not in df:
+        df["round"] = 0
+    df["round"] = pd.to_numeric(df["round"], errors="coerce").fillna(0).astype("Int64")
     df["newest"], values = shown_rows(df, CELL_KEYS, newest_mask(df, [*CELL_KEYS, "round"]))
     for col, by_row in values.items():  # a sweep run in rounds: its median figures on the shown row
         if col not in df:
