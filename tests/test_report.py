@@ -430,3 +430,18 @@ def test_two_hosts_merge_into_one_report_without_mixing_their_figures(sweep, tmp
         for h, t in times
     }
     assert by_host["beta"] == pytest.approx(3 * by_host["alpha"], rel=0.01)  # each cell is one machine's
+
+
+@pytest.mark.parametrize(
+    "cpu_per_wall, device, marked", [(1.3, "cpu", True), (1.95, "cpu", False), (1.3, "cuda", False)]
+)
+def test_a_cpu_time_whose_threads_were_off_their_cores_is_marked(cpu_per_wall, device, marked):
+    from tests.test_rounds import record
+
+    rec = record(0, 0.105, 0.02, 10)
+    rec["config"].update(threads=2, device=device)
+    rec["figures"].update(fwd_bwd_cpu_per_wall=cpu_per_wall, threads=2)
+    speed = T.speed_table(T.select(store.to_frame([rec])))
+    text = speed.parts[0][1].iloc[0, 0]
+    assert text.startswith("105") and text.endswith(" *") == marked, text
+    assert speed.data["cpu_per_wall"].tolist() == [cpu_per_wall]

@@ -23,6 +23,11 @@ from ..records.store import CELL_KEYS, WORKLOAD, is_false, status_counts
 #: above this many cores' worth of other processes' work (``others_cpu_cores``, see
 #: :mod:`experiments.measure.machine_load`), a job's times are flagged as measured beside other work
 LOADED_CORES = 0.5
+#: a CPU figure whose process ran on fewer than this share of its threads' cores (CPU time over wall
+#: time, ``<fig>_cpu_per_wall``) is flagged too: its threads waited, or other work pushed them off
+#: (on the 2-core VM sdpa fwd+bwd at N=1024 ran at 1.32 cores, 105 ms with an IQR of 28%, while the
+#: kernel reclaimed memory after an OOM kill)
+ON_CORES = 0.9
 
 GROUP_BASE = ["device", "dtype", "mode"]
 # shown in a group's title only when they vary in the data
@@ -40,8 +45,11 @@ LEGEND = (
     f"correctness check failed, so its figures are not shown; `{NO_RECORD}` = no job was run there; "
     f"a time marked `*` was measured beside other work: other jobs of this suite measuring on the "
     f"same host (`concurrent_jobs`), or other processes keeping more than {LOADED_CORES:g} CPU cores "
-    "busy on average (`others_cpu_cores`); it may be inflated. `unstable`: the timed runs never reached "
-    "an IQR within 10% of the median (or fewer than 4 samples) in the figure's time budget."
+    f"busy on average (`others_cpu_cores`), or, on a CPU, its threads were on their cores less than "
+    f"{ON_CORES:.0%} of the time (process CPU time over wall time, `<fig>_cpu_per_wall`, against its "
+    "thread count: they waited, or other work pushed them off); it may be inflated. `unstable`: the "
+    "timed runs never reached an IQR within 10% of the median (or fewer than 4 samples) in the "
+    "figure's time budget."
 )
 
 
@@ -87,12 +95,14 @@ def usable(df: pd.DataFrame) -> pd.Series:
 
 
 def mode_times(df: pd.DataFrame) -> pd.DataFrame:
-    """``time_s``, ``iqr_s``, ``q1_s``, ``q3_s`` and ``unstable`` of each row's own mode (fwd or fwd_bwd)."""
-    out = pd.DataFrame(index=df.index, columns=["time_s", "iqr_s", "q1_s", "q3_s"], dtype=float)
+    """``time_s``, ``iqr_s``, ``q1_s``, ``q3_s``, ``cpu_per_wall`` and ``unstable`` of each row's own
+    mode (fwd or fwd_bwd)."""
+    cols = ["time_s", "iqr_s", "q1_s", "q3_s", "cpu_per_wall"]
+    out = pd.DataFrame(index=df.index, columns=cols, dtype=float)
     out["unstable"] = False
     for mode in df["mode"].dropna().unique():
         rows = df["mode"] == mode
-        for col in ["time_s", "iqr_s", "q1_s", "q3_s"]:
+        for col in cols:
             src = f"{mode}_{col.replace('time', 'median')}"
             if src in df:
                 out.loc[rows, col] = pd.to_numeric(df.loc[rows, src], errors="coerce")
@@ -228,7 +238,12 @@ def speed_table(df: pd.DataFrame) -> Section:
         FLOPS_NOTE + " Time: median of the timed runs of the mode, in ms, with the interquartile range; "
         "IQR n/a = one timed block, so no spread was measured.",
     )
-    df = df.assign(time_ms=t["time_s"] * 1e3, iqr_ms=t["iqr_s"] * 1e3, unstable=t["unstable"])
+    df = df.assign(
+        time_ms=t["time_s"] * 1e3,
+        iqr_ms=t["iqr_s"] * 1e3,
+        unstable=t["unstable"],
+        cpu_per_wall=t["cpu_per_wall"],
+    )
     both = df["mode"] == "fwd_bwd"
     rounds_min = _col(df, "fwd_bwd_rounds_min_s").where(both, _col(df, "fwd_rounds_min_s"))
     rounds_max = _col(df, "fwd_bwd_rounds_max_s").where(both, _col(df, "fwd_rounds_max_s"))
@@ -273,6 +288,7 @@ def speed_table(df: pd.DataFrame) -> Section:
             "gemm_gflops_per_s": _col(df, "roofline_gemm_flops_per_s") / 1e9,
             "tokens_per_s": _col(df, "tokens_per_s"),
             "flops": _col(df, "flops"),
+            "cpu_per_wall": df["cpu_per_wall"],
             "others_cpu_cores": _col(df, "others_cpu_cores"),
             "concurrent_jobs": _col(df, "concurrent_jobs"),
         },
@@ -299,10 +315,17 @@ def _time_text(row: pd.Series) -> str:
     busy = pd.to_numeric(row.get("others_cpu_cores"), errors="coerce")
     beside = pd.to_numeric(row.get("concurrent_jobs"), errors="coerce")
     loaded = (pd.notna(busy) and busy > LOADED_CORES) or (pd.notna(beside) and beside > 0)
-    mark = " *" if loaded else ""
+    mark = " *" if loaded or _off_cores(row) else ""
     if row.get("unstable") is True:
         mark += " unstable"
     return f"{num(row['time_ms'])} ({spread}){mark}"
+
+
+def _off_cores(row: pd.Series) -> bool:
+    """A CPU figure whose threads were on their cores less than :data:`ON_CORES` of its wall time."""
+    threads = pd.to_numeric(row.get("fig_threads", row.get("threads")), errors="coerce")
+    cpw = pd.to_numeric(row.get("cpu_per_wall"), errors="coerce")
+    return row.get("device") == "cpu" and pd.notna(threads) and pd.notna(cpw) and cpw < ON_CORES * threads
 
 
 def _col(df: pd.DataFrame, name: str) -> pd.Series:
