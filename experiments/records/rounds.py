@@ -22,13 +22,14 @@ import pandas as pd
 TIMED = ("fwd", "bwd", "fwd_bwd", "fwd_graph")
 
 
+def numeric(df: pd.DataFrame, col: str) -> pd.Series:
+    """Column ``col`` as numbers (NaN where missing or not a number; all NaN without such a column)."""
+    return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(np.nan, index=df.index)
+
+
 def main_time(df: pd.DataFrame) -> pd.Series:
     """The time a round is ranked by: forward+backward for fwd_bwd jobs, else the forward."""
-    return _num(df, "fwd_bwd_median_s").where(df["mode"] == "fwd_bwd", _num(df, "fwd_median_s"))
-
-
-def _num(df: pd.DataFrame, col: str) -> pd.Series:
-    return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(np.nan, index=df.index)
+    return numeric(df, "fwd_bwd_median_s").where(df["mode"] == "fwd_bwd", numeric(df, "fwd_median_s"))
 
 
 #: per timing figure, the fields that come with its median round
@@ -48,8 +49,10 @@ def shown_rows(
     ``{column: {row index: value}}``: those figures, ``rounds`` and each timing figure's min and max
     across the rounds (``<fig>_rounds_min_s``, ``<fig>_rounds_max_s``).
     """
-    shown = pd.Series(False, index=df.index)
     values: dict[str, dict[Any, Any]] = {}
+    if not (df["round"] > 0).any():  # no sweep in rounds: one newest row per configuration
+        return newest, values
+    shown = pd.Series(False, index=df.index)
     latest = df[newest]
     order = latest.sort_values(["started_at", "finished_at", "path"], na_position="first")
     time = main_time(latest)
@@ -66,7 +69,7 @@ def shown_rows(
         shown[pick] = True
         values.setdefault("rounds", {})[pick] = len(ok)
         for p in TIMED:
-            vals = _num(ok, f"{p}_median_s").dropna()
+            vals = numeric(ok, f"{p}_median_s").dropna()
             if not len(vals):
                 continue
             values.setdefault(f"{p}_rounds_min_s", {})[pick] = float(vals.min())

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..records.rounds import numeric as _col
 from ..records.store import CELL_KEYS, WORKLOAD, is_false, status_counts
 
 #: above this many cores' worth of other processes' work (``others_cpu_cores``, see
@@ -326,10 +327,6 @@ def _off_cores(row: pd.Series) -> bool:
     threads = pd.to_numeric(row.get("fig_threads", row.get("threads")), errors="coerce")
     cpw = pd.to_numeric(row.get("cpu_per_wall"), errors="coerce")
     return row.get("device") == "cpu" and pd.notna(threads) and pd.notna(cpw) and cpw < ON_CORES * threads
-
-
-def _col(df: pd.DataFrame, name: str) -> pd.Series:
-    return pd.to_numeric(df[name], errors="coerce") if name in df else pd.Series(np.nan, index=df.index)
 
 
 def bandwidth_table(df: pd.DataFrame) -> Section:
