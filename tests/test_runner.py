@@ -20,6 +20,7 @@ from omegaconf.errors import ValidationError
 import variants
 from experiments.measure.common import build_variant
 from experiments.measure.kernel import measure, precheck
+from experiments.measure.machine_load import settle
 from experiments.measure.spec import JobSpec
 from experiments.records.environment import variant_code_version
 from experiments.records.records import find_existing, read_records, write_record
@@ -558,6 +559,33 @@ def test_jobs_record_how_busy_the_rest_of_the_machine_was():
     # one spinning process is one core (what else runs on the machine can only add to it)
     assert 0.6 < busy["others_cpu_cores"] <= os.cpu_count()
     assert busy["load_avg_1m"] >= 0
+
+
+def test_settle_waits_while_other_processes_keep_cores_busy():
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        waited, busy = settle(1.0, others_limit=0.5, scans=lambda: 0)
+        took = time.perf_counter() - t0
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    # two spinning processes keep at least one core busy (two, where there are two to give)
+    assert busy is not None and "other cores busy" in busy, busy
+    assert 0.75 <= waited <= took < 2.0  # gave up after about max_wait_s, not at once and not later
+
+
+def test_settle_waits_out_memory_reclaim_and_returns_once_quiet():
+    counts = iter([0, 10, 10, 20, 20, 20, 20, 20])  # reclaim scanned in the first two windows only
+    lots = os.cpu_count() + 1  # more cores than the machine has: other processes never count as busy
+    waited, busy = settle(30.0, others_limit=lots, window_s=0.05, scans=lambda: next(counts))
+    assert busy is None
+    assert 0.15 <= waited < 5.0  # three windows: two with reclaim, then a quiet one
+    waited, busy = settle(0.12, others_limit=lots, window_s=0.05, scans=iter(range(0, 100, 5)).__next__)
+    assert busy is not None and busy.startswith("memory reclaim (5 pages scanned"), busy
+    assert settle(0, others_limit=lots)[0] == 0.0  # settle_s=0: no wait
 
 
 def test_joblib_launcher_runs_a_sweep(tmp_path):

@@ -8,13 +8,16 @@ import sys
 import time
 
 import pytest
+import torch.utils.benchmark as tbench
 
 from experiments.measure.timing import (
     MIN_SAMPLES,
+    SLOW_SAMPLES,
     WARMUP_FAULT_PAGES,
     WARMUP_MAX_CALLS,
     budget_s,
     is_stable,
+    quartiles,
     time_cpu,
     warm_up,
 )
@@ -27,10 +30,27 @@ def test_stability_needs_samples_and_a_narrow_spread():
     assert is_stable([1.0, 1.01, 1.02, 1.03, 1.04])
 
 
+def test_quartiles_are_linear_like_numpy_and_torch_timer():
+    import numpy as np
+
+    rng = random.Random(0)
+    for n in (2, 4, 5, 8, 31):
+        xs = [rng.uniform(1, 2) for _ in range(n)]
+        assert quartiles(xs) == pytest.approx(tuple(np.quantile(xs, [0.25, 0.5, 0.75])))
+    # torch's Timer stops once its IQR (torch.quantile, linear) is small: the figure agrees with it
+    five = [0.70, 0.70, 0.71, 0.72, 1.50]
+    assert is_stable(five)
+    m = tbench.Measurement(number_per_run=1, raw_times=five, task_spec=tbench.Timer("pass")._task_spec)
+    assert m.meets_confidence(threshold=0.10)
+
+
 def test_budget_stretches_for_slow_calls():
     assert budget_s(0.2, 0.001) == 1.0  # five times min_run_time
-    assert budget_s(0.2, 2.0) == (MIN_SAMPLES + 0.5) * 2.0  # room for the samples of a slow call
-    assert budget_s(0.2, 100.0) == (MIN_SAMPLES + 0.5) * 100.0  # never too short for them
+    assert budget_s(0.2, 2.0) == (SLOW_SAMPLES + 0.5) * 2.0  # room for the samples of a slow call
+    assert budget_s(0.2, 100.0) == (SLOW_SAMPLES + 0.5) * 100.0  # never too short for them
+    # why a slow figure may take that many: one slow call in four samples is in the IQR, in eight not
+    assert not is_stable([1.0] * (MIN_SAMPLES - 1) + [2.0])
+    assert is_stable([1.0] * (SLOW_SAMPLES - 1) + [2.0])
 
 
 def _faulting_call(faulting_calls: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -60,3 +61,47 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (OSError, AttributeError):
         return None
+
+
+def reclaim_scans() -> int | None:
+    """Pages the kernel has scanned to reclaim memory since boot (``pgscan_*`` in ``/proc/vmstat``),
+    or None where there is no such count."""
+    try:
+        with open("/proc/vmstat") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith("pgscan_"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def settle(
+    max_wait_s: float,
+    others_limit: float = 0.5,
+    window_s: float = 0.25,
+    scans: Callable[[], int | None] = reclaim_scans,
+) -> tuple[float, str | None]:
+    """Wait until the machine is quiet: over one ``window_s``, other processes kept at most
+    ``others_limit`` cores busy and the kernel scanned no page for reclaim. Gives up after
+    ``max_wait_s``. Returns the seconds waited and, if it gave up, what was still busy (None when
+    quiet). Off Linux it returns at once.
+
+    Why: after a job that ran the machine out of memory (naive at N=16384), the kernel's reclaim ran on
+    into the next jobs, whose threads then had 1.32-1.82 of their 2 cores (sdpa fwd+bwd at N=1024:
+    IQR 28% of the median). A job should start on a machine that is not still cleaning up.
+    """
+    t0 = time.perf_counter()
+    if max_wait_s <= 0 or _machine_busy() is None:
+        return 0.0, None
+    while True:
+        start, scanned0 = snapshot(), scans()
+        time.sleep(window_s)
+        others, scanned = others_cores(start, snapshot()), scans()
+        busy = []
+        if others is not None and others > others_limit:
+            busy.append(f"{others:.1f} other cores busy")
+        if scanned0 is not None and scanned is not None and scanned > scanned0:
+            busy.append(f"memory reclaim ({scanned - scanned0} pages scanned in {window_s:g} s)")
+        waited = time.perf_counter() - t0
+        if not busy:
+            return waited, None
+        if waited + window_s > max_wait_s:
+            return waited, ", ".join(busy)

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..measure.kernel import measure
 from ..measure.spec import JobSpec
-from .allocator import keep_freed_memory
+from .allocator import set_job_allocator_env
 from .concurrency import pid_alive
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -66,7 +66,7 @@ def context_for(device: str) -> Any:
     """The multiprocessing context a job on ``device`` runs in: the GPU-free fork server for CPU
     jobs, spawn for CUDA jobs and where there is no fork server. Processes it starts keep the memory
     torch frees (:mod:`experiments.sweep.allocator`)."""
-    keep_freed_memory()  # before the fork server or a spawned child exists: read at process start
+    set_job_allocator_env()  # before the fork server or a spawned child exists: read at process start
     if device == "cpu" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["experiments.sweep.cpu_forkserver"])

@@ -23,10 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registered_name
 
+from ..measure.machine_load import settle
 from ..measure.spec import JobSpec
 from ..records.environment import environment, variant_code_version
 from ..records.records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
-from .allocator import keep_freed_memory
+from .allocator import set_job_allocator_env
 from .allocator import settings as malloc_settings
 from .concurrency import measuring
 from .progress import following, say
@@ -221,7 +222,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     env["variant_code"] = variant_code_version(cls)
     env["launcher"] = _launcher_name(hc)
     if conf.isolate:
-        keep_freed_memory()  # what the job's process will start with (isolation.context_for sets it too)
+        set_job_allocator_env()  # what the job's process will start with (isolation.context_for sets it too)
     env["malloc"] = malloc_settings(conf.isolate)
 
     existing = find_existing(records_dir, chash, env) if conf.resume else None
@@ -242,6 +243,11 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     if result is None:
         from .isolation import run_inline, run_isolated
 
+        waited, busy = settle(conf.settle_s)
+        if busy:
+            say(f"[{label}] the machine did not go quiet in {waited:.0f} s ({busy}); measuring anyway")
+        elif waited > 2:
+            say(f"[{label}] waited {waited:.0f} s for the machine to go quiet")
         with measuring() as concurrent:  # other jobs measuring on this host meanwhile
             if conf.isolate:
 
@@ -251,7 +257,9 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
                 result = run_isolated(spec, conf.timeout_s, roofline=want_roof, heartbeat=alive)
             else:
                 result = run_inline(spec, roofline=want_roof)
-            result.setdefault("figures", {})["concurrent_jobs"] = concurrent()
+            figures = result.setdefault("figures", {})
+            figures["concurrent_jobs"] = concurrent()
+            figures["settle_wait_s"], figures["settle_busy"] = waited, busy
     roof = result.get("roofline")
     if roof and "error" not in roof:
         write_json_atomic(roof_path, roof)

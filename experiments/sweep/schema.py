@@ -22,6 +22,7 @@ class BenchConfig(JobSpec):
     roofline: bool = True  # measure the device's GEMM FLOP/s and copy bandwidth once per sweep
     isolate: bool = True  # run each job in its own child process
     timeout_s: float = 600.0  # per job, with isolation
+    settle_s: float = 10.0  # before each job, wait up to this long for other work and memory reclaim to stop
     round: int = 0  # which repetition of a sweep run in rounds (round=0,1,2): tables show the median round
     resume: bool = True  # skip configs whose record (same code, same host) exists
     records_dir: str = "outputs/records"
@@ -60,6 +61,8 @@ def validate(conf: BenchConfig) -> None:
         )
     if conf.kv_heads is not None and conf.heads % conf.kv_heads:
         raise ValueError(f"kv_heads must divide heads, got heads={conf.heads}, kv_heads={conf.kv_heads}")
+    if conf.settle_s < 0:
+        raise ValueError(f"settle_s must be >= 0 (0: do not wait), got {conf.settle_s}")
     if conf.round < 0:
         raise ValueError(f"round must be >= 0, got {conf.round}")
     if conf.bias not in BIASES:
