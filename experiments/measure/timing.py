@@ -104,7 +104,7 @@ def quartiles(times: list[float]) -> tuple[float, float, float]:
     sorted values (numpy's and ``torch.quantile``'s default, so the rule by which ``Timer`` stops
     and the figure's own IQR agree: of five samples, one slow one is outside the IQR by both)."""
     if len(times) == 1:
-        return (times[0],) * 3  # type: ignore[return-value]
+        return times[0], times[0], times[0]
     q1, med, q3 = statistics.quantiles(times, n=4, method="inclusive")
     return q1, med, q3
 
