@@ -586,6 +586,15 @@ def test_settle_waits_out_memory_reclaim_and_returns_once_quiet():
     waited, busy = settle(0.12, others_limit=lots, window_s=0.05, scans=iter(range(0, 100, 5)).__next__)
     assert busy is not None and busy.startswith("memory reclaim (5 pages scanned"), busy
     assert settle(0, others_limit=lots)[0] == 0.0  # settle_s=0: no wait
+    # other jobs of the suite measuring beside it (a parallel launcher): no wait, however busy
+    waited, busy = settle(
+        30.0,
+        others_limit=lots,
+        window_s=0.05,
+        scans=iter(range(0, 100, 5)).__next__,
+        side_by_side=lambda: True,
+    )
+    assert busy is None and waited < 0.05
 
 
 def test_joblib_launcher_runs_a_sweep(tmp_path):

@@ -29,7 +29,7 @@ from ..records.environment import environment, variant_code_version
 from ..records.records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
 from .allocator import set_job_allocator_env
 from .allocator import settings as malloc_settings
-from .concurrency import measuring
+from .concurrency import measuring, others_measuring
 from .progress import following, say
 from .schema import BenchConfig, register_schema, validate
 
@@ -243,7 +243,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     if result is None:
         from .isolation import run_inline, run_isolated
 
-        waited, busy = settle(conf.settle_s)
+        waited, busy = settle(conf.settle_s, side_by_side=lambda: others_measuring() > 0)
         if busy:
             say(f"[{label}] the machine did not go quiet in {waited:.0f} s ({busy}); measuring anyway")
         elif waited > 2:
