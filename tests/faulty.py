@@ -54,3 +54,23 @@ class NeedsHiddenGpuAttention(NaiveAttention):
         if visible != "":
             raise RuntimeError(f"a GPU is visible: CUDA_VISIBLE_DEVICES={visible!r}")
         return super()._attend(q, k, v, **kw)
+
+
+class ShakyOnceAttention(NaiveAttention):
+    """Slower with every call in the first process that calls it (0.3 ms more each time: the
+    repetitions spread as widely as they go on, so no figure can be stable), steady in later ones:
+    a job with ``retry_unstable=1`` must come out stable. The first caller writes its pid to a
+    marker file, ``$ATTNBENCH_SHAKY_MARKER``."""
+
+    calls = 0
+
+    def _attend(self, q, k, v, **kw):
+        marker = os.environ["ATTNBENCH_SHAKY_MARKER"]
+        if not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+        with open(marker) as f:
+            if f.read() == str(os.getpid()):
+                ShakyOnceAttention.calls += 1
+                time.sleep(0.0003 * ShakyOnceAttention.calls)
+        return super()._attend(q, k, v, **kw)

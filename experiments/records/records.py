@@ -12,7 +12,17 @@ from typing import Any
 SCHEMA_VERSION = 1
 
 # config fields that say how to run a job, not what is measured: they do not enter the hash
-_NOT_HASHED = {"records_dir", "isolate", "timeout_s", "settle_s", "resume", "progress", "report", "roofline"}
+_NOT_HASHED = {
+    "records_dir",
+    "isolate",
+    "timeout_s",
+    "settle_s",
+    "retry_unstable",
+    "resume",
+    "progress",
+    "report",
+    "roofline",
+}
 # fields added after records were committed: at their default (null) they are left out, so the configs
 # of older records hash as before and resume finds them
 _HASHED_UNLESS_NULL = {"kv_heads", "scale", "bias", "model", "pretrained"}

@@ -171,8 +171,8 @@ def _row(rec: dict[str, Any]) -> dict[str, Any]:
         if k == "variant":
             continue
         row[k] = json.dumps(v, sort_keys=True, default=str) if isinstance(v, (dict, list)) else v
-    for k, v in (rec.get("figures") or {}).items():
-        row[f"fig_{k}" if k in row else k] = v
+    for k, v in (rec.get("figures") or {}).items():  # lists (earlier_attempts) as JSON text, as in env
+        row[f"fig_{k}" if k in row else k] = json.dumps(v, default=str) if isinstance(v, (dict, list)) else v
     for k, v in (rec.get("env") or {}).items():
         row[f"env_{k}"] = json.dumps(v, default=str) if isinstance(v, (dict, list)) else v
     for k, v in (rec.get("roofline") or {}).items():  # the device's ceilings, measured in the sweep

@@ -292,8 +292,14 @@ def speed_table(df: pd.DataFrame) -> Section:
             "cpu_per_wall": df["cpu_per_wall"],
             "others_cpu_cores": _col(df, "others_cpu_cores"),
             "concurrent_jobs": _col(df, "concurrent_jobs"),
+            "attempts": _col(df, "attempts"),
         },
     )
+    if (_col(df, "attempts") > 1).any():
+        sec.note += (
+            " Some jobs were measured again because a figure of their first attempt was unstable "
+            "(retry_unstable); the times are the last attempt's, speed.csv counts them (attempts)."
+        )
     return sec
 
 

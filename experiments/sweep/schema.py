@@ -23,6 +23,7 @@ class BenchConfig(JobSpec):
     isolate: bool = True  # run each job in its own child process
     timeout_s: float = 600.0  # per job, with isolation
     settle_s: float = 10.0  # before each job, wait up to this long for other work and memory reclaim to stop
+    retry_unstable: int = 1  # times a job is measured again (fresh process) while a timing figure is unstable
     round: int = 0  # which repetition of a sweep run in rounds (round=0,1,2): tables show the median round
     resume: bool = True  # skip configs whose record (same code, same host) exists
     records_dir: str = "outputs/records"
@@ -63,6 +64,8 @@ def validate(conf: BenchConfig) -> None:
         raise ValueError(f"kv_heads must divide heads, got heads={conf.heads}, kv_heads={conf.kv_heads}")
     if conf.settle_s < 0:
         raise ValueError(f"settle_s must be >= 0 (0: do not wait), got {conf.settle_s}")
+    if conf.retry_unstable < 0:
+        raise ValueError(f"retry_unstable must be >= 0 (0: measure once), got {conf.retry_unstable}")
     if conf.round < 0:
         raise ValueError(f"round must be >= 0, got {conf.round}")
     if conf.bias not in BIASES:
