@@ -144,6 +144,11 @@ def _knobs(variant_cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sorted(variant_cfg.items()) if k not in _NOT_KNOBS}
 
 
+def _cell(v: Any, sort_keys: bool = False) -> Any:
+    """A record value as one frame cell: dicts and lists as JSON text (Parquet holds no mixed objects)."""
+    return json.dumps(v, sort_keys=sort_keys, default=str) if isinstance(v, (dict, list)) else v
+
+
 def _row(rec: dict[str, Any]) -> dict[str, Any]:
     """Flatten one record: config fields plain, figures plain (``fig_`` on a clash), env as ``env_*``."""
     cfg = rec.get("config") or {}
@@ -170,11 +175,11 @@ def _row(rec: dict[str, Any]) -> dict[str, Any]:
     for k, v in cfg.items():
         if k == "variant":
             continue
-        row[k] = json.dumps(v, sort_keys=True, default=str) if isinstance(v, (dict, list)) else v
-    for k, v in (rec.get("figures") or {}).items():  # lists (earlier_attempts) as JSON text, as in env
-        row[f"fig_{k}" if k in row else k] = json.dumps(v, default=str) if isinstance(v, (dict, list)) else v
+        row[k] = _cell(v, sort_keys=True)
+    for k, v in (rec.get("figures") or {}).items():  # e.g. earlier_attempts, a list, as JSON text
+        row[f"fig_{k}" if k in row else k] = _cell(v)
     for k, v in (rec.get("env") or {}).items():
-        row[f"env_{k}"] = json.dumps(v, default=str) if isinstance(v, (dict, list)) else v
+        row[f"env_{k}"] = _cell(v)
     for k, v in (rec.get("roofline") or {}).items():  # the device's ceilings, measured in the sweep
         row[f"roofline_{k}"] = v
     return row
