@@ -10,14 +10,18 @@ import time
 import pytest
 import torch.utils.benchmark as tbench
 
+from experiments.measure.machine_load import steal_fraction
 from experiments.measure.timing import (
     MIN_SAMPLES,
     SLOW_SAMPLES,
     WARMUP_FAULT_PAGES,
     WARMUP_MAX_CALLS,
+    Timing,
     budget_s,
     is_stable,
     quartiles,
+    still_warming,
+    time_backward,
     time_cpu,
     warm_up,
 )
@@ -87,3 +91,71 @@ def test_a_noisy_call_is_marked_unstable_and_cpu_per_wall_is_recorded():
     assert not t.stable
     assert t.samples >= 1 and t.median_s > 0
     assert t.cpu_per_wall is not None and t.cpu_per_wall < 0.5  # asleep, not on a core
+
+
+def _touch(pages: int) -> None:
+    """Write one byte to each of ``pages`` fresh anonymous pages: ``pages`` minor faults."""
+    with mmap.mmap(-1, pages * mmap.PAGESIZE) as m:
+        for i in range(pages):
+            m[i * mmap.PAGESIZE] = 1
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no page-fault count on Windows")
+def test_a_figure_counts_the_page_faults_of_its_calls():
+    def call() -> None:  # 64 fresh pages on every call, from the first to the last
+        _touch(64)
+
+    t = time_cpu(call, min_run_time=0.05)
+    assert t.page_faults is not None
+    assert t.page_faults >= 64 * t.reps  # every timed call faulted its 64 pages, at least
+
+
+def test_steal_is_the_stolen_share_of_all_cpu_time():
+    assert steal_fraction((10, 1000), (15, 1100)) == pytest.approx(0.05)
+    assert steal_fraction((10, 1000), (10, 1000)) is None  # no tick passed
+    assert steal_fraction(None, (10, 1000)) is None  # no steal count (not Linux)
+
+
+def test_still_warming_needs_an_unstable_figure_whose_calls_faulted():
+    steady = dict(median_s=1.0, q1_s=0.99, q3_s=1.01, reps=8, samples=8)
+    spread = dict(median_s=1.0, q1_s=0.8, q3_s=1.2, reps=8, samples=8)
+    assert still_warming(Timing(**spread, page_faults=WARMUP_FAULT_PAGES + 1))
+    assert not still_warming(Timing(**spread, page_faults=WARMUP_FAULT_PAGES))  # a few faults: noise
+    assert not still_warming(Timing(**spread, page_faults=None))  # no count: nothing known
+    assert not still_warming(Timing(**steady, page_faults=10 * WARMUP_FAULT_PAGES))  # stable: keep it
+
+
+def _backward_that_settles(shaky_s: float, faults: bool):
+    """A fake backward: its first call takes 3 ms; then, until ``shaky_s`` seconds of calls, 1 ms or
+    20 ms by turns (touching 4x the warm-up threshold of fresh pages each when ``faults``); then 3 ms."""
+    state = {"calls": 0, "spent": 0.0}
+
+    def backward(_graph: object) -> None:
+        t0 = time.perf_counter()
+        state["calls"] += 1
+        shaky = state["calls"] > 1 and state["spent"] < shaky_s
+        if shaky and faults:
+            _touch(4 * WARMUP_FAULT_PAGES)
+        time.sleep((0.001 if state["calls"] % 2 else 0.02) if shaky else 0.003)
+        state["spent"] += time.perf_counter() - t0  # as the timer counts it
+
+    return backward
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no page-fault count on Windows")
+def test_a_figure_that_ends_unstable_while_its_calls_fault_is_timed_again():
+    # the shaky calls last as long as the first window's budget (5 x 0.05 s): that window cannot end
+    # stable; they fault, so it was warm-up, and the second window sees the steady 3 ms
+    backward = _backward_that_settles(shaky_s=0.25, faults=True)
+    t = time_backward(lambda: None, backward, "cpu", min_run_time=0.05)
+    assert t.retimed == 1
+    assert t.stable
+    assert t.median_s == pytest.approx(0.003, rel=0.3)
+    assert t.page_faults is not None and t.page_faults <= 2 * 4 * WARMUP_FAULT_PAGES  # at most a straggler
+
+
+def test_an_unstable_figure_without_page_faults_is_not_timed_again():
+    backward = _backward_that_settles(shaky_s=10.0, faults=False)  # shaky all along, no fresh memory
+    t = time_backward(lambda: None, backward, "cpu", min_run_time=0.05)
+    assert t.retimed == 0
+    assert not t.stable

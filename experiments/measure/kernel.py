@@ -44,6 +44,9 @@ def _timing_fields(prefix: str, t: Timing | None) -> dict[str, float | int | Non
         f"{prefix}_samples": t.samples,
         f"{prefix}_unstable": not t.stable,  # too few samples, or an IQR above 10% of the median
         f"{prefix}_cpu_per_wall": t.cpu_per_wall,
+        f"{prefix}_page_faults": t.page_faults,
+        f"{prefix}_steal": t.steal,
+        f"{prefix}_retimed": t.retimed,
     }
 
 

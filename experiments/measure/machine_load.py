@@ -23,11 +23,19 @@ class Snapshot:
     own: int | None  # jiffies this process (all its threads) spent on a core
 
 
-def _machine_busy() -> int | None:
+def _cpu_fields() -> list[int] | None:
+    """The machine-wide ``cpu`` line of ``/proc/stat`` in jiffies: user nice system idle iowait irq
+    softirq steal ... (None off Linux)."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
+            return [int(x) for x in f.readline().split()[1:]]
     except (OSError, ValueError):
+        return None
+
+
+def _machine_busy() -> int | None:
+    fields = _cpu_fields()
+    if fields is None:
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     return sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal: guests are in user
@@ -53,6 +61,23 @@ def others_cores(start: Snapshot, end: Snapshot) -> float | None:
         return None
     others = (end.busy - start.busy) - (end.own - start.own)  # type: ignore[operator]
     return max(0.0, others / _HZ / (end.wall - start.wall))
+
+
+def steal_ticks() -> tuple[int, int] | None:
+    """``(stolen, all)`` jiffies of every core since boot: the time the hypervisor ran something else
+    on this virtual machine's cores, and all time (None off Linux or without a steal count)."""
+    fields = _cpu_fields()
+    if fields is None or len(fields) < 8:
+        return None
+    return fields[7], sum(fields[:8])
+
+
+def steal_fraction(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """The fraction of the machine's CPU time stolen by its hypervisor between two :func:`steal_ticks`
+    (None where either is None or no tick passed)."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return (end[0] - start[0]) / (end[1] - start[1])
 
 
 def load_average() -> float | None:

@@ -33,7 +33,19 @@ def main_time(df: pd.DataFrame) -> pd.Series:
 
 
 #: per timing figure, the fields that come with its median round
-_FIELDS = ("median_s", "q1_s", "q3_s", "iqr_s", "unstable", "samples", "reps", "cpu_per_wall")
+_FIELDS = (
+    "median_s",
+    "q1_s",
+    "q3_s",
+    "iqr_s",
+    "unstable",
+    "samples",
+    "reps",
+    "cpu_per_wall",
+    "page_faults",
+    "steal",
+    "retimed",
+)
 
 
 def shown_rows(

@@ -96,9 +96,9 @@ def usable(df: pd.DataFrame) -> pd.Series:
 
 
 def mode_times(df: pd.DataFrame) -> pd.DataFrame:
-    """``time_s``, ``iqr_s``, ``q1_s``, ``q3_s``, ``cpu_per_wall`` and ``unstable`` of each row's own
-    mode (fwd or fwd_bwd)."""
-    cols = ["time_s", "iqr_s", "q1_s", "q3_s", "cpu_per_wall"]
+    """``time_s``, ``iqr_s``, ``q1_s``, ``q3_s``, ``cpu_per_wall``, ``page_faults``, ``steal``,
+    ``retimed`` and ``unstable`` of each row's own mode (fwd or fwd_bwd)."""
+    cols = ["time_s", "iqr_s", "q1_s", "q3_s", "cpu_per_wall", "page_faults", "steal", "retimed"]
     out = pd.DataFrame(index=df.index, columns=cols, dtype=float)
     out["unstable"] = False
     for mode in df["mode"].dropna().unique():
@@ -290,6 +290,9 @@ def speed_table(df: pd.DataFrame) -> Section:
             "tokens_per_s": _col(df, "tokens_per_s"),
             "flops": _col(df, "flops"),
             "cpu_per_wall": df["cpu_per_wall"],
+            "page_faults": t["page_faults"],
+            "steal": t["steal"],
+            "retimed": t["retimed"],
             "others_cpu_cores": _col(df, "others_cpu_cores"),
             "concurrent_jobs": _col(df, "concurrent_jobs"),
             "attempts": _col(df, "attempts"),

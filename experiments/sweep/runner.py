@@ -283,7 +283,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
 
 
 #: what an earlier attempt leaves in the record: each timing figure's median, IQR, samples and stability
-_ATTEMPT_FIELDS = ("_median_s", "_iqr_s", "_samples", "_unstable", "_cpu_per_wall")
+_ATTEMPT_FIELDS = ("_median_s", "_iqr_s", "_samples", "_unstable", "_cpu_per_wall", "_page_faults", "_steal")
 
 
 def unstable_figures(figures: dict[str, Any]) -> list[str]:
