@@ -19,7 +19,7 @@ A CPU figure that ends unstable while its calls still page-faulted is timed once
 process (:attr:`Timing.retimed`): the heap was still growing, so those calls were warm-up the single-call
 rule of :func:`warm_up` did not see (sparse's forward with autograd at N=4096, one thread, 16 calls:
 after six calls that faulted at most one page at 86-108 ms, calls 10 and 12-15 faulted 150-1255
-pages each and took 99-196 ms; 16 more calls of it in the same process faulted none).
+pages each and took 99-196 ms; its 17 calls after those faulted at most one page each).
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def summarize(times: list[float]) -> Timing:
 
 def time_cpu(fn: Callable[[], object], min_run_time: float = 1.0, threads: int | None = None) -> Timing:
     """Time ``fn`` on the CPU with ``Timer.adaptive_autorange``: blocks of calls until the figure is
-    stable or its budget (:func:`budget_s`) is spent."""
+    stable or its budget (:func:`budget_s`) is spent; once more if its calls were still page-faulting
+    (:func:`still_warming`)."""
     one = warm_up(fn, min_run_time)  # and a first estimate of one call
     budget = budget_s(min_run_time, one)
     timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads or torch.get_num_threads())
@@ -258,7 +259,8 @@ def time_backward(
 
     A hand-written loop on purpose: ``Timer`` repeats one statement, and repeating a backward over a
     retained graph keeps every recomputed activation of checkpointed variants alive (O(N^2) memory
-    for ``additive``), which is not what one training step does.
+    for ``additive``), which is not what one training step does. On the CPU the window is timed once
+    more if its calls were still page-faulting (:func:`still_warming`).
     """
     if device == "cuda":
         return _time_backward_cuda(forward, backward, min_run_time, min_reps)
