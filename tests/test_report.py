@@ -114,6 +114,17 @@ def test_store_keeps_every_record_and_prints_counts(sweep, capsys):
         assert len(back) == len(df) and set(back["status"]) == set(df["status"])
 
 
+def test_a_share_above_the_sweeps_gemm_rate_is_explained(sweep):
+    tmp, _ = sweep
+    shown = T.select(store.load([tmp / "records"], verbose=False))
+    above = "percentage above 100"
+    measured = 100 * shown["gflops_per_s"] * 1e9 / shown["roofline_gemm_flops_per_s"]
+    assert (above in T.speed_table(shown).note) == bool((measured > 100).any())
+    # a ceiling measured in a slow moment: the kernels' own rate exceeds it, and the note says why
+    slow = shown.assign(roofline_gemm_flops_per_s=shown["gflops_per_s"].min() * 1e9 / 2)
+    assert above in T.speed_table(slow).note
+
+
 def test_table_numbers_equal_record_figures(sweep):
     tmp, _ = sweep
     df = store.load([tmp / "records"], verbose=False)

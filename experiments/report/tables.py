@@ -298,6 +298,12 @@ def speed_table(df: pd.DataFrame) -> Section:
             "attempts": _col(df, "attempts"),
         },
     )
+    if (pct_of_gemm(df) > 100).any():
+        sec.note += (
+            " A percentage above 100: the machine ran faster during that job than when the sweep "
+            "measured its GEMM rate (once, in its first job); where the machine's speed drifts, the "
+            "percentages are approximate."
+        )
     if (_col(df, "attempts") > 1).any():
         sec.note += (
             " Some jobs were measured again because a figure of their first attempt was unstable "
