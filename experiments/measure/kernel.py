@@ -24,7 +24,7 @@ from .inputs import DTYPES, Inputs, make_inputs
 from .machine_load import load_average, others_cores, snapshot
 from .memory import peak_bytes
 from .spec import Device, JobSpec, Mode
-from .timing import Timing, time_backward, time_call, time_cuda_graph
+from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_graph
 
 # above this many float64 bytes, the gradient check (which needs the whole oracle) is skipped
 GRAD_ORACLE_BYTES = 256 * 2**20
@@ -33,21 +33,8 @@ FULL_ORACLE_BYTES = 2 * 2**30
 
 
 def _timing_fields(prefix: str, t: Timing | None) -> dict[str, float | int | None]:
-    if t is None:
-        return {}
-    return {
-        f"{prefix}_median_s": t.median_s,
-        f"{prefix}_iqr_s": t.iqr_s,
-        f"{prefix}_q1_s": t.q1_s,
-        f"{prefix}_q3_s": t.q3_s,
-        f"{prefix}_reps": t.reps,
-        f"{prefix}_samples": t.samples,
-        f"{prefix}_unstable": not t.stable,  # too few samples, or an IQR above 10% of the median
-        f"{prefix}_cpu_per_wall": t.cpu_per_wall,
-        f"{prefix}_page_faults": t.page_faults,
-        f"{prefix}_steal": t.steal,
-        f"{prefix}_retimed": t.retimed,
-    }
+    """A timing figure's fields in a record: ``<prefix>_<field>`` for each of :data:`TIMING_FIELDS`."""
+    return {} if t is None else {f"{prefix}_{name}": getattr(t, name) for name in TIMING_FIELDS}
 
 
 def classify(exc: BaseException) -> tuple[str, str]:

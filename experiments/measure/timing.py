@@ -45,6 +45,22 @@ WARMUP_FAULT_PAGES = 256  # ... while a call still page-faults more than this ma
 # pages up to 512 MiB, but a warm heap of huge pages faults none at all)
 
 
+#: what a record keeps of each timing figure, as ``<fig>_<field>`` (attributes of :class:`Timing`)
+TIMING_FIELDS = (
+    "median_s",
+    "iqr_s",
+    "q1_s",
+    "q3_s",
+    "reps",
+    "samples",
+    "unstable",
+    "cpu_per_wall",
+    "page_faults",
+    "steal",
+    "retimed",
+)
+
+
 @dataclass
 class Timing:
     """Seconds per call: median and quartiles over ``samples`` samples of ``reps`` calls in all."""
@@ -62,6 +78,11 @@ class Timing:
     @property
     def iqr_s(self) -> float:
         return self.q3_s - self.q1_s
+
+    @property
+    def unstable(self) -> bool:
+        """Too few samples, or an IQR above ``STABLE_IQR`` of the median (``not stable``)."""
+        return not self.stable
 
     @property
     def stable(self) -> bool:

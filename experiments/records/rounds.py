@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..measure.timing import TIMING_FIELDS
+
 #: timing figures that get their range across rounds (``<fig>_rounds_min_s``, ``_rounds_max_s``)
 TIMED = ("fwd", "bwd", "fwd_bwd", "fwd_graph")
 
@@ -30,22 +32,6 @@ def numeric(df: pd.DataFrame, col: str) -> pd.Series:
 def main_time(df: pd.DataFrame) -> pd.Series:
     """The time a round is ranked by: forward+backward for fwd_bwd jobs, else the forward."""
     return numeric(df, "fwd_bwd_median_s").where(df["mode"] == "fwd_bwd", numeric(df, "fwd_median_s"))
-
-
-#: per timing figure, the fields that come with its median round
-_FIELDS = (
-    "median_s",
-    "q1_s",
-    "q3_s",
-    "iqr_s",
-    "unstable",
-    "samples",
-    "reps",
-    "cpu_per_wall",
-    "page_faults",
-    "steal",
-    "retimed",
-)
 
 
 def shown_rows(
@@ -87,7 +73,7 @@ def shown_rows(
             values.setdefault(f"{p}_rounds_min_s", {})[pick] = float(vals.min())
             values.setdefault(f"{p}_rounds_max_s", {})[pick] = float(vals.max())
             own = _median_index(vals)
-            for field in _FIELDS:
+            for field in TIMING_FIELDS:  # the fields that come with its median round
                 if f"{p}_{field}" in df:
                     values.setdefault(f"{p}_{field}", {})[pick] = df.at[own, f"{p}_{field}"]
     return shown, values
