@@ -10,9 +10,16 @@ from experiments.report import tables as T
 
 
 def record(
-    round_: int, fwd_bwd_s: float, fwd_s: float, hour: int, code: str = "c1", status: str = "ok"
+    round_: int,
+    fwd_bwd_s: float,
+    fwd_s: float,
+    hour: int,
+    code: str = "c1",
+    status: str = "ok",
+    canary_ms: float | None = None,
 ) -> dict:
-    """A fwd_bwd record of naive at N=256 measured in ``round_`` at ``hour`` o'clock with code ``code``."""
+    """A fwd_bwd record of naive at N=256 measured in ``round_`` at ``hour`` o'clock with code ``code``
+    (and a canary of ``canary_ms`` before and after it, if given)."""
     cfg = {
         "variant": {"_target_": "variants.naive.NaiveAttention"},
         "device": "cpu",
@@ -31,6 +38,8 @@ def record(
         {f"{p}_{q}_s": figures[f"{p}_median_s"] for p in ("fwd", "bwd", "fwd_bwd") for q in ("q1", "q3")}
     )
     figures["valid"] = True
+    if canary_ms is not None:
+        figures["canary_before_ms"] = figures["canary_after_ms"] = canary_ms
     return {
         "variant_name": "naive",
         "label": f"naive round {round_}",
@@ -115,3 +124,32 @@ def test_records_from_before_rounds_load_as_round_zero():
     del old["config"]["round"]  # written before the knob existed
     _, rows = shown([old])
     assert rows["round"].tolist() == [0] and rows["fwd_bwd_median_s"].tolist() == [0.030]
+
+
+def test_rounds_measured_while_the_machine_ran_slow_are_left_out_and_marked():
+    # canaries 20, 30 (1.5x: slow), 21 ms: the median of the usual rounds (10 and 40 ms fwd+bwd) is the
+    # lower one, 10 ms, not the slow round's 25 ms, which the median of all three would have shown
+    recs = [
+        record(0, 0.040, 0.001, 10, canary_ms=20.0),
+        record(1, 0.025, 0.001, 11, canary_ms=30.0),
+        record(2, 0.010, 0.001, 12, canary_ms=21.0),
+    ]
+    df, rows = shown(recs)
+    assert rows["fwd_bwd_median_s"].tolist() == [0.010] and rows["rounds"].tolist() == [2]
+    assert rows["fwd_bwd_rounds_max_s"].tolist() == [0.040]
+    assert df["machine_slowdown"].tolist() == pytest.approx([1.0, 1.5, 1.05])
+    speed = T.speed_table(T.select(df))
+    assert speed.parts[0][1].iloc[0, 0] == "10.0 (n/a)" and "`~`" in T.LEGEND
+    assert speed.data["machine_slowdown"].tolist() == pytest.approx([1.05])
+    # one usual round: shown as it is; every round slow (against a faster canary of another
+    # configuration): the median of all, marked
+    _, rows = shown(recs[:2])
+    assert rows["fwd_bwd_median_s"].tolist() == [0.040] and "rounds" not in rows
+    other = record(0, 0.5, 0.001, 9, canary_ms=10.0)
+    other["config"]["seq_len"] = 1024
+    other["config_hash"] = "other"
+    df, _ = shown([other, *recs])
+    speed = T.speed_table(T.select(df))
+    cells = speed.parts[0][1]
+    assert cells.loc[cells.index[0], "N=256"] == "25.0 (n/a) ~"  # 40, 25, 10 ms: 25; canaries 2-3x
+    assert not cells.loc[cells.index[0], "N=1024"].endswith("~")

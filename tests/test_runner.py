@@ -647,3 +647,20 @@ def test_an_unstable_job_is_measured_again_in_a_fresh_process(tmp_path, monkeypa
         assert list(speed.data["attempts"]) == [2] and "measured again" in speed.note
     else:
         assert f["fwd_unstable"] and "earlier_attempts" not in f
+
+
+def test_a_job_measured_while_the_machine_ran_slow_is_measured_again(tmp_path):
+    # the sweep's fastest canary so far is 1 us: every canary of this job is far slower than it, so its
+    # first attempt is measured again, and the second, the last allowed, is kept and says so
+    (tmp_path / "sweep").mkdir()
+    threads = 1
+    (tmp_path / "sweep" / f"canary-cpu-{threads}.json").write_text('{"fastest_ms": 0.001}')
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    p = run_sweep(tmp_path, "variant=naive", *small, f"threads={threads}", "settle_s=0", "retry_unstable=1")
+    assert p.returncode == 0, p.stderr[-2000:]
+    (rec,) = read_records(tmp_path / "records")
+    f = rec["figures"]
+    assert f["attempts"] == 2 and f["canary_ratio"] > 1000
+    (first,) = f["earlier_attempts"]
+    assert first["canary_ratio"] > 1000 and first["canary_before_ms"] > 0 and "fwd_median_s" in first
+    assert "the machine ran slow (canary" in p.stdout and "measuring again (attempt 2 of 2)" in p.stdout

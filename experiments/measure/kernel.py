@@ -19,6 +19,7 @@ import torch
 from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
+from .canary import canary_ms
 from .common import build_variant, check_device, job_threads
 from .inputs import DTYPES, Inputs, make_inputs
 from .machine_load import load_average, others_cores, snapshot
@@ -65,10 +66,14 @@ def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
 
     With ``roofline``, also measures the device's GEMM and copy ceilings for the job's dtype
     afterwards (``result["roofline"]``, see :mod:`experiments.measure.roofline`); a CUDA job adds the GPU it
-    ran on as torch sees it (``result["env"]``).
+    ran on as torch sees it (``result["env"]``). A CPU job's figures include the machine's speed just
+    before and after it (``canary_before_ms``, ``canary_after_ms``; :mod:`experiments.measure.canary`).
     """
     result: dict[str, Any] = {"status": "ok", "reason": None, "variant": None, "figures": {}}
     t0 = time.perf_counter()
+    # the machine's speed around the job (experiments.measure.canary): CPU jobs, on the job's threads
+    canary_threads = job_threads(spec) if spec.device is Device.cpu else None
+    canary_before = canary_ms(canary_threads) if canary_threads else None
     load_start, busy_start = load_average(), snapshot()
     try:
         if spec.task:
@@ -96,6 +101,9 @@ def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
     result["figures"]["load_avg_1m"] = load_start
     # counted from after the first call: a compiled variant's own compile workers are not "others"
     result["figures"]["others_cpu_cores"] = others_cores(result.pop("busy_start", busy_start), snapshot())
+    if canary_threads:
+        result["figures"]["canary_before_ms"] = canary_before
+        result["figures"]["canary_after_ms"] = canary_ms(canary_threads)
     if spec.device is Device.cuda and torch.cuda.is_available():
         result["env"] = torch_gpu_info()
     if roofline and not (spec.task or spec.model or spec.pretrained):

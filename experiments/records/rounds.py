@@ -8,7 +8,9 @@ the sweep, as airspeed velocity's ``rounds`` do, so a slow minute hits one round
 not all of them.
 
 A configuration's rounds are the newest record of each ``round`` measured with the same code as its
-newest record (a resumed sweep keeps the rounds it had; rounds from older code are left out).
+newest record (a resumed sweep keeps the rounds it had; rounds from older code are left out). Rounds
+whose canary says the machine ran slow (``machine_slowdown`` above ``SLOW_RATIO``, see
+:mod:`experiments.measure.canary`) are left out too, unless every round is.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..measure.canary import SLOW_RATIO
 from ..measure.timing import TIMING_FIELDS
 
 #: timing figures that get their range across rounds (``<fig>_rounds_min_s``, ``_rounds_max_s``)
@@ -43,9 +46,11 @@ def shown_rows(
     rounds, the row shown is the one with the median :func:`main_time` (the lower middle for an even
     count), so its derived figures (FLOP/s, tokens/s) go with its time; every other timing figure
     (the forward and backward of a fwd_bwd job) is set to its own median round's value, with that
-    round's quartiles and stability. Otherwise the newest row is shown as it is. Returns the mask and
-    ``{column: {row index: value}}``: those figures, ``rounds`` and each timing figure's min and max
-    across the rounds (``<fig>_rounds_min_s``, ``<fig>_rounds_max_s``).
+    round's quartiles and stability. Otherwise the newest row is shown as it is. Only the rounds
+    measured at the machine's usual speed count when some were and some were not (one such round is
+    shown as it is). Returns the mask and ``{column: {row index: value}}``: those figures, ``rounds``
+    and each timing figure's min and max across the rounds counted (``<fig>_rounds_min_s``,
+    ``<fig>_rounds_max_s``).
     """
     values: dict[str, dict[Any, Any]] = {}
     if not (df["round"] > 0).any():  # no sweep in rounds: one newest row per configuration
@@ -60,6 +65,13 @@ def shown_rows(
         if code is not None:  # only rounds measured with the newest record's code
             cell = cell[(code == code.loc[last]) | (code.isna() & pd.isna(code.loc[last]))]
         ok = cell[(cell["status"] == "ok") & time.loc[cell.index].notna()]
+        # rounds measured while the machine ran at its usual speed, where there are any
+        usual = ~numeric(ok, "machine_slowdown").gt(SLOW_RATIO)
+        if usual.any() and not usual.all():
+            ok = ok[usual]
+            if len(ok) == 1:
+                shown[ok.index[0]] = True
+                continue
         if len(ok) < 2:
             shown[last] = True
             continue

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..measure.canary import slowdown
 from .rounds import shown_rows
 
 MANIFEST = "manifest.jsonl"
@@ -248,6 +249,8 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
     if "round" not in df:
         df["round"] = 0
     df["round"] = pd.to_numeric(df["round"], errors="coerce").fillna(0).astype("Int64")
+    # the machine's speed around each job against its fastest in the store (host, threads)
+    df["machine_slowdown"] = slowdown(df)
     df["newest"], values = shown_rows(df, CELL_KEYS, newest_mask(df, [*CELL_KEYS, "round"]))
     for col, by_row in values.items():  # a sweep run in rounds: its median figures on the shown row
         if col not in df:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..measure.canary import SLOW_RATIO, job_canaries, machine_keys
 from ..records import store
 from . import tables as T
 
@@ -63,6 +64,23 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _canaries(df: pd.DataFrame) -> list[str]:
+    """One line per (host, threads) with canaries: the fastest, median and slowest job canary, and how
+    many jobs ran slower than ``SLOW_RATIO`` times the fastest (their times are marked ``~``)."""
+    job = job_canaries(df)
+    lines = []
+    for (host, n), sub in job.groupby(machine_keys(df)):
+        sub = sub.dropna()
+        if len(sub):
+            slow = int((sub > SLOW_RATIO * sub.min()).sum())
+            lines.append(
+                f"- {host}, {n} thread(s): {sub.min():.3g} / {sub.median():.3g} / {sub.max():.3g} ms "
+                f"(fastest / median / slowest of {len(sub)} jobs); {slow} slower than "
+                f"{SLOW_RATIO:.2f}x the fastest"
+            )
+    return lines
+
+
 def _sources(inputs: Sequence[str | Path]) -> str:
     """The inputs in a few words: folders as given, record files counted per folder."""
     files = Counter(str(Path(p).parent) for p in inputs if Path(p).suffix == ".json")
@@ -92,6 +110,9 @@ def header(
     ceilings = _ceilings(df)
     if ceilings:
         lines += ["Ceilings measured in the sweeps (the records' median):", *ceilings, ""]
+    canaries = _canaries(df)
+    if canaries:
+        lines += ["Machine speed around each CPU job (the canary, a 1024x1024 float32 GEMM):", *canaries, ""]
     workload = T.workload_line(shown)
     if workload:
         lines += [f"Workload in every table: {workload}.", ""]

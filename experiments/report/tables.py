@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..measure.canary import SLOW_RATIO
 from ..records.rounds import numeric as _col
 from ..records.store import CELL_KEYS, WORKLOAD, is_false, status_counts
 
@@ -48,7 +49,10 @@ LEGEND = (
     f"same host (`concurrent_jobs`), or other processes keeping more than {LOADED_CORES:g} CPU cores "
     f"busy on average (`others_cpu_cores`), or, on a CPU, its threads were on their cores less than "
     f"{ON_CORES:.0%} of the time (process CPU time over wall time, `<fig>_cpu_per_wall`, against its "
-    "thread count: they waited, or other work pushed them off); it may be inflated. `unstable`: the "
+    "thread count: they waited, or other work pushed them off); it may be inflated. A time marked `~` "
+    f"was measured while the machine ran slow: the job's canary (a fixed 1024x1024 matrix multiply "
+    f"timed before and after it) took more than {SLOW_RATIO:.2f}x the fastest canary of the same host "
+    "and thread count in these records (`machine_slowdown`). `unstable`: the "
     "timed runs never reached an IQR within 10% of the median (or fewer than 4 samples) in the "
     "figure's time budget."
 )
@@ -295,6 +299,7 @@ def speed_table(df: pd.DataFrame) -> Section:
             "retimed": t["retimed"],
             "others_cpu_cores": _col(df, "others_cpu_cores"),
             "concurrent_jobs": _col(df, "concurrent_jobs"),
+            "machine_slowdown": _col(df, "machine_slowdown"),
             "attempts": _col(df, "attempts"),
         },
     )
@@ -306,8 +311,9 @@ def speed_table(df: pd.DataFrame) -> Section:
         )
     if (_col(df, "attempts") > 1).any():
         sec.note += (
-            " Some jobs were measured again because a figure of their first attempt was unstable "
-            "(retry_unstable); the times are the last attempt's, speed.csv counts them (attempts)."
+            " Some jobs were measured again because a figure of their first attempt was unstable or "
+            "its canary said the machine ran slow (retry_unstable); the times are the last attempt's, "
+            "speed.csv counts them (attempts)."
         )
     return sec
 
@@ -332,6 +338,8 @@ def _time_text(row: pd.Series) -> str:
     beside = pd.to_numeric(row.get("concurrent_jobs"), errors="coerce")
     loaded = (pd.notna(busy) and busy > LOADED_CORES) or (pd.notna(beside) and beside > 0)
     mark = " *" if loaded or _off_cores(row) else ""
+    if pd.to_numeric(row.get("machine_slowdown"), errors="coerce") > SLOW_RATIO:
+        mark += " ~"
     if row.get("unstable") is True:
         mark += " unstable"
     return f"{num(row['time_ms'])} ({spread}){mark}"

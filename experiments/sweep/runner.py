@@ -23,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registered_name
 
+from ..measure.canary import SLOW_RATIO, job_canary_ms
+from ..measure.common import job_threads
 from ..measure.machine_load import settle
 from ..measure.spec import JobSpec
 from ..records.environment import environment, variant_code_version
@@ -241,7 +243,8 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     spec = JobSpec.from_config(cfg)  # what the job's process gets: the measurement's half of conf
     result = precheck(spec, variant)  # unsupported / unavailable without spawning a child
     if result is None:
-        result = _measure(spec, conf, label, want_roof)
+        canary_path = sweep_dir / f"canary-cpu-{job_threads(spec)}.json"
+        result = _measure(spec, conf, label, want_roof, canary_path)
     roof = result.get("roofline")
     if roof and "error" not in roof:
         write_json_atomic(roof_path, roof)
@@ -282,8 +285,10 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     return record
 
 
-#: what an earlier attempt leaves in the record: each timing figure's median, IQR, samples and stability
+#: what an earlier attempt leaves in the record: each timing figure's median, IQR, samples and
+#: stability, and the machine's speed around it (the canary)
 _ATTEMPT_FIELDS = ("_median_s", "_iqr_s", "_samples", "_unstable", "_cpu_per_wall", "_page_faults", "_steal")
+_ATTEMPT_FIELDS += ("canary_before_ms", "canary_after_ms", "canary_ratio")
 
 
 def unstable_figures(figures: dict[str, Any]) -> list[str]:
@@ -291,9 +296,26 @@ def unstable_figures(figures: dict[str, Any]) -> list[str]:
     return [k.removesuffix("_unstable") for k, v in figures.items() if k.endswith("_unstable") and v]
 
 
-def _measure(spec: JobSpec, conf: BenchConfig, label: str, want_roof: bool) -> dict[str, Any]:
+def canary_ratio(figures: dict[str, Any], path: Path) -> float | None:
+    """The job's canary (:func:`~experiments.measure.canary.job_canary_ms`) over the fastest job canary
+    of the sweep so far, this one included, which ``path`` keeps for the sweep's later jobs; None for a
+    job without a canary (CUDA, or one that never ran)."""
+    job = job_canary_ms(figures.get("canary_before_ms"), figures.get("canary_after_ms"))
+    if job is None:
+        return None
+    seen = (_read_json(path) or {}).get("fastest_ms")
+    if seen is None or job < seen:
+        write_json_atomic(path, {"fastest_ms": job})  # a race with a parallel job loses one update only
+        seen = job
+    return job / seen
+
+
+def _measure(
+    spec: JobSpec, conf: BenchConfig, label: str, want_roof: bool, canary_path: Path
+) -> dict[str, Any]:
     """Measure one job (in its own process unless ``isolate=false``) after the machine settles; a job
-    whose timing figures end ``unstable`` is measured again from the start, up to ``retry_unstable``
+    whose timing figures end ``unstable``, or whose canary ran more than ``SLOW_RATIO`` times slower than
+    the sweep's fastest (``canary_ratio``), is measured again from the start, up to ``retry_unstable``
     times, in a fresh process after the machine settles again, and the last attempt is kept.
 
     Why again and not longer: on this project's 2-core VM a figure went unstable when the machine ran
@@ -327,13 +349,18 @@ def _measure(spec: JobSpec, conf: BenchConfig, label: str, want_roof: bool) -> d
             figures["settle_wait_s"], figures["settle_busy"] = waited, busy
         if result.get("roofline"):  # the sweep's ceilings are measured once, by the first attempt
             roofline, want_roof = result["roofline"], False
-        shaky = unstable_figures(figures) if result["status"] == "ok" else []
-        if not shaky or attempt == conf.retry_unstable:
+        figures["canary_ratio"] = ratio = canary_ratio(figures, canary_path)
+        why = []
+        if result["status"] == "ok" and (shaky := unstable_figures(figures)):
+            why.append(f"{', '.join(shaky)} unstable (IQR above {STABLE_IQR:.0%} of the median)")
+        # beside other jobs of the suite (a parallel launcher) a slower canary is expected: no retry
+        alone = not figures["concurrent_jobs"]
+        if result["status"] == "ok" and alone and ratio is not None and ratio > SLOW_RATIO:
+            why.append(f"the machine ran slow (canary {ratio:.2f}x the sweep's fastest)")
+        if not why or attempt == conf.retry_unstable:
             break
-        say(
-            f"[{label}] {', '.join(shaky)} unstable (IQR above {STABLE_IQR:.0%} of the median); measuring "
-            f"again (attempt {attempt + 2} of {conf.retry_unstable + 1})"
-        )
+        tries = f"attempt {attempt + 2} of {conf.retry_unstable + 1}"
+        say(f"[{label}] {'; '.join(why)}; measuring again ({tries})")
         earlier.append({k: v for k, v in figures.items() if k.endswith(_ATTEMPT_FIELDS)})
     if roofline is not None:
         result["roofline"] = roofline

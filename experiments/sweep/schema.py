@@ -23,7 +23,7 @@ class BenchConfig(JobSpec):
     isolate: bool = True  # run each job in its own child process
     timeout_s: float = 600.0  # per job, with isolation
     settle_s: float = 10.0  # before each job, wait up to this long for other work and memory reclaim to stop
-    retry_unstable: int = 1  # times a job is measured again (fresh process) while a timing figure is unstable
+    retry_unstable: int = 1  # times a job is measured again (fresh process): unstable, or the machine slow
     round: int = 0  # which repetition of a sweep run in rounds (round=0,1,2): tables show the median round
     resume: bool = True  # skip configs whose record (same code, same host) exists
     records_dir: str = "outputs/records"
