@@ -75,8 +75,10 @@ def machine_keys(df: pd.DataFrame) -> list[pd.Series]:
     """What canaries are compared within: the host and the job's thread count (``fig_threads``, else
     the configured ``threads``), as text."""
     blank = pd.Series(None, index=df.index, dtype=object)
-    threads = df.get("fig_threads", blank).combine_first(df.get("threads", blank))
-    return [df.get("env_host", blank).astype(str), threads.astype(str)]
+    threads = pd.to_numeric(
+        df.get("fig_threads", blank).combine_first(df.get("threads", blank)), errors="coerce"
+    )
+    return [df.get("env_host", blank).astype(str), threads.map(lambda n: "?" if pd.isna(n) else str(int(n)))]
 
 
 def slowdown(df: pd.DataFrame) -> pd.Series:
