@@ -120,7 +120,8 @@ def header(
     if not all_measurements and hidden:
         lines += [
             f"{hidden} other measurement(s) of the same configurations are hidden: tables show the newest, "
-            "or of a sweep run in rounds the median round (`--all-measurements` shows every one, one row "
+            "or of a sweep run in rounds the median round of those measured at the machine's usual speed "
+            "(`--all-measurements` shows every one, one row "
             "per run).",
             "",
         ]

@@ -254,7 +254,8 @@ def speed_table(df: pd.DataFrame) -> Section:
     rounds_max = _col(df, "fwd_bwd_rounds_max_s").where(both, _col(df, "fwd_rounds_max_s"))
     if _col(df, "rounds").notna().any():
         sec.note += (
-            " Measured in rounds: each time is the median of its rounds, with that round's IQR; "
+            " Measured in rounds: each time is the median of its rounds (leaving out rounds whose canary "
+            "ran slow, `~`, when others did not), with that round's IQR; "
             "speed.csv gives the range across rounds (rounds_min_ms, rounds_max_ms)."
         )
     for title, sub in groups(df, keys):
