@@ -72,7 +72,7 @@ def _canaries(df: pd.DataFrame) -> list[str]:
     for (host, n), sub in job.groupby(machine_keys(df)):
         sub = sub.dropna()
         if len(sub):
-            slow = int((sub > SLOW_RATIO * sub.min()).sum())
+            slow = int((df.loc[sub.index, "machine_slowdown"] > SLOW_RATIO).sum())  # see store.finish
             lines.append(
                 f"- {host}, {n} thread(s): {sub.min():.3g} / {sub.median():.3g} / {sub.max():.3g} ms "
                 f"(fastest / median / slowest of {len(sub)} jobs); {slow} slower than "
