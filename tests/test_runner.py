@@ -157,6 +157,19 @@ def test_failures_become_statuses(target, status):
         assert "deliberate failure" in res["reason"]
 
 
+def test_a_canary_that_cannot_run_leaves_the_job_measured(monkeypatch):
+    # the canary is a diagnostic: its failure (say its 12 MiB not allocated) must not cost the record
+    def no_memory(threads):
+        raise MemoryError("canary buffers")
+
+    monkeypatch.setattr("experiments.measure.kernel.canary_ms", no_memory)
+    res = measure(job_spec(variant="naive", **SMALL))
+    assert res["status"] == "ok", res
+    f = res["figures"]
+    assert f["canary_before_ms"] is None and f["canary_after_ms"] is None
+    assert f["fwd_median_s"] > 0
+
+
 def test_out_of_memory_is_a_status():
     # naive at N=2^17 wants 2^34 fp32 scores (64 GiB) per head. On a large machine that would simply
     # be allocated (and the test could bring the machine down), so the job runs in a child whose

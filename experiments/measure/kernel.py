@@ -61,6 +61,15 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "error", last.splitlines()[0]
 
 
+def _canary(threads: int) -> float | None:
+    """:func:`~experiments.measure.canary.canary_ms`, or None when it cannot run (its 12 MiB buffers
+    not allocated): the canary is a diagnostic, and :func:`measure` never raises."""
+    try:
+        return canary_ms(threads)
+    except Exception:
+        return None
+
+
 def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
     """Run one job; returns ``{"status", "reason", "variant", "figures"}``. Never raises.
 
@@ -73,7 +82,7 @@ def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     # the machine's speed around the job (experiments.measure.canary): CPU jobs, on the job's threads
     canary_threads = job_threads(spec) if spec.device is Device.cpu else None
-    canary_before = canary_ms(canary_threads) if canary_threads else None
+    canary_before = _canary(canary_threads) if canary_threads else None
     load_start, busy_start = load_average(), snapshot()
     try:
         if spec.task:
@@ -103,7 +112,7 @@ def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
     result["figures"]["others_cpu_cores"] = others_cores(result.pop("busy_start", busy_start), snapshot())
     if canary_threads:
         result["figures"]["canary_before_ms"] = canary_before
-        result["figures"]["canary_after_ms"] = canary_ms(canary_threads)
+        result["figures"]["canary_after_ms"] = _canary(canary_threads)
     if spec.device is Device.cuda and torch.cuda.is_available():
         result["env"] = torch_gpu_info()
     if roofline and not (spec.task or spec.model or spec.pretrained):
