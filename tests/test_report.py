@@ -22,7 +22,7 @@ import pytest
 from matplotlib import image as mpimg
 
 from experiments.records import store
-from experiments.records.records import write_record
+from experiments.records.records import config_hash, write_record
 from experiments.report import plots, report
 from experiments.report import tables as T
 
@@ -246,6 +246,30 @@ def test_scaling_table_fits_the_records(sweep):
     expected = np.log(naive[128]["fwd_median_s"] / naive[64]["fwd_median_s"]) / np.log(2)
     assert fits.loc["naive", "time_exponent"] == pytest.approx(expected, rel=1e-9)
     assert fits.loc["naive", "time_n_min"] == 64 and fits.loc["naive", "time_n_max"] == 128
+    # two lengths: a line through two points fits exactly, so no R², and no R² column in the table
+    assert fits["time_r2"].isna().all() and fits["memory_r2"].isna().all()
+    tabs = T.scaling_table(T.select(store.load([tmp / "records"], verbose=False))).parts
+    assert tabs and all("time R²" not in tab.columns for _, tab in tabs)
+
+
+def test_a_fit_over_three_lengths_has_its_r2(sweep, tmp_path):
+    tmp, _ = sweep
+    rec = next(
+        r for r in raw_records(tmp / "records") if label(r) == "naive" and r["config"]["seq_len"] == 64
+    )
+    # log2 N = 0, 1, 2 against log2 t = 0, 2, 3: slope 1.5, residuals -1/6, 1/3, -1/6, so
+    # R² = 1 - (1/6) / (14/3) = 27/28 (R² does not depend on the log's base)
+    for n, ms in ((64, 1), (128, 4), (256, 8)):
+        r = json.loads(json.dumps(rec))
+        r["config"]["seq_len"], r["figures"]["fwd_median_s"] = n, ms / 1e3
+        r["config_hash"] = config_hash(r["config"])  # one record per length (and file name)
+        write_record(r, tmp_path)
+    df = T.select(store.load([tmp_path], verbose=False))
+    fit = T.scaling_fits(df).set_index("variant").loc["naive"]
+    assert fit["time_exponent"] == pytest.approx(1.5, rel=1e-9)
+    assert fit["time_r2"] == pytest.approx(27 / 28, rel=1e-9)
+    (_, tab), *_ = T.scaling_table(df).parts
+    assert tab.loc["naive", "time R²"] == f"{27 / 28:.3f}"
 
 
 def test_same_config_twice_keeps_both_and_shows_the_newest(sweep, tmp_path):

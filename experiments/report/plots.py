@@ -260,8 +260,14 @@ def plot_scaling(df: pd.DataFrame, out_dir: Path) -> Path | None:
         ax.set_xlim(0, max(2.3, float(long["exponent"].max()) * 1.15))
     g.legend.set_title("exponent of")
     # above the facet titles; bbox_inches="tight" on saving keeps it in the picture
+    lo, hi = int(long["time_points"].min()), int(long["time_points"].max())
+    over = f"over {lo} lengths" if lo == hi else f"over {lo}-{hi} lengths"
+    if hi == 2:  # two lengths: no fit to speak of, the slope between them
+        over = "the slope between its 2 lengths"
     g.figure.suptitle(
-        "Scaling exponents: log-log fit against the length, N or Nk (1 = linear, 2 = quadratic)", y=1.06
+        "Scaling exponents: log-log fit against the length, N or Nk (1 = linear, 2 = quadratic)"
+        f"\nper variant, {over}",
+        y=1.1,
     )
     return _save(g.figure, out_dir / "scaling_exponents.png")
 

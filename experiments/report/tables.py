@@ -527,9 +527,13 @@ def fit_exponent(n: np.ndarray | list[float], y: np.ndarray | list[float]) -> tu
     return float(slope), r2
 
 
+#: fewest lengths for which a fit's R² is given: through two lengths the line fits exactly
+MIN_R2_LENGTHS = 3
+
+
 def scaling_fits(df: pd.DataFrame) -> pd.DataFrame:
     """Per group and variant: exponents of time and of peak memory against N (or Nk, see
-    :func:`length_axis`), R², length range, points."""
+    :func:`length_axis`), R² (NaN below :data:`MIN_R2_LENGTHS` lengths), length range, points."""
     keys = group_keys(df)
     axis = length_axis(df)
     ok = df[usable(df)].assign(time_s=mode_times(df)["time_s"], peak=_col(df, "peak_mib"), _n=_col(df, axis))
@@ -543,6 +547,8 @@ def scaling_fits(df: pd.DataFrame) -> pd.DataFrame:
             except ValueError:
                 row[f"{what}_exponent"] = row[f"{what}_r2"] = np.nan
             row[f"{what}_points"] = int(pts["_n"].nunique())
+            if row[f"{what}_points"] < MIN_R2_LENGTHS:  # a line through two points always has R² = 1
+                row[f"{what}_r2"] = np.nan
             row[f"{what}_n_min"] = pts["_n"].min() if len(pts) else pd.NA
             row[f"{what}_n_max"] = pts["_n"].max() if len(pts) else pd.NA
         rows.append(row)
@@ -556,7 +562,8 @@ def scaling_table(df: pd.DataFrame) -> Section:
         "scaling",
         "Scaling with N",
         "Exponent k of a least-squares fit of log(y) = k·log(N) + c over the N where the job ran and "
-        "passed its check: k ≈ 1 is linear, k ≈ 2 quadratic. R² is the fit's in log space. At small N "
+        "passed its check: k ≈ 1 is linear, k ≈ 2 quadratic. R² is the fit's in log space, given for fits "
+        "over 3 or more lengths (a fit through two is the slope between them, and exact). At small N "
         "fixed overheads flatten the curve, so k is underestimated there; read it with its N range.",
     )
     fits = scaling_fits(df)
@@ -574,6 +581,8 @@ def scaling_table(df: pd.DataFrame) -> Section:
             },
             index=pd.Index(sub["variant"], name="variant"),
         )
+        if sub[["time_r2", "memory_r2"]].isna().all(axis=None):  # no fit with an R² that says anything
+            tab = tab.drop(columns=["time R²", "memory R²"])
         sec.parts.append((f"{title}: exponent of time and peak memory vs N", tab))
     return sec
 
