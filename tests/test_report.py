@@ -395,10 +395,15 @@ def test_weights_plot_draws_what_ran_with_its_knobs(sweep, monkeypatch):
     assert windows == sorted(recorded)
     # the figure draws exactly those panels
     drawn = []
-    monkeypatch.setattr(plots, "attention_weights", lambda v, x: drawn.append(v) or np.eye(x.shape[2]))
+    monkeypatch.setattr(
+        plots, "attention_weights", lambda v, x: drawn.append(x.shape[2]) or np.eye(x.shape[2])
+    )
     (tmp / "weights_plot").mkdir()
     plots.plot_weights(df, tmp / "weights_plot")
-    assert len(drawn) == len(panels)
+    assert drawn == [64] * len(panels)  # at the sweep's shortest length
+    drawn.clear()
+    plots.plot_weights(df, tmp / "weights_plot", n_max=32)  # longer than legible: drawn at n_max
+    assert drawn == [32] * len(panels)
 
 
 def test_single_length_scaling_says_it_needs_two_lengths(sweep, capsys):

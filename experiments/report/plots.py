@@ -477,10 +477,15 @@ def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
     panels = _swept_variants(df) if len(df) else []
     if panels:
         # at least 16 tokens: a decode sweep's single query shows no pattern
-        n = int(min(n_max, max(16, df.loc[df["status"] == "ok", "seq_len"].min())))
+        ran = df.loc[df["status"] == "ok", "seq_len"]
+        shortest = int(ran.min()) if len(ran) else 16
+        n = min(n_max, max(16, shortest))
         which = "the variants that ran, with their knobs"
     else:
-        n, which, panels = 48, "every registered variant, example knobs", _example_variants()
+        n, shortest, which, panels = 48, 48, "every registered variant, example knobs", _example_variants()
+    at = f"at N = {n}"
+    if n < shortest:  # an N x N image of thousands of tokens shows no single weight
+        at += f" (they ran at N ≥ {shortest}: shorter, to be legible)"
     x, where = structured_input(n)
     fig, axes = _grid(len(panels))
     image = None
@@ -494,9 +499,7 @@ def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
         _matrix_axes(ax, title, n)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight (power scale)")
-    fig.suptitle(
-        f"Attention weights (float64 oracle) of {which}, at N = {n}\nq = k random, {where}", fontsize=11
-    )
+    fig.suptitle(f"Attention weights (float64 oracle) of {which}, {at}\nq = k random, {where}", fontsize=11)
     return _save(fig, out_dir / "attention_weights.png")
 
 
