@@ -24,6 +24,8 @@ import time
 import pandas as pd
 import torch
 
+from .roofline import gemm_operands
+
 #: the GEMM: (N, N) @ (N, N) in float32, 2 N^3 = 2.1 GFLOP per call (20-25 ms on one thread of the
 #: project's VM; a few ms on a laptop's cores), inputs and output 12 MiB: bound by the cores and caches
 CANARY_N = 1024
@@ -41,9 +43,7 @@ def canary_ms(threads: int) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        g = torch.Generator().manual_seed(0)
-        a, b = (torch.randn(CANARY_N, CANARY_N, generator=g) for _ in range(2))
-        out = torch.empty(CANARY_N, CANARY_N)
+        a, b, out = gemm_operands(CANARY_N)
         torch.mm(a, b, out=out)  # first call: pages and library setup, not counted
         times = []
         for _ in range(CANARY_CALLS):

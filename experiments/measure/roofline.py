@@ -44,12 +44,18 @@ def gemm_size(device: str, dtype: torch.dtype, cap: int) -> int:
     return n
 
 
+def gemm_operands(
+    n: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``a, b, out``: two seeded random ``(n, n)`` matrices and an output buffer for ``torch.mm``."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    return a, b, torch.empty(n, n, device=device, dtype=dtype)
+
+
 def gemm_flops_per_s(device: str, dtype: torch.dtype, n: int, min_run_time: float = 0.5) -> float:
     """FLOP/s of ``(n, n) @ (n, n)`` in ``dtype`` on ``device`` (``2 n^3`` FLOPs per call)."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
+    a, b, out = gemm_operands(n, device, dtype)
     t = time_call(lambda: torch.mm(a, b, out=out), device, min_run_time)
     return 2 * n**3 / t.median_s
 

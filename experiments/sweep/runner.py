@@ -291,9 +291,15 @@ _ATTEMPT_FIELDS = ("_median_s", "_iqr_s", "_samples", "_unstable", "_cpu_per_wal
 _ATTEMPT_FIELDS += ("canary_before_ms", "canary_after_ms", "canary_ratio")
 
 
+def timing_figures(figures: dict[str, Any]) -> list[str]:
+    """The timing figures of a record (``fwd``, ``bwd``, ...; each has an ``_unstable`` flag), in record
+    order; none for a job that times nothing (a task's training)."""
+    return [k.removesuffix("_unstable") for k in figures if k.endswith("_unstable")]
+
+
 def unstable_figures(figures: dict[str, Any]) -> list[str]:
-    """The timing figures of a record marked unstable (``fwd``, ``bwd``, ...), in record order."""
-    return [k.removesuffix("_unstable") for k, v in figures.items() if k.endswith("_unstable") and v]
+    """The timing figures of a record marked unstable, in record order."""
+    return [f for f in timing_figures(figures) if figures[f"{f}_unstable"]]
 
 
 def canary_ratio(figures: dict[str, Any], path: Path) -> float | None:
@@ -356,7 +362,7 @@ def _measure(
         # only a job with timing figures is measured again for a slow machine (a task's accuracy does
         # not depend on its speed), and not beside other jobs of the suite (a parallel launcher: a
         # slower canary is expected there)
-        timed = any(k.endswith("_unstable") for k in figures)
+        timed = bool(timing_figures(figures))
         alone = not figures["concurrent_jobs"]
         if result["status"] == "ok" and timed and alone and ratio is not None and ratio > SLOW_RATIO:
             why.append(f"the machine ran slow (canary {ratio:.2f}x the sweep's fastest)")
