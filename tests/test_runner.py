@@ -28,6 +28,8 @@ from experiments.sweep.isolation import context_for, run_isolated
 from experiments.sweep.runner import register_hydra_pieces
 from experiments.sweep.schema import BenchConfig
 
+from .helpers import sweep_overrides
+
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 register_hydra_pieces()
@@ -285,7 +287,7 @@ def test_killing_the_sweep_ends_its_job_and_fork_server(tmp_path, sig):
         "-m",
         "variant=naive",
         "variant._target_=tests.faulty.HangingAttention",
-        *[f"{k}={v}" for k, v in SMALL.items()],
+        *sweep_overrides(*[f"{k}={v}" for k, v in SMALL.items()]),
         f"records_dir={tmp_path / 'records'}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]
@@ -311,7 +313,7 @@ def run_sweep(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         sys.executable,
         "run.py",
         "-m",
-        *args,
+        *sweep_overrides(*args),
         f"records_dir={tmp_path / 'records'}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         "report=false",
@@ -443,7 +445,7 @@ def test_entry_point_plugin_is_a_variant_choice_with_knobs(tmp_path):
         "-m",
         "variant=glob(myplug*)",  # the glob sees the plugin's generated config node
         "variant.temperature=2.0",  # a knob without '+'
-        *small,
+        *sweep_overrides(*small),
         f"records_dir={tmp_path / 'records'}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         "report=false",
@@ -574,40 +576,56 @@ def test_jobs_record_how_busy_the_rest_of_the_machine_was():
     assert busy["load_avg_1m"] >= 0
 
 
-def test_settle_waits_while_other_processes_keep_cores_busy():
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+class FakeMachine:
+    """What :func:`settle` reads, scripted: cores other processes keep busy and the kernel's reclaim
+    count, one value per window (the last repeats); each window sleeps ``window_s`` of real time."""
+
+    def __init__(self, busy: list[float], scans: list[int]):
+        self.busy, self.scan_counts, self.windows = busy, scans, 0
+
+    def others(self, window_s: float) -> float:
+        time.sleep(window_s)
+        self.windows += 1
+        return self.busy[min(self.windows - 1, len(self.busy) - 1)]
+
+    def scans(self) -> int:  # read before and after each window: the window's count is the later one
+        return self.scan_counts[min(self.windows, len(self.scan_counts) - 1)]
+
+
+def test_settle_gives_up_on_a_machine_that_stays_busy_and_says_why():
+    machine = FakeMachine(busy=[1.8], scans=[0])
+    waited, busy = settle(0.2, others_limit=0.5, window_s=0.05, others=machine.others, scans=machine.scans)
+    assert busy == "1.8 other cores busy"
+    # it waited about max_wait_s: at least that less one window (however slowly its sleeps return)
+    assert waited >= 0.15 and 1 <= machine.windows <= 4
+
+
+def test_settle_waits_out_busy_cores_and_memory_reclaim_and_returns_once_quiet():
+    # window 1: another process on a core; 2: reclaim scanned 10 pages; 3: quiet
+    machine = FakeMachine(busy=[1.0, 0.1, 0.1], scans=[0, 0, 10, 10])
+    waited, busy = settle(30.0, window_s=0.05, others=machine.others, scans=machine.scans)
+    assert busy is None and machine.windows == 3 and waited >= 0.15
+    machine = FakeMachine(busy=[0.0], scans=list(range(0, 100, 5)))
+    waited, busy = settle(0.12, window_s=0.05, others=machine.others, scans=machine.scans)
+    assert busy is not None and busy.startswith("memory reclaim (5 pages scanned"), busy
+    assert settle(0, others=machine.others)[0] == 0.0  # settle_s=0: no wait
+    # other jobs of the suite measuring beside it (a parallel launcher): no wait, however busy
+    machine = FakeMachine(busy=[2.0], scans=list(range(0, 100, 5)))
+    waited, busy = settle(30.0, others=machine.others, scans=machine.scans, side_by_side=lambda: True)
+    assert busy is None and machine.windows == 0
+
+
+def test_settle_reads_the_real_machine():
+    # the one reading of the real host: a spinning process keeps a core busy, and whatever else runs
+    # on the machine can only add to what settle sees
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.5)
-        t0 = time.perf_counter()
-        waited, busy = settle(1.0, others_limit=0.5, scans=lambda: 0)
-        took = time.perf_counter() - t0
+        waited, busy = settle(0.3, others_limit=0.5, window_s=0.25, scans=lambda: 0)
     finally:
-        for b in burners:
-            b.kill()
-            b.wait()
-    # two spinning processes keep at least one core busy (two, where there are two to give)
+        burner.kill()
+        burner.wait()
     assert busy is not None and "other cores busy" in busy, busy
-    assert 0.75 <= waited <= took < 2.0  # gave up after about max_wait_s, not at once and not later
-
-
-def test_settle_waits_out_memory_reclaim_and_returns_once_quiet():
-    counts = iter([0, 10, 10, 20, 20, 20, 20, 20])  # reclaim scanned in the first two windows only
-    lots = os.cpu_count() + 1  # more cores than the machine has: other processes never count as busy
-    waited, busy = settle(30.0, others_limit=lots, window_s=0.05, scans=lambda: next(counts))
-    assert busy is None
-    assert 0.15 <= waited < 5.0  # three windows: two with reclaim, then a quiet one
-    waited, busy = settle(0.12, others_limit=lots, window_s=0.05, scans=iter(range(0, 100, 5)).__next__)
-    assert busy is not None and busy.startswith("memory reclaim (5 pages scanned"), busy
-    assert settle(0, others_limit=lots)[0] == 0.0  # settle_s=0: no wait
-    # other jobs of the suite measuring beside it (a parallel launcher): no wait, however busy
-    waited, busy = settle(
-        30.0,
-        others_limit=lots,
-        window_s=0.05,
-        scans=iter(range(0, 100, 5)).__next__,
-        side_by_side=lambda: True,
-    )
-    assert busy is None and waited < 0.05
 
 
 def test_joblib_launcher_runs_a_sweep(tmp_path):
@@ -648,8 +666,9 @@ def test_an_unstable_job_is_measured_again_in_a_fresh_process(tmp_path, monkeypa
         # was not stable
         (first,) = f["earlier_attempts"]
         assert first["fwd_unstable"] and first["fwd_median_s"] >= 0.001
-        # the second: a 1 ms sleep and 64 tokens of attention, stable, and far below the first's median
-        assert not f["fwd_unstable"] and 0.001 <= f["fwd_median_s"] < first["fwd_median_s"] / 2
+        # the second, a fresh process: a steady 1 ms sleep and 64 tokens of attention, far below the
+        # first's median (whether it ends stable too depends on how busy the machine is: not asserted)
+        assert 0.001 <= f["fwd_median_s"] < first["fwd_median_s"] / 2
         assert "fwd unstable (IQR above 10% of the median); measuring again (attempt 2 of 2" in p.stdout
         # the store takes the list of earlier attempts (as JSON text) into its Parquet file and tables
         from experiments.records import store
@@ -679,3 +698,26 @@ def test_a_job_measured_while_the_machine_ran_slow_is_measured_again(tmp_path):
     (first,) = f["earlier_attempts"]
     assert first["canary_ratio"] > 1000 and first["canary_before_ms"] > 0 and "fwd_median_s" in first
     assert "the machine ran slow (canary" in p.stdout and "measuring again (attempt 2 of 2)" in p.stdout
+
+
+def test_a_slow_canary_beside_another_measuring_job_is_not_measured_again(tmp_path, monkeypatch):
+    # as above, but another job of the suite measures all along (this test process's marker in the
+    # sweep's marker folder): a slower canary is expected beside it, so the job is kept as it is
+    running = tmp_path / "running"
+    running.mkdir()
+    (running / str(os.getpid())).touch()
+    monkeypatch.setenv("ATTNBENCH_RUNNING_DIR", str(running))
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "canary-cpu-1.json").write_text('{"fastest_ms": 0.001}')
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    p = run_sweep(tmp_path, "variant=naive", *small, "threads=1", "settle_s=0", "retry_unstable=1")
+    assert p.returncode == 0, p.stderr[-2000:]
+    (rec,) = read_records(tmp_path / "records")
+    f = rec["figures"]
+    assert f["concurrent_jobs"] == 1 and f["canary_ratio"] > 1000
+    # (a figure left unstable by a busy machine is still measured again, for that reason alone)
+    assert "the machine ran slow" not in p.stdout
+    if f["attempts"] == 1:
+        assert "measuring again" not in p.stdout and "earlier_attempts" not in f
+    else:
+        assert "unstable (IQR above" in p.stdout

@@ -30,6 +30,8 @@ from experiments.measure.tasks.train import Settings, build_model
 from experiments.records.records import read_records
 from experiments.sweep.runner import register_hydra_pieces
 
+from .helpers import sweep_overrides
+
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 register_hydra_pieces()
@@ -325,7 +327,7 @@ def test_real_task_sweep_writes_records_and_the_report(tmp_path):
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run(sweep_overrides(*cmd), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     recs = read_records(tmp_path / "records")
     assert len(recs) == 8, p.stdout[-2000:] + p.stderr[-3000:]
     by = {(r["variant_name"], r["config"]["task"]["name"], r["config"]["seed"]): r for r in recs}

@@ -125,37 +125,64 @@ def test_still_warming_needs_an_unstable_figure_whose_calls_faulted():
     assert not still_warming(Timing(**steady, page_faults=10 * WARMUP_FAULT_PAGES))  # stable: keep it
 
 
-def _backward_that_settles(shaky_s: float, faults: bool):
+class FakeClock:
+    """A stand-in for the ``time`` module inside :mod:`experiments.measure.timing`: ``perf_counter``
+    moves only when a fake call says it took time (``advance``), so a figure's spread is the one the
+    test scripts, however busy the machine is; ``process_time`` stays real."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    process_time = staticmethod(time.process_time)
+
+
+def _backward_that_settles(clock: FakeClock, shaky_s: float, faults: bool):
     """A fake backward: its first call takes 3 ms; then, until ``shaky_s`` seconds of calls, 1 ms or
-    20 ms by turns (touching 4x the warm-up threshold of fresh pages each when ``faults``); then 3 ms."""
+    20 ms by turns (touching 4x the warm-up threshold of fresh pages each when ``faults``); then 3 ms.
+    Its time passes on ``clock``."""
     state = {"calls": 0, "spent": 0.0}
 
     def backward(_graph: object) -> None:
-        t0 = time.perf_counter()
         state["calls"] += 1
         shaky = state["calls"] > 1 and state["spent"] < shaky_s
         if shaky and faults:
             _touch(4 * WARMUP_FAULT_PAGES)
-        time.sleep((0.001 if state["calls"] % 2 else 0.02) if shaky else 0.003)
-        state["spent"] += time.perf_counter() - t0  # as the timer counts it
+        took = (0.001 if state["calls"] % 2 else 0.02) if shaky else 0.003
+        clock.advance(took)
+        state["spent"] += took  # as the timer counts it
 
     return backward
 
 
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    from experiments.measure import timing
+
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", fake)
+    return fake
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="no page-fault count on Windows")
-def test_a_figure_that_ends_unstable_while_its_calls_fault_is_timed_again():
+def test_a_figure_that_ends_unstable_while_its_calls_fault_is_timed_again(clock):
     # the shaky calls last as long as the first window's budget (5 x 0.05 s): that window cannot end
     # stable; they fault, so it was warm-up, and the second window sees the steady 3 ms
-    backward = _backward_that_settles(shaky_s=0.25, faults=True)
+    backward = _backward_that_settles(clock, shaky_s=0.25, faults=True)
     t = time_backward(lambda: None, backward, "cpu", min_run_time=0.05)
     assert t.retimed == 1
     assert t.stable
-    assert t.median_s == pytest.approx(0.003, rel=0.3)
+    assert t.median_s == pytest.approx(0.003)
     assert t.page_faults is not None and t.page_faults <= 2 * 4 * WARMUP_FAULT_PAGES  # at most a straggler
 
 
-def test_an_unstable_figure_without_page_faults_is_not_timed_again():
-    backward = _backward_that_settles(shaky_s=10.0, faults=False)  # shaky all along, no fresh memory
+def test_an_unstable_figure_without_page_faults_is_not_timed_again(clock):
+    backward = _backward_that_settles(clock, shaky_s=10.0, faults=False)  # shaky all along, no fresh memory
     t = time_backward(lambda: None, backward, "cpu", min_run_time=0.05)
     assert t.retimed == 0
     assert not t.stable

@@ -98,12 +98,21 @@ def reclaim_scans() -> int | None:
         return None
 
 
+def others_over(window_s: float) -> float | None:
+    """Cores other processes kept busy, on average, over the next ``window_s`` seconds (sleeps that
+    long; None off Linux)."""
+    start = snapshot()
+    time.sleep(window_s)
+    return others_cores(start, snapshot())
+
+
 def settle(
     max_wait_s: float,
     others_limit: float = 0.5,
     window_s: float = 0.25,
     scans: Callable[[], int | None] = reclaim_scans,
     side_by_side: Callable[[], bool] = lambda: False,
+    others: Callable[[float], float | None] = others_over,
 ) -> tuple[float, str | None]:
     """Wait until the machine is quiet: over one ``window_s``, other processes kept at most
     ``others_limit`` cores busy and the kernel scanned no page for reclaim. Gives up after
@@ -111,6 +120,9 @@ def settle(
     quiet). Off Linux it returns at once, and so it does as soon as ``side_by_side()`` says other jobs
     of the suite are measuring: a parallel launcher runs jobs together on purpose (their records
     count them, ``concurrent_jobs``), and waiting for them would only serialise the sweep.
+
+    The machine is read through ``others`` (:func:`others_over`: cores busy over a window) and
+    ``scans`` (:func:`reclaim_scans`), so a test can hand it any machine state.
 
     Why: after a job that ran the machine out of memory (naive at N=16384), the kernel's reclaim ran on
     into the next jobs, whose threads then had 1.32-1.82 of their 2 cores (sdpa fwd+bwd at N=1024:
@@ -120,12 +132,11 @@ def settle(
     if max_wait_s <= 0 or _machine_busy() is None:
         return 0.0, None
     while not side_by_side():
-        start, scanned0 = snapshot(), scans()
-        time.sleep(window_s)
-        others, scanned = others_cores(start, snapshot()), scans()
+        scanned0 = scans()
+        busy_cores, scanned = others(window_s), scans()
         busy = []
-        if others is not None and others > others_limit:
-            busy.append(f"{others:.1f} other cores busy")
+        if busy_cores is not None and busy_cores > others_limit:
+            busy.append(f"{busy_cores:.1f} other cores busy")
         if scanned0 is not None and scanned is not None and scanned > scanned0:
             busy.append(f"memory reclaim ({scanned - scanned0} pages scanned in {window_s:g} s)")
         waited = time.perf_counter() - t0

@@ -4,6 +4,10 @@ Every job that measures leaves a marker file named by its process id in a per-us
 host's temporary directory for as long as it measures. A job counts the other live markers when it
 starts and when it ends; the larger count goes in its record (``concurrent_jobs``), so a timing taken
 beside another job of any sweep on the host (a parallel launcher, a second sweep elsewhere) says so.
+
+The folder is ``$ATTNBENCH_RUNNING_DIR`` when set: jobs that set the same folder see each other and
+no one else. The project's tests give their sweeps a folder of their own, so that what they assert
+about concurrency, settling and retries does not depend on other sweeps running on the host.
 """
 
 from __future__ import annotations
@@ -14,8 +18,15 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+#: environment variable naming the folder of markers (default: one per user in the temporary directory)
+RUNNING_DIR_ENV = "ATTNBENCH_RUNNING_DIR"
+
 
 def running_dir() -> Path:
+    """The folder of markers of the jobs measuring now: ``$ATTNBENCH_RUNNING_DIR``, else a per-user
+    folder of the host's temporary directory."""
+    if os.environ.get(RUNNING_DIR_ENV):
+        return Path(os.environ[RUNNING_DIR_ENV])
     uid = os.getuid() if hasattr(os, "getuid") else "user"
     return Path(tempfile.gettempdir()) / f"attnbench-running-{uid}"
 
