@@ -308,14 +308,15 @@ def test_killing_the_sweep_ends_its_job_and_fork_server(tmp_path, sig):
         proc.kill()
 
 
-def run_sweep(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def run_sweep(tmp_path: Path, *args: str, sweep: str = "sweep") -> subprocess.CompletedProcess:
+    """``run.py -m <args>`` into ``tmp_path``/records, its sweep folder ``tmp_path``/``sweep``."""
     cmd = [
         sys.executable,
         "run.py",
         "-m",
         *sweep_overrides(*args),
         f"records_dir={tmp_path / 'records'}",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        f"hydra.sweep.dir={tmp_path / sweep}",
         "report=false",
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -491,6 +492,10 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         ),
         (["causal=true", "kv_len=512"], "error: causal=true needs kv_len >= seq_len (or null)"),
         (["heads=8", "kv_heads=3"], "error: kv_heads must divide heads, got heads=8, kv_heads=3"),
+        # a setting no job reads: refused, whether or not Hydra was told to add it
+        (["seqlen=64"], "error: unknown setting 'seqlen' in 'seqlen=64'; did you mean seq_len or seed?"),
+        (["+seqlen=64"], "error: unknown setting 'seqlen' in '+seqlen=64'; did you mean seq_len"),
+        (["window=16"], "error: unknown setting 'window' in 'window=16'; did you mean variant.window?"),
     ],
 )
 def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, message):
@@ -504,6 +509,34 @@ def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, messag
     assert p.returncode == 1
     assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith(message), p.stderr
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_sweep_that_matches_no_job_fails_in_one_line(tmp_path):
+    p = run_sweep(tmp_path, "variant=glob(zzz*)")
+    assert p.returncode == 1
+    assert p.stderr.strip() == "the sweep launched no job: 'variant=glob(zzz*)' matched nothing: exit code 1"
+
+
+def test_a_wrong_result_fails_the_sweep_whether_measured_or_reused(tmp_path):
+    args = [
+        "variant=naive",
+        "variant._target_=tests.faulty.WrongAttention",
+        *[f"{k}={v}" for k, v in SMALL.items()],
+    ]
+    p = run_sweep(tmp_path, *args)
+    assert p.returncode == 1, p.stderr[-2000:]
+    (rec,) = read_records(tmp_path / "records")
+    assert rec["status"] == "ok" and rec["figures"]["valid"] is False  # recorded, as data, and then failed
+    wrong = (
+        "1 job(s) computed a wrong result: INVALID, their output failed the check against the float64 oracle"
+    )
+    assert p.stderr.strip().splitlines()[-1] == f"{wrong}: exit code 1"
+    assert "sweep finished: 1 job(s): 1 measured;" in p.stdout
+    # the same sweep again reuses the record (resume) and still fails, saying what it reused
+    p = run_sweep(tmp_path, *args, sweep="again")
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == f"{wrong}: exit code 1"
+    assert "sweep finished: 1 job(s): 0 measured, 1 reused from earlier records in records_dir" in p.stdout
+    assert "resume=false measures them again" in p.stdout
 
 
 def test_a_second_sweep_into_a_busy_records_dir_is_refused_before_work(tmp_path):

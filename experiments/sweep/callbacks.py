@@ -1,8 +1,14 @@
 """Hydra callbacks: a progress bar over the sweep and the report at its end.
 
-Exit status of a sweep: 1 when any job ended ``error`` (after every record and the report are
-written), else 0. ``unsupported``, ``unavailable``, ``oom``, ``timeout``, ``killed`` and ``nan`` are
-results about the variant or the machine, recorded as data, not failures of the sweep.
+Exit status of a sweep: 1 when any job ended ``error``, had an invalid config, or computed a wrong
+result (figures ``valid: false``: its output failed the check against the float64 oracle, whether
+measured now or reused), and when the sweep launched no job at all (an empty ``glob(...)``); else 0.
+Exit 1 comes after every record and the report are written. ``unsupported``, ``unavailable``,
+``oom``, ``timeout``, ``killed`` and ``nan`` are results about the variant or the machine, recorded
+as data, not failures of the sweep.
+
+The last line before the exit code's says how many jobs were measured and how many were reused from
+earlier records (``resume``), and how to measure those again.
 """
 
 from __future__ import annotations
@@ -138,19 +144,49 @@ class SweepCallback(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         entries = manifest_entries(sweep_dir)
         records = [e["record"] for e in entries if e["record"] is not None]
-        print(f"\nsweep finished: {len(records)} job(s); records listed in {sweep_dir / 'manifest.jsonl'}")
         if config.get("report", True) and records:
             from ..report.report import report_paths
 
             report_paths(records, out_dir=sweep_dir / "report")
-        errors = sum(e.get("status") == "error" for e in entries)
-        refused = sum(e.get("status") == "invalid_config" for e in entries)
-        if errors or refused:
-            # after every record and the report are written: a sweep with a broken job fails
-            why = [f"{errors} job(s) ended 'error' (see the status table)"] if errors else []
-            why += [f"{refused} job(s) had an invalid config (see the error lines above)"] if refused else []
-            print(f"{'; '.join(why)}: exit code 1", file=sys.stderr)
+        print(f"\n{finished_line(entries)}; records listed in {sweep_dir / 'manifest.jsonl'}", flush=True)
+        globs = [o for o in config.hydra.overrides.task if "glob(" in o]
+        why = failures(entries, empty=" or ".join(f"'{g}'" for g in globs) or None)
+        if why:  # after every record and the report are written: a sweep with a broken job fails
+            print(f"{'; '.join(why)}: exit code 1", file=sys.stderr, flush=True)
             raise SystemExit(1)
+
+
+def finished_line(entries: list[dict[str, Any]]) -> str:
+    """``sweep finished: 5 job(s): 2 measured, 3 reused ...``: what the sweep did, from its manifest."""
+    records = [e for e in entries if e["record"] is not None]
+    reused = sum(e.get("status") == "skipped" for e in records)
+    line = f"sweep finished: {len(records)} job(s): {len(records) - reused} measured"
+    if reused:
+        line += (
+            f", {reused} reused from earlier records in records_dir (same config, code and machine; "
+            "resume=false measures them again)"
+        )
+    return line
+
+
+def failures(entries: list[dict[str, Any]], empty: str | None = None) -> list[str]:
+    """Why the sweep fails ([] when it does not): jobs that ended ``error``, had an invalid config or
+    computed a wrong result, or no job at all (``empty``: the sweep overrides that may have matched
+    nothing)."""
+    if not entries:
+        return [f"the sweep launched no job: {empty or 'a sweep list'} matched nothing"]
+    count = {
+        "error": sum(e.get("status") == "error" for e in entries),
+        "refused": sum(e.get("status") == "invalid_config" for e in entries),
+        "invalid": sum(bool(e.get("invalid")) for e in entries),
+    }
+    why = {
+        "error": "job(s) ended 'error' (see the status table)",
+        "refused": "job(s) had an invalid config (see the error lines above)",
+        "invalid": "job(s) computed a wrong result: INVALID, their output failed the check against the "
+        "float64 oracle",
+    }
+    return [f"{n} {why[k]}" for k, n in count.items() if n]
 
 
 def warn_parallel_timing(config: DictConfig) -> None:

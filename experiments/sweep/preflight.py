@@ -2,6 +2,8 @@
 
 ``run.py`` passes ``sys.argv`` through :func:`preflight`, which
 
+- refuses a setting the config does not have (``seqlen=64`` or ``+seqlen=64``, which Hydra would
+  add and no job would read) with one line naming the closest known ones;
 - refuses an unknown variant (``variant=nosuch``) or an enum value the schema does not know
   (``dtype=fp8``) with one line naming what is known, and exit code 1;
 - turns ``variant.<knob>=<value>`` into ``++variant.<knob>=<value>``, so a knob the variant's config
@@ -14,6 +16,8 @@ left to Hydra.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
 import sys
 from pathlib import Path
@@ -34,6 +38,22 @@ def known_variants() -> list[str]:
     return sorted(files | set(variants.available()))
 
 
+def known_settings() -> list[str]:
+    """Top-level names an override may set: the schema's fields and the config groups under ``conf/``."""
+    from .schema import BenchConfig
+
+    groups = {p.name for p in CONF.iterdir() if p.is_dir()}
+    return sorted({f.name for f in dataclasses.fields(BenchConfig)} | groups)
+
+
+def _variant_knobs() -> set[str]:
+    """Every knob of every registered variant (``window``, ``block``, ...)."""
+    import variants
+    from variants.registry import knob_defaults
+
+    return {k for name in variants.available() for k in knob_defaults(variants.get(name))}
+
+
 def _fail(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr, flush=True)
     raise SystemExit(1)
@@ -48,6 +68,14 @@ def preflight(argv: list[str]) -> list[str]:
             out.append(arg)
             continue
         bare = key.lstrip("+")
+        root = bare.split(".", 1)[0]
+        known_keys = known_settings()
+        if root not in known_keys:
+            close = difflib.get_close_matches(root, known_keys, n=3)
+            if root in _variant_knobs():
+                close = [f"variant.{root}"] + close
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            _fail(f"unknown setting '{root}' in '{arg}'; {hint}`python run.py --cfg job` lists the settings")
         if bare == "variant" and _PLAIN.match(value):
             known = known_variants()
             for name in value.split(","):

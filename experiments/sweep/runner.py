@@ -232,8 +232,9 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         log.info("[%s] already measured: %s (resume=false to measure again)", label, existing)
         line = f"[{label}] skipped: already measured ({existing.name})"
         _say(line)
-        _manifest(sweep_dir, chash, existing, "skipped", line=line)
-        return json.loads(existing.read_text())
+        old = json.loads(existing.read_text())
+        _manifest(sweep_dir, chash, existing, "skipped", line=line, invalid=not _valid(old))
+        return old
 
     from ..measure.kernel import precheck
 
@@ -277,7 +278,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     record["job_wall_s"] = time.perf_counter() - t_job
     path = _write_somewhere(record, records_dir, sweep_dir)
     line = summary_line(record)
-    _manifest(sweep_dir, chash, path, record["status"], line=line)
+    _manifest(sweep_dir, chash, path, record["status"], line=line, invalid=not _valid(record))
     _say(line)
     log.debug("record: %s", path)  # the manifest lists it; the terminal shows the summary line
     if record["status"] == "error" and hc.mode != RunMode.MULTIRUN:
@@ -418,6 +419,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _valid(record: dict[str, Any]) -> bool:
+    """False when the record's output failed its check against the float64 oracle (``figures.valid``)."""
+    return bool((record.get("figures") or {}).get("valid", True))
+
+
 def _manifest(
     sweep_dir: Path,
     chash: str | None,
@@ -425,11 +431,15 @@ def _manifest(
     status: str,
     reason: str | None = None,
     line: str | None = None,
+    invalid: bool = False,
 ) -> None:
     """Append this job's record path to the sweep's manifest (one short line: an atomic append), with
-    the job's summary ``line`` for the submitting process to show (:mod:`experiments.sweep.progress`)."""
+    the job's summary ``line`` for the submitting process to show (:mod:`experiments.sweep.progress`)
+    and ``invalid`` when its result failed the correctness check (the sweep then exits 1)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     entry = {"config_hash": chash, "record": None if path is None else str(path), "status": status}
+    if invalid:
+        entry["invalid"] = True
     if reason is not None:
         entry["reason"] = reason
     if line is not None:
