@@ -80,8 +80,10 @@ ERR_FACTOR = 2.0
 #: ... or up to this floor (about 8 units of fp32 rounding): below it errors are rounding noise
 ERR_FLOOR = 8 * torch.finfo(DTYPE).eps
 #: the time ratio to the reference may grow to this multiple of the baseline ratio. Generous on purpose:
-#: in CPU time the ratio moved at most 25% over five runs on the shared 2-core machine, but a CI runner
-#: with another CPU shifts Python-bound variants against the BLAS-bound reference by more.
+#: over 20 runs on a loaded 2-core machine (a sweep and a CPU hog beside them, load average 1.7-5.2;
+#: results/cpu/gate_noise/) the largest run stayed 2.1x or more below it, the widest spread being
+#: chunked's (max 1.52x its median), and a CI runner with another CPU shifts Python-bound variants
+#: against the BLAS-bound reference (the baseline's AMD EPYC against an Intel Xeon: up to 1.28x).
 TIME_FACTOR = 3.0
 
 # ---------------------------------------------------------------------------------------------- timing plan
@@ -379,7 +381,8 @@ def compare_time(key: str, entry: dict[str, Any], base: dict[str, Any] | None) -
         f"{key}: time regression: {entry['time_ratio']:.3f} x reference {REFERENCE[0]}{REFERENCE[1]} "
         f"(per-round quartiles {entry['ratio_q1']:.3f}-{entry['ratio_q3']:.3f}, {entry['rounds']} rounds; "
         f"variant {entry['time_s'] * 1e3:.3f} ms, reference {entry['ref_time_s'] * 1e3:.3f} ms CPU) > limit "
-        f"{limit:.3f} = {TIME_FACTOR:g} x baseline ratio {base['time_ratio']:.3f}"
+        f"{limit:.3f} = {TIME_FACTOR:g} x baseline ratio {base['time_ratio']:.3f} (run-to-run spread on a "
+        f"loaded machine: results/cpu/gate_noise/NOTES.md)"
     ]
 
 

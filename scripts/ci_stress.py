@@ -1,8 +1,10 @@
 """Run CI's test command N times, on a busy machine or a quiet one, and record how many runs passed.
 
-The command is the one ``.ci/run`` runs (the README's test command, word for word) without its setup
-steps (venv, ``pip install``): it runs in the environment this script runs in, which must have the
-project installed with ``.[dev]``. With ``--load`` (the default) each run has beside it a sweep of
+With ``--fresh-clone`` each run is CI's whole run: a clone of this repository's ``HEAD`` (what is
+committed) into a temporary folder, and ``bash .ci/run`` there (a new virtual environment, the
+installs, the README's test command). Without it, the command is the one ``.ci/run`` runs without its
+setup steps (venv, ``pip install``), in the environment this script runs in, which must have the
+project installed with ``.[dev]``. By default (the default) each run has beside it a sweep of
 this suite and an unrelated CPU hog (:mod:`busy_machine`), started before the run and stopped after
 it; ``--quiet`` runs with nothing beside it.
 
@@ -10,7 +12,7 @@ Each run appends one JSON line to ``--out``/runs.jsonl (start, seconds, exit cod
 tests, the mean 1-minute load average, the load sweep's finished jobs) and keeps its output in
 ``--out``/logs/. At the end it prints how many runs passed.
 
-    python scripts/ci_stress.py --runs 5                 # loaded
+    python scripts/ci_stress.py --runs 5 --fresh-clone   # loaded, as CI runs it
     python scripts/ci_stress.py --runs 1 --quiet
 """
 
@@ -23,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import datetime, timezone
@@ -53,9 +56,20 @@ def _sample_load(samples: list[float], stop: threading.Event) -> None:
         samples.append(os.getloadavg()[0])
 
 
-def run_once(command: str, log: Path, loaded: bool) -> dict:
-    """One run of ``command`` (bash, repository root, this interpreter's folder first on PATH)."""
+def run_once(command: str, log: Path, loaded: bool, fresh_clone: bool = False) -> dict:
+    """One run of ``command`` (bash, in the repository root, this interpreter's folder first on PATH),
+    or with ``fresh_clone`` of ``bash .ci/run`` in a new clone of ``HEAD`` (removed after)."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    cwd, scratch = ROOT, None
+    if fresh_clone:
+        scratch = tempfile.mkdtemp(prefix="attnbench-ci-")
+        cwd = Path(scratch) / "repo"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(cwd)], check=True)
+        # .ci/run makes its own environment: none of this one's on the way
+        here = str(Path(sys.executable).parent)
+        path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != here)
+        env = {**{k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}, "PATH": path}
+        command = "bash .ci/run"
     samples: list[float] = []
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_load, args=(samples, stop), daemon=True)
@@ -65,14 +79,20 @@ def run_once(command: str, log: Path, loaded: bool) -> dict:
     with ctx as load:
         sampler.start()
         with open(log, "w") as f:
-            p = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+            p = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
         stop.set()
         sweep_jobs = load.sweep_jobs_done() if load is not None else None
+    if scratch is not None:
+        subprocess.run(["rm", "-rf", scratch], check=False)
     output = log.read_text(errors="replace")
     return {
         "started": started,
         "seconds": round(time.perf_counter() - t0),
         "loaded": loaded,
+        "command": command,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),  # fmt: skip
         "exit_code": p.returncode,
         "passed": p.returncode == 0,
         "failed": _failed_tests(output),
@@ -87,16 +107,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quiet", action="store_true", help="nothing beside the runs")
+    ap.add_argument("--fresh-clone", action="store_true", help="each run: .ci/run in a new clone of HEAD")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu" / "ci_stress")
     args = ap.parse_args()
-    command = test_command()
+    command = "bash .ci/run (fresh clone)" if args.fresh_clone else test_command()
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     kind = "quiet" if args.quiet else "loaded"
     print(f"{args.runs} {kind} run(s) of: {command}", flush=True)
     passed = 0
     for i in range(args.runs):
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        rec = run_once(command, args.out / "logs" / f"{stamp}-{kind}.log", loaded=not args.quiet)
+        log = args.out / "logs" / f"{stamp}-{kind}.log"
+        rec = run_once(command, log, loaded=not args.quiet, fresh_clone=args.fresh_clone)
         passed += rec["passed"]
         with open(args.out / "runs.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
