@@ -470,7 +470,7 @@ def test_entry_point_plugin_is_a_variant_choice_with_knobs(tmp_path):
 
 
 def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
-    from experiments.sweep.runner import variant_label
+    from experiments.sweep.checks import variant_label
     from tests.faulty import CrashingAttention
 
     assert variant_label(CrashingAttention) == "tests.faulty.CrashingAttention"
@@ -496,11 +496,15 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         (["seqlen=64"], "error: unknown setting 'seqlen' in 'seqlen=64'; did you mean seq_len or seed?"),
         (["+seqlen=64"], "error: unknown setting 'seqlen' in '+seqlen=64'; did you mean seq_len"),
         (["window=16"], "error: unknown setting 'window' in 'window=16'; did you mean variant.window?"),
+        # a sweep's jobs are checked before Hydra launches any: no banner, no sweep folder
+        (["-m", "seq_len=64,0"], "error: seq_len must be > 0, got 0"),
+        (["-m", "variant=local_window", "variant.window=-5"], "error: window must be >= 0"),
+        (["-m", "variant=naive,sdpa", "padding=0.5,1.5"], "error: padding must be in [0, 1), got 1.5"),
     ],
 )
 def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, message):
     p = subprocess.run(
-        [sys.executable, "run.py", *args, f"records_dir={tmp_path}"],
+        [sys.executable, "run.py", *args, f"records_dir={tmp_path}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -508,13 +512,28 @@ def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, messag
     )
     assert p.returncode == 1
     assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith(message), p.stderr
-    assert not list(tmp_path.glob("*.json"))
+    assert p.stdout == ""  # no "Launching" banner, no "sweep finished"
+    assert not list(tmp_path.glob("*.json")) and not (tmp_path / "sweep").exists()
 
 
 def test_a_sweep_that_matches_no_job_fails_in_one_line(tmp_path):
     p = run_sweep(tmp_path, "variant=glob(zzz*)")
     assert p.returncode == 1
     assert p.stderr.strip() == "the sweep launched no job: 'variant=glob(zzz*)' matched nothing: exit code 1"
+
+
+def test_a_job_refused_inside_a_sweep_says_so_once_and_leaves_no_empty_folder(tmp_path):
+    # glob(...) is expanded by Hydra, so this job is checked in the job, not before launch
+    p = run_sweep(tmp_path, "variant=glob(local*)", "variant.window=-5")
+    assert p.returncode == 1
+    error = "error: window must be >= 0 (a radius in tokens), got -5"
+    assert (p.stdout + p.stderr).count(error) == 1, p.stdout + p.stderr
+    assert "nothing measured, sweep folder removed" in p.stdout and not (tmp_path / "sweep").exists()
+    # a sweep folder the user named, with a file of their own in it, stays
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    p = run_sweep(tmp_path, "variant=glob(local*)", "variant.window=-5", sweep="mine")
+    assert p.returncode == 1 and (tmp_path / "mine" / "notes.txt").exists()
 
 
 def test_a_wrong_result_fails_the_sweep_whether_measured_or_reused(tmp_path):

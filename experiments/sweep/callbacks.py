@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -148,12 +149,32 @@ class SweepCallback(Callback):
             from ..report.report import report_paths
 
             report_paths(records, out_dir=sweep_dir / "report")
-        print(f"\n{finished_line(entries)}; records listed in {sweep_dir / 'manifest.jsonl'}", flush=True)
+        refused = not records and entries and all(e.get("status") == "invalid_config" for e in entries)
+        if refused and remove_unmeasured_sweep(sweep_dir):  # the error lines above say why
+            print(f"\n{finished_line(entries)}; nothing measured, sweep folder removed", flush=True)
+        else:
+            print(f"\n{finished_line(entries)}; records listed in {sweep_dir / 'manifest.jsonl'}", flush=True)
         globs = [o for o in config.hydra.overrides.task if "glob(" in o]
         why = failures(entries, empty=" or ".join(f"'{g}'" for g in globs) or None)
         if why:  # after every record and the report are written: a sweep with a broken job fails
             print(f"{'; '.join(why)}: exit code 1", file=sys.stderr, flush=True)
             raise SystemExit(1)
+
+
+def remove_unmeasured_sweep(sweep_dir: Path) -> bool:
+    """Remove a sweep folder that holds only what Hydra and the sweep wrote for jobs that measured
+    nothing (``multirun.yaml``, the manifest, per-job ``run.log`` and ``.hydra/``); anything else in
+    it (a folder the user named, with files of their own) keeps it. True when it was removed."""
+
+    def ours(p: Path) -> bool:
+        if p.is_dir():
+            return p.name.isdigit() and {c.name for c in p.iterdir()} <= {"run.log", ".hydra"}
+        return p.name in ("multirun.yaml", "manifest.jsonl")
+
+    if not sweep_dir.is_dir() or not all(ours(p) for p in sweep_dir.iterdir()):
+        return False
+    shutil.rmtree(sweep_dir, ignore_errors=True)
+    return not sweep_dir.exists()
 
 
 def finished_line(entries: list[dict[str, Any]]) -> str:

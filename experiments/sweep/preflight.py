@@ -10,14 +10,18 @@
   file does not list reaches the runner, which names the variant's real knobs in one line
   (``unknown knob 'windo' for local_window; knobs: window, block``) instead of Hydra asking for ``+``.
 
-Sweep syntax that is not a plain comma list (``glob(...)``, ``range(...)``, ``choice(...)``) is
-left to Hydra.
+Then it composes each job the command line's own comma lists make (up to :data:`MAX_CHECKED` of them)
+and runs the job's checks on it (:func:`experiments.sweep.checks.check_job`: value ranges, knobs,
+building the variant), so ``seq_len=0`` or ``variant.window=-5`` is one line and exit code 1 before
+any job is launched, in a sweep as in a single run. Sweep syntax that is not a plain comma list
+(``glob(...)``, ``range(...)``, ``choice(...)``) is left to Hydra; the jobs check themselves again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -25,6 +29,8 @@ from pathlib import Path
 from ..measure.spec import CHOICES
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+#: jobs of the command line's own comma lists checked before launch (beyond: each job checks itself)
+MAX_CHECKED = 64
 _PLAIN = re.compile(r"^[^()\[\]{}'\"$]*$")  # a plain value or comma list, no sweep functions
 
 
@@ -89,4 +95,47 @@ def preflight(argv: list[str]) -> list[str]:
         elif bare.startswith("variant.") and not key.startswith("+"):
             arg = "++" + arg  # add or override: the runner checks the knob against the variant
         out.append(arg)
+    check_jobs(out[1:])
     return out
+
+
+def _job_overrides(args: list[str]) -> list[list[str]] | None:
+    """The override lists of the jobs the command line's comma lists make (None when the command
+    line names another config or uses sweep syntax Hydra expands itself)."""
+    lists = []
+    for arg in args:
+        if arg.startswith("-"):
+            if arg in ("-cn", "-cp", "-cd") or arg.startswith(("--config", "--info", "--help", "-h")):
+                return None  # another config, or not a run
+            continue
+        key, eq, value = arg.partition("=")
+        if not eq or key.lstrip("+~").startswith("hydra"):
+            continue
+        if not _PLAIN.match(value):
+            return None
+        lists.append([f"{key}={v}" for v in value.split(",")] if "," in value else [arg])
+    return [list(job) for job in itertools.islice(itertools.product(*lists), MAX_CHECKED)]
+
+
+def check_jobs(args: list[str]) -> None:
+    """Compose each job of the command line (:func:`_job_overrides`) and run the job's checks; the
+    first that fails ends the run with its one line."""
+    jobs = _job_overrides(args)
+    if not jobs:
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    from .checks import check_job, one_line
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for job in jobs:
+            try:
+                cfg = OmegaConf.to_container(compose("config", overrides=job), resolve=True, enum_to_str=True)
+            except HydraException:
+                return  # Hydra's own message, when it composes the same overrides, says it better
+            try:
+                check_job(cfg)
+            except Exception as exc:
+                _fail(one_line(exc))

@@ -11,17 +11,16 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import get_class, to_absolute_path
+from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from variants.registry import SHAPE_HINTS, check_knobs, knob_defaults, registered_name
+from variants.registry import SHAPE_HINTS, knob_defaults
 
 from ..measure.canary import SLOW_RATIO, job_canary_ms
 from ..measure.common import job_threads
@@ -31,9 +30,10 @@ from ..records.environment import environment, variant_code_version
 from ..records.records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
 from .allocator import set_job_allocator_env
 from .allocator import settings as malloc_settings
+from .checks import check_job, one_line
 from .concurrency import measuring, others_measuring
 from .progress import following, say
-from .schema import BenchConfig, register_schema, validate
+from .schema import BenchConfig, register_schema
 
 log = logging.getLogger("attnbench")
 
@@ -162,17 +162,13 @@ def summary_line(rec: dict[str, Any]) -> str:
     return f"{head}: " + ", ".join(bits)
 
 
-def variant_label(cls: type) -> str:
-    """The registered name of ``cls``, or its import path when it is not itself registered (a
-    subclass of a registered variant is not that variant)."""
-    return registered_name(cls) or f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _fail(msg: str) -> None:
     """A config error: one line, no traceback; ends a single run with exit code 1, and makes a sweep
-    exit 1 at its end (the manifest notes it)."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
+    exit 1 at its end (the manifest notes it, and the submitting process's follower prints its line:
+    printed here too only where no follower does)."""
     hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or not following():
+        print(f"error: {msg}", file=sys.stderr, flush=True)
     if hc.mode != RunMode.MULTIRUN:
         raise SystemExit(1)
     _manifest(Path(hc.sweep.dir), None, None, "invalid_config", reason=msg, line=f"error: {msg}")
@@ -189,23 +185,9 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         _fail(f"config does not resolve: {exc}")
         return None
     try:
-        conf = BenchConfig.from_config(cfg)
-        validate(conf)
-        if conf.tokens:  # a fixed token budget: the batch follows the length (and is hashed)
-            cfg["batch"] = max(1, conf.tokens // conf.seq_len)
-            conf = replace(conf, batch=cfg["batch"])
-        cls = get_class(conf.variant["_target_"])
-        name = variant_label(cls)
-        check_knobs(cls, conf.variant, name)
-        # build once here: a bad knob (window=-1) is a one-line error before any child is spawned
-        from ..measure.common import build_variant
-
-        variant = build_variant(conf.variant)
+        conf, cls, name, variant = check_job(cfg)
     except Exception as exc:
-        cause = exc.__cause__ or exc
-        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        kind = "" if isinstance(cause, ValueError) else f"{type(cause).__name__}: "
-        _fail(f"{kind}{text}")
+        _fail(one_line(exc))
         return None
     label = job_label(conf, name)
     chash = config_hash(cfg)  # of the dict the record stores
