@@ -67,7 +67,7 @@ def sweep(tmp_path_factory):
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=300)
         if name == "faulty":  # its wrong variant fails the sweep, after every record and the report
-            assert p.returncode == 1 and "1 job(s) computed a wrong result: INVALID" in stderr, stderr[-3000:]
+            assert p.returncode == 1 and "2 job(s) computed a wrong result: INVALID" in stderr, stderr[-3000:]
         else:
             assert p.returncode == 0, stderr[-3000:]
         out[name] = (stdout, stderr)

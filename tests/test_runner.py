@@ -752,6 +752,24 @@ def test_a_job_measured_while_the_machine_ran_slow_is_measured_again(tmp_path):
     assert "the machine ran slow (canary" in p.stdout and "measuring again (attempt 2 of 2)" in p.stdout
 
 
+def test_a_gemm_ceiling_below_a_jobs_own_rate_is_measured_again(tmp_path):
+    # the sweep's ceiling says 1 GFLOP/s: naive runs faster than that, so its record keeps that ceiling
+    # (its share of it is marked in the report) and the next job measures the ceiling again
+    (tmp_path / "sweep").mkdir()
+    low = {"device": "cpu", "dtype": "float32", "gemm_n": 2048, "gemm_flops_per_s": 1e9, "threads": 1}
+    (tmp_path / "sweep" / "roofline-cpu-float32.json").write_text(json.dumps(low))
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    p = run_sweep(tmp_path, "variant=naive,sdpa", *small, "threads=1", "seq_len=256")
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = {r["variant_name"]: r for r in read_records(tmp_path / "records")}
+    assert (
+        recs["naive"]["roofline"]["gemm_flops_per_s"] == 1e9 < recs["naive"]["figures"]["gflops_per_s"] * 1e9
+    )
+    assert "ran faster than the sweep's GEMM ceiling: the next job measures the ceiling again" in p.stdout
+    again = recs["sdpa"]["roofline"]
+    assert again["gemm_n"] == 2048 and again["gemm_flops_per_s"] > 1e9
+
+
 def test_a_slow_canary_beside_another_measuring_job_is_not_measured_again(tmp_path, monkeypatch):
     # as above, but another job of the suite measures all along (this test process's marker in the
     # sweep's marker folder): a slower canary is expected beside it, so the job is kept as it is

@@ -9,7 +9,6 @@ child process, and copied into every record of that sweep (``record["roofline"]`
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -17,31 +16,30 @@ import torch
 from .inputs import DTYPES
 from .timing import time_call
 
-# the largest square GEMM tried: CUDA bf16 at 8192 is 1.1 TFLOP, about 1.5 ms on an H100
-_GEMM_N = {"cpu": 2048, "cuda": 8192}
-# a GEMM size is large enough once one call takes this long (half precision on a CPU without
-# matrix units runs at about 1 GFLOP/s, so it stops at a few hundred, fp32 at 1024-2048)
-_GEMM_CALL_S = 0.02
+#: the square GEMM of the ceiling, fixed per device and dtype. A size chosen by timing one call picked
+#: 256 on a loaded machine and recorded 1.06 GFLOP/s, so that sdpa showed 809% of the "GEMM rate".
+#: CPU: 2048 in fp32/fp64 (17 GFLOP, about 0.2 s on one core of the project's VM), 512 in half
+#: precision (a CPU without matrix units runs it at about 1 GFLOP/s); CUDA: 8192 (1.1 TFLOP in bf16,
+#: about 1.5 ms on an H100)
+_GEMM_N = {"cpu": 2048, "cpu_half": 512, "cuda": 8192}
 # bytes copied (read once, written once): beyond every CPU's last-level cache and a GPU's L2
 _COPY_MIB = {"cpu": 512, "cuda": 2048}
 
 
-def gemm_size(device: str, dtype: torch.dtype, cap: int) -> int:
-    """The smallest power of two from 256 up to ``cap`` whose GEMM call takes ``_GEMM_CALL_S``."""
-    n = 256
-    while n < cap:
-        a = torch.ones(n, n, device=device, dtype=dtype)
-        torch.mm(a, a)  # first call: library setup, not counted
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        torch.mm(a, a)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if time.perf_counter() - t0 >= _GEMM_CALL_S:
-            break
-        n *= 2
-    return n
+def gemm_n(device: str, dtype: torch.dtype) -> int:
+    """The side of the ceiling's square GEMM on ``device`` in ``dtype`` (:data:`_GEMM_N`)."""
+    if device == "cpu" and dtype.itemsize == 2:
+        return _GEMM_N["cpu_half"]
+    return _GEMM_N["cuda" if device == "cuda" else "cpu"]
+
+
+def implausible(gflops_per_s: float | None, roofline: dict[str, Any] | None, threads: int | None) -> bool:
+    """Whether a job's useful GFLOP/s exceeds the GEMM rate of the ceiling it was given, measured with
+    the same thread count: a ceiling below what the sweep's own kernels reach was measured in a slow
+    moment, and the sweep measures it again."""
+    if not roofline or gflops_per_s is None or roofline.get("threads") != threads:
+        return False
+    return gflops_per_s * 1e9 > roofline.get("gemm_flops_per_s", float("inf"))
 
 
 def gemm_operands(
@@ -71,7 +69,7 @@ def copy_bytes_per_s(device: str, mib: int, min_run_time: float = 0.5) -> float:
 def measure_roofline(device: str, dtype: str, min_run_time: float = 0.5) -> dict[str, Any]:
     """``{"device", "dtype", "gemm_n", "gemm_flops_per_s", "copy_mib", "copy_bytes_per_s", "threads"}``
     for ``device`` and ``dtype`` (a name from :data:`experiments.measure.inputs.DTYPES`)."""
-    n, mib = gemm_size(device, DTYPES[dtype], _GEMM_N[device]), _COPY_MIB[device]
+    n, mib = gemm_n(device, DTYPES[dtype]), _COPY_MIB[device]
     return {
         "device": device,
         "dtype": dtype,

@@ -306,9 +306,9 @@ def speed_table(df: pd.DataFrame) -> Section:
     )
     if (pct_of_gemm(df) > 100).any():
         sec.note += (
-            " A percentage above 100: the machine ran faster during that job than when the sweep "
-            "measured its GEMM rate (once, in its first job); where the machine's speed drifts, the "
-            "percentages are approximate."
+            " A percentage above 100 (marked !): the machine ran faster during that job than when the "
+            "sweep measured its GEMM rate, so that ceiling is too low (the sweep measures it again in "
+            "the next job); where the machine's speed drifts, the percentages are approximate."
         )
     if (_col(df, "attempts") > 1).any():
         sec.note += (
@@ -329,6 +329,8 @@ def _gflops_text(row: pd.Series) -> str:
     pct = 100 * row.get("gflops_per_s", np.nan) * 1e9 / row.get("roofline_gemm_flops_per_s", np.nan)
     if pd.isna(pct):
         return text
+    if pct > 100:  # above the ceiling measured in the same sweep: the note under the table says why
+        return f"{text} ({pct:.0f}%!)"
     return f"{text} ({pct:.0f}%)" if pct >= 10 else f"{text} ({pct:.2g}%)"
 
 

@@ -25,6 +25,7 @@ from variants.registry import SHAPE_HINTS, knob_defaults
 from ..measure.canary import SLOW_RATIO, job_canary_ms
 from ..measure.common import job_threads
 from ..measure.machine_load import settle
+from ..measure.roofline import implausible
 from ..measure.spec import JobSpec
 from ..records.environment import environment, variant_code_version
 from ..records.records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
@@ -233,6 +234,11 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         write_json_atomic(roof_path, roof)
     elif roof:
         log.warning("[%s] roofline not measured: %s", label, roof["error"])
+    ceiling = _read_json(roof_path)  # the record keeps the ceiling this job was compared with
+    figures = result.get("figures") or {}
+    if implausible(figures.get("gflops_per_s"), ceiling, figures.get("threads")):
+        roof_path.unlink(missing_ok=True)  # the report marks this job's share; the next job re-measures
+        say(f"[{label}] ran faster than the sweep's GEMM ceiling: the next job measures the ceiling again")
     # what torch saw in a CUDA job's child fills in what nvidia-smi could not tell (resume compares
     # the sweep's own view, so it is not overwritten)
     for k, v in (result.get("env") or {}).items():
@@ -248,7 +254,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         "variant": result.get("variant"),
         "figures": result.get("figures", {}),
         "env": env,
-        "roofline": _read_json(roof_path),
+        "roofline": ceiling,
         "sweep_dir": str(sweep_dir),
         "started_at": started,
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -1,0 +1,37 @@
+"""The machine's ceilings: a GEMM of fixed size, and the rule that a ceiling below the sweep's own
+kernels is measured again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.measure import roofline
+from experiments.measure.timing import Timing
+
+
+def test_the_gemm_size_is_fixed_whatever_the_machine_is_doing(monkeypatch):
+    # a machine so slow that every call takes a second: the size does not shrink with it
+    seen = []
+
+    def slow_call(fn, device, min_run_time):
+        seen.append(fn)
+        return Timing(median_s=1.0, q1_s=1.0, q3_s=1.0, reps=1)
+
+    monkeypatch.setattr(roofline, "time_call", slow_call)
+    monkeypatch.setattr(roofline, "_COPY_MIB", {"cpu": 1})
+    roof = roofline.measure_roofline("cpu", "float32")
+    assert roof["gemm_n"] == 2048
+    assert roof["gemm_flops_per_s"] == pytest.approx(2 * 2048**3)  # 2 n^3 FLOPs in the 1 s it took
+    assert roof["copy_bytes_per_s"] == pytest.approx(2 * 2**20)  # 1 MiB read and written in 1 s
+    assert len(seen) == 2
+    assert roofline.gemm_n("cpu", torch.bfloat16) == roofline.gemm_n("cpu", torch.float16) == 512
+    assert roofline.gemm_n("cpu", torch.float64) == 2048 and roofline.gemm_n("cuda", torch.bfloat16) == 8192
+
+
+def test_a_ceiling_below_the_jobs_own_rate_is_implausible():
+    roof = {"gemm_flops_per_s": 50e9, "threads": 1}
+    assert roofline.implausible(60.0, roof, threads=1)  # 60 GFLOP/s of attention above a 50 GFLOP/s GEMM
+    assert not roofline.implausible(40.0, roof, threads=1)
+    assert not roofline.implausible(60.0, roof, threads=2)  # another thread count: not comparable
+    assert not roofline.implausible(None, roof, threads=1) and not roofline.implausible(60.0, None, 1)
