@@ -152,6 +152,18 @@ def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
     )
 
 
+def oracle_hint(name: str, err: float, tol: float) -> str:
+    """The message of a failed comparison with :func:`variants.oracle`: the error and the hooks of the
+    variant the oracle builds its expected output from (README, "Adding a variant")."""
+    return (
+        f"{name}: relative error {err:.3g} against the float64 oracle (allowed {tol:g}). The oracle computes "
+        "softmax(reference_scores(q, k)) over the pairs pattern() allows, plus the call's masks: a variant "
+        "that scores pairs differently (a temperature, a bias) overrides reference_scores(); one that skips "
+        "pairs, pattern() (and num_pairs()/flops() follow it); one that is not a restricted softmax, "
+        "oracle_forward()"
+    )
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs error divided by the reference output's scale (its max abs value)."""
     out, ref = out.detach().double(), ref.detach().double()  # plain numbers: no graph to keep

@@ -369,7 +369,8 @@ def test_xformers_missing_reads_as_an_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "xformers", None)  # makes `import xformers...` raise ImportError
     monkeypatch.setitem(sys.modules, "xformers.ops", None)
     w = variants.Workload(1, 2, 4, 4, 8, 8, device="cuda", dtype=torch.float16)  # check() needs no GPU
-    with pytest.raises(variants.Unavailable, match=r"xformers is not installed: pip install"):
+    hint = r"xformers is not installed: on a CUDA machine, pip install"
+    with pytest.raises(variants.Unavailable, match=hint):
         variants.build("xformers").check(w)
 
 

@@ -480,7 +480,11 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["variant=nosuch"], "error: unknown variant 'nosuch'; known variants: additive, "),
+        (
+            ["variant=nosuch"],
+            "error: unknown variant 'nosuch'; known variants: additive, axial, chunked, flex, local_window, "
+            "naive, sdpa, sparse, xformers; knob presets: pretrained/",
+        ),
         (["dtype=fp8"], "error: dtype=fp8: expected one of float32, float64, bfloat16, float16"),
         (
             ["variant=local_window", "variant.windo=3"],
@@ -791,3 +795,21 @@ def test_a_slow_canary_beside_another_measuring_job_is_not_measured_again(tmp_pa
         assert "measuring again" not in p.stdout and "earlier_attempts" not in f
     else:
         assert "unstable (IQR above" in p.stdout
+
+
+def test_the_last_line_of_a_sweep_counts_what_it_did():
+    from experiments.sweep.callbacks import failures, finished_line
+
+    def e(status, invalid=False, record="r.json"):
+        return {"status": status, "record": record, **({"invalid": True} if invalid else {})}
+
+    assert finished_line([e("ok"), e("ok")]) == "sweep finished: 2 job(s): 2 measured"
+    line = finished_line([e("ok"), e("skipped"), e("unavailable"), e("unsupported"), e("unavailable")])
+    assert line.startswith("sweep finished: 5 job(s): 4 measured (2 unavailable, 1 unsupported: see the")
+    assert "1 reused from earlier records" in line and "resume=false measures them again" in line
+    assert failures([e("ok"), e("unsupported")]) == []  # findings about a variant, not failures
+    assert failures([e("ok", invalid=True), e("skipped", invalid=True), e("error")]) == [
+        "1 job(s) ended 'error' (see the status table)",
+        "2 job(s) computed a wrong result: INVALID, their output failed the check against the float64 oracle",
+    ]
+    assert failures([]) == ["the sweep launched no job: a sweep list matched nothing"]

@@ -20,6 +20,7 @@ from .helpers import (
     build,
     flags_allow,
     make_inputs,
+    oracle_hint,
     param_id,
     rel_err,
     variant_params,
@@ -45,7 +46,8 @@ def test_forward_matches_oracle_fp32(vp, case, device):
     out = attn(q, k, v, **kw)
     assert out.shape == (case.b, case.h, case.nq, case.dv)
     assert out.dtype == q.dtype
-    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    err = rel_err(out, oracle(attn, q, k, v, **kw))
+    assert err <= 1e-5, oracle_hint(name, err, 1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -99,7 +101,8 @@ def test_gradients_match_oracle_fp32(vp, case, device):
     for gg, ww in zip(got, want, strict=True):
         assert (gg is None) == (ww is None)
         if gg is not None:
-            assert rel_err(gg, ww) <= 1e-4
+            err = rel_err(gg, ww)
+            assert err <= 1e-4, "gradient: " + oracle_hint(name, err, 1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -281,7 +284,8 @@ def test_grouped_heads_are_not_copied(name, monkeypatch):
     assert type(attn).native_gqa
     out = attn(q, k, v, **kw)
     monkeypatch.undo()
-    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    err = rel_err(out, oracle(attn, q, k, v, **kw))
+    assert err <= 1e-5, oracle_hint(name, err, 1e-5)
 
 
 def test_bad_grouping_scale_and_bias_are_one_clear_error():
@@ -310,3 +314,22 @@ def test_alibi_matches_the_paper():
     assert bias.shape == (1, 8, 3, 5)
     for h, i, j in [(0, 0, 0), (0, 2, 1), (3, 1, 4), (7, 0, 2)]:
         assert bias[0, h, i, j].item() == pytest.approx(-(2.0 ** -(h + 1)) * abs(i + 2 - j))
+
+
+def test_a_variant_that_changes_the_scores_passes_once_its_oracle_hook_says_so():
+    """What the README's "Adding a variant" promises: a temperature softmax fails the oracle comparison
+    with a message naming ``reference_scores``, and passes once it overrides that hook."""
+    naive = variants.get("naive")
+
+    class Tempered(naive):
+        def _attend(self, q, k, v, **kw):
+            return super()._attend(q / 2, k, v, **kw)  # scores / 2: a temperature of 2
+
+    class TemperedWithHook(Tempered):
+        def reference_scores(self, q, k, scale=None):
+            return super().reference_scores(q, k, scale) / 2
+
+    q, k, v, kw = make_inputs(CASE["causal_padding"])
+    err = rel_err(Tempered()(q, k, v, **kw), oracle(Tempered(), q, k, v, **kw))
+    assert err > 1e-2 and "overrides reference_scores()" in oracle_hint("tempered", err, 1e-5)
+    assert rel_err(TemperedWithHook()(q, k, v, **kw), oracle(TemperedWithHook(), q, k, v, **kw)) <= 1e-5

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from .base import AttentionVariant, Unavailable, Unsupported, Workload
 from .registry import register
 
-INSTALL_HINT = "pip install 'attnbench[xformers]'"
+#: xFormers' kernels run on CUDA GPUs only: installing it on a CPU-only machine would give nothing
+INSTALL_HINT = "on a CUDA machine, pip install 'attnbench[xformers]' (it runs on GPUs only)"
 _ALIGN = 8  # CUDA kernels want head sizes and bias rows aligned to 8 elements (16 bytes in fp16)
 
 

@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,9 @@ def finished_line(entries: list[dict[str, Any]]) -> str:
     records = [e for e in entries if e["record"] is not None]
     reused = sum(e.get("status") == "skipped" for e in records)
     line = f"sweep finished: {len(records)} job(s): {len(records) - reused} measured"
+    other = Counter(e["status"] for e in records if e.get("status") not in ("ok", "skipped"))
+    if other:  # a job that measured nothing says so here, not only in a table further up
+        line += " (" + ", ".join(f"{n} {s}" for s, n in sorted(other.items())) + ": see the status table)"
     if reused:
         line += (
             f", {reused} reused from earlier records in records_dir (same config, code and machine; "

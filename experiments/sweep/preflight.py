@@ -86,7 +86,12 @@ def preflight(argv: list[str]) -> list[str]:
             known = known_variants()
             for name in value.split(","):
                 if name not in known:
-                    _fail(f"unknown variant '{name}'; known variants: {', '.join(known)}")
+                    names = ", ".join(k for k in known if "/" not in k)
+                    presets = ", ".join(k for k in known if "/" in k)
+                    _fail(
+                        f"unknown variant '{name}'; known variants: {names}"
+                        + (f"; knob presets: {presets}" if presets else "")
+                    )
         elif bare in CHOICES and _PLAIN.match(value):
             allowed = [e.value for e in CHOICES[bare]]
             for v in value.split(","):
