@@ -70,6 +70,7 @@ def run_once(command: str, log: Path, loaded: bool, fresh_clone: bool = False) -
         path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != here)
         env = {**{k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}, "PATH": path}
         command = "bash .ci/run"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True)
     samples: list[float] = []
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_load, args=(samples, stop), daemon=True)
