@@ -91,9 +91,7 @@ def run_once(command: str, log: Path, loaded: bool, fresh_clone: bool = False) -
         "seconds": round(time.perf_counter() - t0),
         "loaded": loaded,
         "command": command,
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),  # fmt: skip
+        "commit": commit.stdout.strip(),  # what ran: the clone's HEAD, or this checkout's
         "exit_code": p.returncode,
         "passed": p.returncode == 0,
         "failed": _failed_tests(output),
