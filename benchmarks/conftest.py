@@ -32,6 +32,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("benchmark_only", default=False):
+        # pytest-benchmark would skip every gate that does not time through its fixture (the pattern
+        # gates, unsupported cases, the baseline checks) and exit 0 having gated almost nothing
+        raise pytest.UsageError(
+            "benchmarks/: --benchmark-only would skip the gates that do not time through "
+            "pytest-benchmark's fixture; run them all with --benchmark-enable (README)"
+        )
     config.stash[_ENTRIES] = {}
     config.stash[_GOALS] = []
 

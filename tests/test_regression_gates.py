@@ -228,3 +228,15 @@ def test_machine_info_hook_adds_torch_threads_cpu_and_gpu():
     assert info["torch_version"] == torch.__version__
     assert info["torch_threads_benchmarked"] == gates.THREADS
     assert info["cpu_model"] and "gpu" in info and info["node"] == "x"
+
+
+def test_benchmark_only_is_refused_rather_than_skipping_the_gates():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "pytest", "benchmarks", "--benchmark-only", "-p", "no:cacheprovider", "-q"]
+    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]  # pytest's usage error
+    assert "--benchmark-only would skip the gates" in p.stderr and "--benchmark-enable" in p.stderr

@@ -18,16 +18,35 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 _active = threading.Event()  # set while a follower runs in this process
+#: set by the submitting process while its follower runs: the device and inode of its standard output.
+#: A launcher worker (joblib) that writes to the same terminal or file leaves its job lines to the
+#: follower, which shows them once; one writing elsewhere (a Slurm job's log) prints them there.
+FOLLOWER_STDOUT_ENV = "ATTNBENCH_FOLLOWER_STDOUT"
+
+
+def _stdout_id() -> str | None:
+    """``device:inode`` of this process's standard output (None when it has no file)."""
+    try:
+        st = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 def following() -> bool:
-    """True when this process shows the sweep's job lines itself (a job should not print its own)."""
-    return _active.is_set()
+    """True when a follower shows the sweep's job lines where this process would print them: this
+    process's own, or the submitting process's when this one (a launcher worker) writes to the same
+    output. A job should not print its own line then."""
+    if _active.is_set():
+        return True
+    mine = _stdout_id()
+    return mine is not None and os.environ.get(FOLLOWER_STDOUT_ENV) == mine
 
 
 def say(line: str) -> None:
@@ -54,6 +73,8 @@ class ManifestFollower:
 
     def start(self) -> ManifestFollower:
         _active.set()
+        if (mine := _stdout_id()) is not None:  # launcher workers started from now on inherit it
+            os.environ[FOLLOWER_STDOUT_ENV] = mine
         self._thread.start()
         return self
 
@@ -64,6 +85,7 @@ class ManifestFollower:
             self._thread.join(5)
         self.poll()
         _active.clear()
+        os.environ.pop(FOLLOWER_STDOUT_ENV, None)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
