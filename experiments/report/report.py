@@ -225,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         action="extend",
         metavar="OTHER",
-        help="records to compare against (another commit, machine or library version): prints ratios",
+        help="records to compare against (another commit, machine or library version): speedups, each "
+        "marked when within the two runs' noise or measured on a slow machine",
     )
     ap.add_argument(
         "--all-measurements",

@@ -1,0 +1,69 @@
+"""Comparing two runs (``report --baseline``): each speedup says whether it is outside the two runs'
+own noise, and the section counts how many cells got faster, slower, or stayed within noise."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.records import store
+from experiments.records.records import config_hash
+from experiments.report import tables as T
+
+
+def record(n: int, median_ms: float, spread_ms: float, canary_ms: float = 20.0, hour: int = 10) -> dict:
+    """A fwd record of naive at N=``n``: median ``median_ms``, quartiles ``median -/+ spread_ms``,
+    and a canary of ``canary_ms`` before and after it."""
+    cfg = {
+        "variant": {"_target_": "variants.naive.NaiveAttention"},
+        **{"device": "cpu", "dtype": "float32", "mode": "fwd", "batch": 1, "heads": 8, "head_dim": 64},
+        **{"seq_len": n, "seed": 0, "threads": 1, "round": 0},
+    }
+    med, q1, q3 = (x / 1e3 for x in (median_ms, median_ms - spread_ms, median_ms + spread_ms))
+    figures = {"fwd_median_s": med, "fwd_q1_s": q1, "fwd_q3_s": q3, "valid": True, "peak_mib": 1.0}
+    figures["canary_before_ms"] = figures["canary_after_ms"] = canary_ms
+    return {
+        "variant_name": "naive",
+        "label": f"naive N={n}",
+        "status": "ok",
+        "reason": None,
+        "config": cfg,
+        "config_hash": config_hash(cfg),
+        "figures": figures,
+        "env": {"host": "vm", "code_version": "c1"},
+        "started_at": f"2026-11-23T{hour:02d}:00:00+00:00",
+        "finished_at": f"2026-11-23T{hour:02d}:00:30+00:00",
+        "_path": f"n{n}-{hour}.json",
+    }
+
+
+# N: (baseline median, spread), (this run's median, spread, canary) -> the verdict
+CELLS = {
+    256: ((10.0, 0.2), (5.0, 0.1, 20.0), "faster"),  # 2x, quartiles far apart
+    512: ((10.0, 0.5), (10.3, 0.3, 20.0), "within noise"),  # quartiles overlap
+    1024: ((10.0, 0.1), (10.3, 0.05, 20.0), "within noise"),  # apart, but 3% is below the 5% floor
+    2048: ((10.0, 0.1), (20.0, 0.2, 20.0), "slower"),
+    4096: ((10.0, 0.1), (5.0, 0.1, 30.0), "slow machine"),  # its canary: 1.5x the run's fastest
+}
+
+
+@pytest.fixture
+def compared() -> T.Section:
+    base = store.to_frame([record(n, m, s, hour=9) for n, ((m, s), _, _) in CELLS.items()])
+    cur = store.to_frame([record(n, m, s, c, hour=11) for n, (_, (m, s, c), _) in CELLS.items()])
+    return T.baseline_table(cur, base)
+
+
+def test_each_speedup_says_whether_it_is_outside_the_two_runs_noise(compared):
+    data = compared.data.set_index("seq_len")
+    for n, (_, _, verdict) in CELLS.items():
+        assert data.loc[n, "verdict"] == verdict, n
+    assert data.loc[256, "speedup"] == pytest.approx(2.0) and data.loc[2048, "speedup"] == pytest.approx(0.5)
+    (speedup,) = [tab for heading, tab in compared.parts if "speedup" in heading]
+    cells = {int(c.split("=")[-1]) if "=" in str(c) else c: v for c, v in speedup.iloc[0].items()}
+    assert cells[256] == "2.00x" and cells[2048] == "0.50x"
+    assert cells[512] == "0.97x ≈" and cells[1024] == "0.97x ≈" and cells[4096] == "2.00x ~"
+
+
+def test_the_comparison_counts_its_verdicts(compared):
+    assert compared.note.startswith("1 faster, 1 slower, 2 within noise, 1 on a slow machine (of 5 compared)")
+    assert "`≈`: within the two runs' noise" in compared.note
