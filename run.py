@@ -9,14 +9,15 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.sweep.preflight import preflight
-from experiments.sweep.runner import register_hydra_pieces, run_job
+from experiments.sweep.runner import objective, register_hydra_pieces, run_job
 
 register_hydra_pieces()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    run_job(cfg)
+def main(cfg: DictConfig) -> float:
+    """Measure one job; return its ``objective`` figure (for optimising sweepers such as Optuna)."""
+    return objective(run_job(cfg), cfg.get("objective"))
 
 
 if __name__ == "__main__":

@@ -813,3 +813,35 @@ def test_the_last_line_of_a_sweep_counts_what_it_did():
         "2 job(s) computed a wrong result: INVALID, their output failed the check against the float64 oracle",
     ]
     assert failures([]) == ["the sweep launched no job: a sweep list matched nothing"]
+
+
+def test_a_job_returns_its_objective_figure():
+    from experiments.sweep.runner import objective
+
+    rec = {"status": "ok", "config": {"mode": "fwd_bwd"}, "figures": {"fwd_bwd_median_s": 0.5, "peak_mib": 3}}
+    assert objective(rec) == 0.5 and objective(rec, "peak_mib") == 3.0
+    assert objective({**rec, "figures": {"test_accuracy": 0.9, "fwd_median_s": 1}}) == 0.9  # a task
+    nan = [objective(None), objective({**rec, "status": "oom"}), objective(rec, "no_such_figure")]
+    nan.append(objective({**rec, "figures": {**rec["figures"], "valid": False}}))  # a wrong result
+    assert all(v != v for v in nan)
+
+
+def test_optunas_sweeper_searches_a_knob_for_the_fastest_job(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    p = run_sweep(
+        tmp_path,
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.direction=minimize",
+        "variant=local_window",
+        "variant.window=range(2,32)",
+        "resume=false",  # two trials may draw the same window: each is measured, none reused
+        *[f"{k}={v}" for k, v in SMALL.items()],
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = read_records(tmp_path / "records")
+    assert len(recs) == 2 and all(r["status"] == "ok" for r in recs)
+    best = min(recs, key=lambda r: r["figures"]["fwd_median_s"])
+    # the sweeper's best trial is the record with the smallest forward time, and it says so
+    assert f"Best value: {best['figures']['fwd_median_s']}" in p.stdout + p.stderr
+    assert f"'++variant.window': {best['config']['variant']['window']}" in p.stdout + p.stderr

@@ -21,6 +21,7 @@ _NOT_HASHED = {
     "resume",
     "progress",
     "report",
+    "objective",
     "roofline",
 }
 # fields added after records were committed: at their default (null) they are left out, so the configs

@@ -175,6 +175,25 @@ def _fail(msg: str) -> None:
     _manifest(Path(hc.sweep.dir), None, None, "invalid_config", reason=msg, line=f"error: {msg}")
 
 
+def objective(record: dict[str, Any] | None, figure: str | None = None) -> float:
+    """The number ``run.py`` returns for a job, for sweepers that optimise (Hydra's Optuna sweeper
+    minimises or maximises it): ``figure`` of the record's figures, by default the job's time in its
+    mode (``fwd_median_s`` or ``fwd_bwd_median_s``; a task's ``test_accuracy``, a pretrained job's
+    ``cosine_mean``, a model's ``decode_ms_per_token``). NaN, which the Optuna sweeper records as a
+    failed trial, when the job has no such figure: it did not run, failed its check, or the name is
+    not one of its figures."""
+    if not record or record.get("status") != "ok":
+        return float("nan")
+    figures = record.get("figures") or {}
+    if figures.get("valid") is False:
+        return float("nan")
+    if figure is None:
+        default = ("test_accuracy", "cosine_mean", "decode_ms_per_token")
+        figure = next((f for f in default if f in figures), f"{record['config'].get('mode', 'fwd')}_median_s")
+    value = figures.get(figure)
+    return float(value) if isinstance(value, (int, float)) else float("nan")
+
+
 def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     """Measure the job described by ``dcfg``; returns its record (None if the config is invalid)."""
     handle_sigterm()

@@ -28,6 +28,7 @@ class BenchConfig(JobSpec):
     resume: bool = True  # skip configs whose record (same code, same host) exists
     records_dir: str = "outputs/records"
     report: bool = True  # print tables and write plots at the end of a multirun
+    objective: str | None = None  # the figure run.py returns (optimising sweepers); None: see objective()
     extra: dict[str, Any] = field(default_factory=dict)  # free-form tags copied into the record
 
 
