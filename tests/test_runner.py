@@ -83,7 +83,7 @@ def test_every_experiment_composes_into_a_sweep(exp):
 
 def test_required_experiments_exist():
     have = {p.stem for p in (CONF / "experiment").glob("*.yaml")}
-    assert {"quick", "scaling", "dtypes", "causal", "cross", "gpu"} <= have
+    assert {"quick", "quick_reference", "scaling", "dtypes", "causal", "cross", "gpu"} <= have
 
 
 @pytest.mark.parametrize(
