@@ -432,6 +432,30 @@ def test_default_out_dir_is_inside_the_input(sweep):
     assert report.main([str(tmp / "nowhere")]) == 1  # no records: says so, exit status 1
 
 
+def test_a_time_marked_in_the_tables_is_ringed_in_the_time_plot(sweep, tmp_path, monkeypatch):
+    tmp, _ = sweep
+    df = T.select(store.load([tmp / "records"], verbose=False))
+    # the machine as the fixture's records saw it is replaced by a known one: quiet everywhere, on its
+    # cores, except naive at N=64, measured beside 1.2 busy cores of other work
+    df = df.assign(others_cpu_cores=0.0, concurrent_jobs=0, machine_slowdown=1.0, fwd_cpu_per_wall=64.0)
+    hit = (df["variant"] == "naive") & (df["seq_len"] == 64)
+    df.loc[hit, "others_cpu_cores"] = 1.2
+    saved = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.append(fig) or path)
+    plots.plot_time(df, tmp_path)
+    (fig,) = saved
+    red = [
+        c
+        for ax in fig.axes
+        for c in ax.collections
+        if len(c.get_edgecolor()) and tuple(c.get_edgecolor()[0]) == (1, 0, 0, 1)
+    ]
+    ringed = sorted(float(x) for c in red for x, _ in c.get_offsets())
+    assert ringed == [64.0] * int(hit.sum())  # the one flagged point, in each panel that has it
+    texts = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert any("beside other work (*)" in t for t in texts)
+
+
 def test_loaded_times_are_marked_and_skipped_files_are_named_in_the_report(sweep, tmp_path):
     tmp, _ = sweep
     recs = [r for r in raw_records(tmp / "records") if r["status"] == "ok" and label(r) == "naive"]

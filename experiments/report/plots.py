@@ -25,6 +25,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: 
 from ..records.store import is_false  # noqa: E402
 from .tables import (  # noqa: E402
     GROUP_BASE,
+    beside_work,
     group_keys,
     groups,
     length_axis,
@@ -32,6 +33,7 @@ from .tables import (  # noqa: E402
     pivot_cells,
     scaling_fits,
     sci,
+    slow_machine,
     usable,
     value_text,
 )
@@ -92,9 +94,11 @@ def _plot_vs_n(
     path: Path,
     band: tuple[str, str] | None,
     ceiling: str | None = None,
+    flag: str | None = None,
 ) -> Path | None:
     """Line per variant of ``y`` against N, faceted by device/dtype (rows) and mode (columns);
-    ``ceiling`` names a column drawn as a dashed line at its median per panel (e.g. the GEMM rate)."""
+    ``ceiling`` names a column drawn as a dashed line at its median per panel (e.g. the GEMM rate);
+    ``flag`` names a boolean column whose true points get a red ring (and the legend says why)."""
     data = df.dropna(subset=[y])
     data = data[data[y] > 0]
     if data.empty:
@@ -138,6 +142,10 @@ def _plot_vs_n(
                     ax.fill_between(
                         pts[axis], pts[band[0]], pts[band[1]], color=colors[name], alpha=0.2, lw=0
                     )
+                if flag is not None and pts[flag].any():
+                    hit = pts[pts[flag]]
+                    ring = {"s": 110, "facecolors": "none", "edgecolors": "red", "lw": 1.4, "zorder": 5}
+                    ax.scatter(hit[axis], hit[y], **ring)
             if ceiling is not None and ceiling in sub and sub[ceiling].notna().any():
                 top = float(sub[ceiling].median())
                 ax.axhline(top, ls="--", lw=1, color="0.4")
@@ -161,6 +169,9 @@ def _plot_vs_n(
             if sub.empty:
                 ax.text(0.5, 0.5, "no usable jobs", transform=ax.transAxes, ha="center", color="gray")
     handles = [plt.Line2D([], [], color=colors[n], marker=markers[n], label=n) for n in names]
+    if flag is not None and data[flag].any():
+        ring = "beside other work (*) or\nwhile the machine ran slow (~)"
+        handles.append(plt.Line2D([], [], ls="", marker="o", mfc="none", mec="red", ms=9, label=ring))
     fig.legend(handles=handles, title="variant", loc="outside right center", frameon=False)
     fig.suptitle(title, fontsize=12)
     return _save(fig, path)
@@ -174,10 +185,13 @@ def _usable_rows(df: pd.DataFrame) -> pd.DataFrame:
         q1_ms=t["q1_s"] * 1e3,
         q3_ms=t["q3_s"] * 1e3,
         peak=pd.to_numeric(df.get("peak_mib"), errors="coerce"),
+        cpu_per_wall=t["cpu_per_wall"],
         gflops=pd.to_numeric(df.get("gflops_per_s"), errors="coerce"),
         gemm_gflops=pd.to_numeric(df.get("roofline_gemm_flops_per_s"), errors="coerce") / 1e9,
     )
-    return out[usable(out)]
+    out = out[usable(out)]
+    # a time the tables mark * or ~ is marked in the plots too
+    return out.assign(flagged=[beside_work(r) or slow_machine(r) for _, r in out.iterrows()])
 
 
 def plot_time(df: pd.DataFrame, out_dir: Path) -> Path | None:
@@ -189,6 +203,7 @@ def plot_time(df: pd.DataFrame, out_dir: Path) -> Path | None:
         "Time vs length (median; band = interquartile range)",
         out_dir / "time_vs_n.png",
         band=("q1_ms", "q3_ms"),
+        flag="flagged",
     )
 
 

@@ -334,14 +334,26 @@ def _gflops_text(row: pd.Series) -> str:
     return f"{text} ({pct:.0f}%)" if pct >= 10 else f"{text} ({pct:.2g}%)"
 
 
-def _time_text(row: pd.Series) -> str:
-    # one timed block (or one run) gives q1 == q3: printing 0 would read as "no noise at all"
-    spread = "n/a" if row["iqr_ms"] == 0 else num(row["iqr_ms"])
+def beside_work(row: pd.Series) -> bool:
+    """A time measured beside other work (marked ``*``): other processes kept more than
+    :data:`LOADED_CORES` busy, other jobs of the suite measured at the same time, or its threads were
+    off their cores (:func:`_off_cores`)."""
     busy = pd.to_numeric(row.get("others_cpu_cores"), errors="coerce")
     beside = pd.to_numeric(row.get("concurrent_jobs"), errors="coerce")
     loaded = (pd.notna(busy) and busy > LOADED_CORES) or (pd.notna(beside) and beside > 0)
-    mark = " *" if loaded or _off_cores(row) else ""
-    if pd.to_numeric(row.get("machine_slowdown"), errors="coerce") > SLOW_RATIO:
+    return bool(loaded or _off_cores(row))
+
+
+def slow_machine(row: pd.Series) -> bool:
+    """A time measured while the machine ran slow (marked ``~``): its canary above ``SLOW_RATIO``."""
+    return bool(pd.to_numeric(row.get("machine_slowdown"), errors="coerce") > SLOW_RATIO)
+
+
+def _time_text(row: pd.Series) -> str:
+    # one timed block (or one run) gives q1 == q3: printing 0 would read as "no noise at all"
+    spread = "n/a" if row["iqr_ms"] == 0 else num(row["iqr_ms"])
+    mark = " *" if beside_work(row) else ""
+    if slow_machine(row):
         mark += " ~"
     if row.get("unstable") is True:
         mark += " unstable"
