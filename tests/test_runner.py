@@ -845,3 +845,12 @@ def test_optunas_sweeper_searches_a_knob_for_the_fastest_job(tmp_path):
     # the sweeper's best trial is the record with the smallest forward time, and it says so
     assert f"Best value: {best['figures']['fwd_median_s']}" in p.stdout + p.stderr
     assert f"'++variant.window': {best['config']['variant']['window']}" in p.stdout + p.stderr
+
+
+def test_the_end_of_a_sweep_names_unreadable_files_in_its_records_folder(tmp_path):
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "cut.json").write_text('{"status": "ok", "fig')  # a record cut short
+    p = run_sweep(tmp_path, "variant=naive", *[f"{k}={v}" for k, v in SMALL.items()])
+    assert p.returncode == 0, p.stderr[-2000:]
+    cut = tmp_path / "records" / "cut.json"
+    assert f"warning: records_dir holds 1 unreadable file(s), left out of every report: {cut}" in p.stderr

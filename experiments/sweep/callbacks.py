@@ -155,6 +155,18 @@ class SweepCallback(Callback):
             print(f"\n{finished_line(entries)}; nothing measured, sweep folder removed", flush=True)
         else:
             print(f"\n{finished_line(entries)}; records listed in {sweep_dir / 'manifest.jsonl'}", flush=True)
+        from hydra.utils import to_absolute_path
+
+        junk = unreadable_records(Path(to_absolute_path(config.records_dir)))
+        if junk:  # a file no report reads: say so where the sweep ends, not only when a report loads it
+            more = f" (and {len(junk) - 3} more)" if len(junk) > 3 else ""
+            print(
+                f"warning: records_dir holds {len(junk)} unreadable file(s), left out of every report: "
+                + ", ".join(str(p) for p in junk[:3])
+                + more,
+                file=sys.stderr,
+                flush=True,
+            )
         globs = [o for o in config.hydra.overrides.task if "glob(" in o]
         why = failures(entries, empty=" or ".join(f"'{g}'" for g in globs) or None)
         if why:  # after every record and the report are written: a sweep with a broken job fails
@@ -176,6 +188,20 @@ def remove_unmeasured_sweep(sweep_dir: Path) -> bool:
         return False
     shutil.rmtree(sweep_dir, ignore_errors=True)
     return not sweep_dir.exists()
+
+
+def unreadable_records(records_dir: Path) -> list[Path]:
+    """The ``*.json`` files directly in ``records_dir`` that are not readable records (cut short,
+    not JSON, not an object)."""
+    bad = []
+    for path in sorted(records_dir.glob("*.json")) if records_dir.is_dir() else []:
+        try:
+            ok = isinstance(json.loads(path.read_text()), dict)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            bad.append(path)
+    return bad
 
 
 def finished_line(entries: list[dict[str, Any]]) -> str:
