@@ -17,7 +17,12 @@ register_hydra_pieces()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     """Measure one job; return its ``objective`` figure (for optimising sweepers such as Optuna)."""
-    return objective(run_job(cfg), cfg.get("objective"))
+    record, figure = run_job(cfg), cfg.get("objective")
+    value = objective(record, figure)
+    if figure and record and record.get("status") == "ok" and figure not in (record.get("figures") or {}):
+        # a misspelt objective must not pass for a failed trial: say so in one line
+        print(f"warning: objective={figure} is not a figure of this record: NaN returned", file=sys.stderr)
+    return value
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def _fail(msg: str) -> None:
 def preflight(argv: list[str]) -> list[str]:
     """``argv`` with variant knobs made force-add overrides; exits with one line on a bad value."""
     out = [argv[0]]
+    known_keys = known_settings()
     for arg in argv[1:]:
         key, eq, value = arg.partition("=")
         if not eq or key.startswith(("-", "~")) or key.startswith("hydra"):
@@ -75,7 +76,6 @@ def preflight(argv: list[str]) -> list[str]:
             continue
         bare = key.lstrip("+")
         root = bare.split(".", 1)[0]
-        known_keys = known_settings()
         if root not in known_keys:
             close = difflib.get_close_matches(root, known_keys, n=3)
             if root in _variant_knobs():
