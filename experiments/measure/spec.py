@@ -31,6 +31,31 @@ class Mode(Enum):
     fwd_bwd = "fwd_bwd"
 
 
+class Kind(Enum):
+    """What a job measures; chosen by the config group a sweep selects (``task=``, ``model=``,
+    ``pretrained=``; none of them: a kernel). Stored in every record as ``kind``."""
+
+    kernel = "kernel"  # the attention call alone: time, memory, FLOP/s, error against the oracle
+    task = "task"  # train a small model with the variant and measure its accuracy (conf/task/)
+    model = "model"  # a transformers model end to end with the variant as attention (conf/model/)
+    pretrained = "pretrained"  # the variant inside a pretrained encoder: fidelity and cost (conf/pretrained/)
+
+
+#: the config groups that make a job something other than a kernel job, each its own kind
+KIND_GROUPS: tuple[Kind, ...] = (Kind.task, Kind.model, Kind.pretrained)
+
+
+def kind_of(cfg: Mapping[str, Any]) -> Kind:
+    """The kind of the job a config (dict or :class:`JobSpec`-like mapping) describes: the config group
+    it selects, or ``kernel``. The one place that tells kinds apart by the config; records store the
+    answer. Raises ValueError when a config selects more than one group."""
+    chosen = [k for k in KIND_GROUPS if cfg.get(k.value)]
+    if len(chosen) > 1:
+        names = " and ".join(f"{k.value}=" for k in chosen)
+        raise ValueError(f"a job is one kind: {names} were both given; sweep them in separate runs")
+    return chosen[0] if chosen else Kind.kernel
+
+
 #: the fields whose value is one of an enum's
 CHOICES: dict[str, type[Enum]] = {"device": Device, "dtype": DType, "mode": Mode}
 S = TypeVar("S", bound="JobSpec")
@@ -68,6 +93,11 @@ class JobSpec:
     task: Any = None  # a task from conf/task/: train a small model instead of timing the kernel
     model: Any = None  # a model from conf/model/: time a transformers model with the variant as attention
     pretrained: Any = None  # an encoder from conf/pretrained/: the variant inside a pretrained model
+
+    @property
+    def kind(self) -> Kind:
+        """What this job measures (:func:`kind_of`)."""
+        return kind_of({k.value: getattr(self, k.value) for k in KIND_GROUPS})
 
     @classmethod
     def from_config(cls: type[S], cfg: Mapping[str, Any]) -> S:
