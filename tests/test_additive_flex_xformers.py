@@ -1,8 +1,9 @@
 """What the registry-wide tests don't cover for additive, flex, xformers and the MultiHeadAttention layer.
 
-Oracles here are independent of the code under test: the naive float64 additive form, Python
-definitions of the patterns (and the pattern read back from flex's own output), a torch emulation of
-xFormers' kernel contract, and ``torch.nn.MultiheadAttention``.
+Oracles here are independent of the code under test: the naive float64 additive form, the pattern
+read back from the output of the FlexAttention kernel (``flex``, and ``local_window`` / ``sparse``
+with ``impl=flex``), a torch emulation of xFormers' kernel contract, and
+``torch.nn.MultiheadAttention``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ import torch
 from torch import nn
 
 import variants
-from variants import Unsupported, oracle
+from variants import Unsupported, flex_kernel, oracle
 from variants import xformers_attn as xf
 from variants.additive import AdditiveAttention
 from variants.flex import FlexAttention
 from variants.multihead import MultiHeadAttention
-from variants.sparse import BlockSparseAttention
 
 from .helpers import CASES, Case, make_inputs, rel_err
 
@@ -205,50 +205,47 @@ def test_additive_initialisation_follows_the_global_seed():
 
 
 # ---------------------------------------------------------------------------------------------- flex
-def _window_def(nq, nk, w, causal):
-    off = max(0, nk - nq)  # with Nq < Nk query i is position i + off
-    return torch.tensor(
-        [[abs(i + off - j) <= w and (j <= i + off or not causal) for j in range(nk)] for i in range(nq)]
-    )
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq, nk", [(20, 20), (13, 13), (9, 17), (17, 9)])
-def test_flex_patterns_match_their_definitions(nq, nk, causal):
+def test_flex_pattern_is_every_pair(nq, nk, causal):
     if causal and nq > nk:
         pytest.skip("causal needs Nq <= Nk (bottom-right aligned)")
-    full = FlexAttention(pattern="full", compile=False)
-    want_full = torch.ones(nq, nk, dtype=torch.bool)
-    assert torch.equal(full.pattern(nq, nk, causal), want_full.tril(nk - nq) if causal else want_full)
-    for w in (0, 2, 30):
-        win = FlexAttention(pattern="window", window=w, compile=False)
-        want = _window_def(nq, nk, w, causal)
-        assert torch.equal(win.pattern(nq, nk, causal), want)
-        assert win.num_pairs(nq, nk, causal) == int(want.sum())
-    for blk in (3, 4):
-        sp = FlexAttention(pattern="sparse", block=blk, compile=False)
-        want = BlockSparseAttention(block=blk).pattern(nq, nk, causal)  # the same layout, by design
-        assert torch.equal(sp.pattern(nq, nk, causal), want)
-        assert sp.num_pairs(nq, nk, causal) == int(want.sum())
-    assert full.exact and not win.exact and not sp.exact  # only 'full' is full attention
+    full = FlexAttention(compile=False)
+    want = torch.ones(nq, nk, dtype=torch.bool)
+    want = want.tril(nk - nq) if causal else want
+    assert torch.equal(full.pattern(nq, nk, causal), want)
+    assert full.num_pairs(nq, nk, causal) == int(want.sum())
+    assert full.exact
+
+
+def _eager(name: str, **knobs) -> variants.AttentionVariant:
+    """``name`` built with ``knobs``, its FlexAttention kernel run eagerly: this checks the wiring
+    (pattern, tiles, masks), not the compiler."""
+    attn = variants.build(name, **knobs)
+    attn._flex.compile = False
+    return attn
 
 
 @pytest.mark.parametrize(
-    "knobs",
-    [{"pattern": "full"}, {"pattern": "window", "window": 2, "block": 4}, {"pattern": "sparse", "block": 3}],
-    ids=lambda k: k["pattern"],
+    "name, knobs",
+    [
+        ("flex", {}),
+        ("local_window", {"window": 2, "block": 4, "impl": "flex"}),
+        ("sparse", {"block": 3, "impl": "flex"}),
+    ],
+    ids=["flex", "local_window", "sparse"],
 )
 @pytest.mark.parametrize(
     "nq, nk, causal, padding, mask", [(14, 14, True, True, False), (9, 14, False, True, True)]
 )
-def test_flex_output_reveals_exactly_its_pattern(knobs, nq, nk, causal, padding, mask):
+def test_flex_output_reveals_exactly_its_pattern(name, knobs, nq, nk, causal, padding, mask):
     # q = 0 spreads each row uniformly over the keys it may see; v = identity reads those keys back
     b, h = 2, 2
-    attn = FlexAttention(compile=False, **knobs)
+    attn = _eager(name, **knobs)
     q = torch.zeros(b, h, nq, 4)
     k = torch.randn(b, h, nk, 4)
     v = torch.eye(nk).expand(b, h, nk, nk).contiguous()  # (B, H, Nk, Dv=Nk)
-    kpm, am = _masks(b, h, nq, nk, padding=padding, mask=mask)
+    kpm, am = _masks(b, h, nq, nk, padding=padding, mask=mask and attn.supports_attn_mask)
     out = attn(q, k, v, causal=causal, key_padding_mask=kpm, attn_mask=am)
     want = attn.pattern(nq, nk, causal)[None, None]
     if kpm is not None:
@@ -261,14 +258,14 @@ def test_flex_output_reveals_exactly_its_pattern(knobs, nq, nk, causal, padding,
 
 def test_flex_block_masks_are_cached_and_follow_in_place_edits():
     case = CASES[3]  # causal + padding
-    attn = FlexAttention(pattern="window", window=3, block=8, compile=False)
+    attn = FlexAttention(block=8, compile=False)
     q, k, v, kw = make_inputs(case)
     attn(q, k, v, **kw)
     attn(q, k, v, **kw)
-    assert len(attn._masks) == 1  # built once for the same shape and mask
+    assert len(attn._flex._masks) == 1  # built once for the same shape and mask
     kw["key_padding_mask"][0, :6] = False  # in place: the cached block list would be stale
     out = attn(q, k, v, **kw)
-    assert len(attn._masks) == 2
+    assert len(attn._flex._masks) == 2
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
 
 
@@ -276,9 +273,9 @@ def test_flex_block_masks_are_cached_and_follow_in_place_edits():
 def test_flex_sparse_blocks_inside_larger_tiles_keep_their_exact_pattern(monkeypatch, causal, padding):
     # on CUDA a sparse layout of 64-blocks runs in 128-wide tiles; the same arrangement at CPU sizes
     # (8-blocks in 32-wide tiles) must compute exactly the 8-block pattern, partial tiles included
-    monkeypatch.setattr(FlexAttention, "tile", lambda self, device: 32)
+    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device: 32)
     case = Case("tiles", b=2, h=2, nq=100, nk=100, d=8, dv=8, causal=causal, padding=padding)
-    attn = FlexAttention(pattern="sparse", block=8, compile=False)
+    attn = _eager("sparse", block=8, impl="flex")
     q, k, v, kw = make_inputs(case)
     out = attn(q, k, v, **kw)
     assert attn.describe()["tile"] == 32
@@ -288,18 +285,18 @@ def test_flex_sparse_blocks_inside_larger_tiles_keep_their_exact_pattern(monkeyp
 
 def test_flex_tiles_on_cuda_and_block_sizes_the_gpu_kernel_cannot_take():
     w = variants.Workload(1, 2, 256, 256, 64, 64, device="cuda", dtype=torch.float16)  # check(): no GPU
-    assert FlexAttention(pattern="sparse", block=64).tile("cuda") == 128
-    assert FlexAttention(pattern="sparse", block=256).tile("cuda") == 256
-    assert FlexAttention(pattern="window", block=64).tile("cuda") == 128
-    assert FlexAttention(pattern="sparse", block=64).tile("cpu") == 64
-    FlexAttention(pattern="sparse", block=64).check(w)
-    FlexAttention(pattern="window", block=96).check(w)  # the window does not depend on the tile
+    assert flex_kernel.tile_size(64, "cuda") == 128
+    assert flex_kernel.tile_size(256, "cuda") == 256
+    assert flex_kernel.tile_size(64, "cpu") == 64
+    variants.build("sparse", block=64, impl="flex").check(w)
+    variants.build("local_window", block=96, impl="flex").check(w)  # the band does not depend on the tile
+    variants.build("flex", block=96).check(w)  # nor does full attention
     with pytest.raises(Unsupported, match="block=96"):
-        FlexAttention(pattern="sparse", block=96).check(w)
+        variants.build("sparse", block=96, impl="flex").check(w)
 
 
 def test_flex_refuses_float64_and_cpu_backward():
-    attn = FlexAttention(pattern="window", window=2, compile=False)
+    attn = FlexAttention(compile=False)
     q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
     with pytest.raises(Unsupported, match="float64"):
         attn(q, q, q)
@@ -311,13 +308,15 @@ def test_flex_refuses_float64_and_cpu_backward():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor
-def test_flex_compiled_matches_the_oracle():
-    # the one compiled run: ~5 s with a warm inductor cache, ~30 s cold on this machine (< 60 s)
+def test_flex_kernel_compiled_matches_the_oracle():
+    # the one compiled run (the band, as the pattern gates run it): ~5 s with a warm inductor cache,
+    # ~30 s cold on this machine (< 60 s)
     case = Case("compiled", b=2, h=2, nq=40, nk=40, d=16, dv=16, causal=True, padding=True)
-    attn = FlexAttention(pattern="window", window=5, block=16, compile=True)
+    attn = variants.build("local_window", window=5, block=16, impl="flex")
     q, k, v, kw = make_inputs(case)
     kw["key_padding_mask"][0] = False  # batch element 0 sees no key at all
     out = attn(q, k, v, **kw)
+    assert attn.describe()["impl_ran"] == "flex"
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
     again = attn(q, k, v, **kw)  # cached block mask and kernel

@@ -18,7 +18,7 @@ from variants.axial import AxialAttention
 from variants.local_window import LocalWindowAttention
 from variants.sparse import BlockSparseAttention
 
-from .helpers import Case, make_inputs, rel_err
+from .helpers import CASES, Case, flags_allow, make_inputs, rel_err, workload
 
 
 def _inputs(n, *, b=2, h=2, d=8, dv=6, padding=False, seed=0, requires_grad=False):
@@ -345,20 +345,6 @@ def test_axial_largest_buffer_grows_like_n_to_the_1_5():
     assert large / small <= 8.8  # N^1.5 at 4x the length; N^2 would be 16
 
 
-@pytest.mark.parametrize("causal,padding", [(False, False), (True, True)])
-def test_local_window_flex_impl_computes_the_band(causal, padding):
-    from variants.flex import FlexAttention
-
-    lw = LocalWindowAttention(window=5, block=8, impl="flex")
-    # eager FlexAttention: this checks the wiring (pattern, tiles, masks), not the compiler
-    lw.__dict__["_flex"] = FlexAttention(pattern="window", window=5, block=8, compile=False)
-    case = Case("flex_impl", b=2, h=2, nq=40, nk=40, d=8, dv=8, causal=causal, padding=padding)
-    q, k, v, kw = make_inputs(case)
-    out = lw(q, k, v, **kw)
-    assert lw.describe()["impl_ran"] == "flex"
-    assert rel_err(out, oracle(lw, q, k, v, **kw)) <= 1e-5
-
-
 def test_local_window_impl_choice_and_its_limits():
     lw = LocalWindowAttention()
     cuda = Workload(1, 2, 64, 64, 64, 64, device="cuda", dtype=torch.bfloat16)
@@ -379,22 +365,6 @@ def test_local_window_impl_choice_and_its_limits():
         LocalWindowAttention(impl="triton")
 
 
-@pytest.mark.parametrize("causal,padding", [(False, False), (True, True)])
-def test_sparse_flex_impl_computes_its_own_layout(causal, padding):
-    from variants.flex import FlexAttention
-
-    # knobs unlike flex's defaults: the flex route must take this instance's layout, not its own
-    sp = BlockSparseAttention(block=4, window_blocks=0, global_blocks=1, random_blocks=2, seed=5, impl="flex")
-    flex = FlexAttention(pattern="sparse", block=4, compile=False)  # eager: the wiring, not the compiler
-    flex.__dict__["_sparse"] = sp
-    sp.__dict__["_flex"] = flex
-    case = Case("flex_impl", b=2, h=2, nq=40, nk=40, d=8, dv=8, causal=causal, padding=padding)
-    q, k, v, kw = make_inputs(case)
-    out = sp(q, k, v, **kw)
-    assert sp.describe()["impl_ran"] == "flex"
-    assert rel_err(out, oracle(sp, q, k, v, **kw)) <= 1e-5
-
-
 def test_sparse_impl_choice_and_its_limits():
     cuda = Workload(1, 2, 64, 64, 64, 64, device="cuda", dtype=torch.bfloat16)
     assert BlockSparseAttention().choose_impl(cuda) == "flex"  # block 64 divides the 128 tile
@@ -413,6 +383,51 @@ def test_sparse_impl_choice_and_its_limits():
         BlockSparseAttention(block=96, impl="flex").check(cuda)
     with pytest.raises(Unsupported, match="head sizes of at least 16"):
         flex.check(Workload(1, 2, 64, 64, 8, 8, device="cuda"))
+
+
+# --------------------------------------------------------------------------- the patterns through flex
+FLEX_PATTERNS = [
+    ("local_window", dict(window=5, block=8)),
+    ("local_window", dict(window=3)),  # the default tile (128): one partly used tile
+    # knobs unlike the defaults: the flex route must take this instance's layout
+    ("sparse", dict(block=4, window_blocks=0, global_blocks=1, random_blocks=2, seed=5)),
+    ("sparse", dict(block=3, window_blocks=1, global_blocks=0, random_blocks=1, stride_blocks=3)),
+]
+
+
+@pytest.mark.parametrize(
+    "name, knobs, case",
+    [
+        pytest.param(n, kn, c, id=f"{n}-{'-'.join(f'{k}={v}' for k, v in kn.items())}-{c.id}")
+        for n, kn in FLEX_PATTERNS
+        for c in CASES
+        if flags_allow(variants.get(n), workload(c))  # the cases the variant takes
+    ],
+)
+def test_flex_kernel_with_the_band_or_the_layout_matches_the_oracle(name, knobs, case):
+    # impl=flex: the FlexAttention kernel with the pattern's predicate (band, or layout at token
+    # level) as its block mask, against the float64 oracle built from the variant's pattern()
+    attn = variants.build(name, impl="flex", **knobs)
+    attn._flex.compile = False  # eager: the wiring (pattern, tiles, masks), not the compiler
+    q, k, v, kw = make_inputs(case)
+    out = attn(q, k, v, **kw)
+    assert attn.describe()["impl_ran"] == "flex"
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    # and the same numbers as the variant's own fused route (one pattern, two kernels)
+    own = variants.build(name, impl="sdpa", **knobs)(q, k, v, **kw)
+    assert rel_err(out, own) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "pattern, use", [("window", "local_window impl=flex"), ("sparse", "sparse impl=flex")]
+)
+def test_flex_refuses_the_patterns_it_no_longer_runs_and_names_the_variant(pattern, use):
+    with pytest.raises(ValueError, match=f"for pattern={pattern} use {use}") as e:
+        variants.build("flex", pattern=pattern)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="must be 'full'"):
+        variants.build("flex", pattern="diagonal")
+    assert variants.build("flex", pattern="full").exact
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,9 @@ Three implementations of the same pattern, chosen by the ``impl`` knob (``impl_r
   softmax and the weighted sum stay inside the kernel, forward and backward.
 - ``blocked``: the same spans scored with batched matmuls and an in-place softmax in plain PyTorch
   (the reference implementation: every step visible).
-- ``flex``: FlexAttention's compiled kernel with the window as a block mask (:mod:`variants.flex`);
-  no backward on the CPU; compiles once per shape.
+- ``flex``: FlexAttention's compiled kernel with the band as its block mask
+  (:mod:`variants.flex_kernel`, the predicate from :mod:`variants.patterns`); no backward on the CPU;
+  compiles once per shape.
 - ``auto`` (default): ``flex`` on CUDA (a Triton kernel that skips tiles outside the band), ``sdpa``
   on the CPU (no compile, and faster there than compiled flex at N=2048-8192).
 
@@ -37,23 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant, Unsupported, Workload, repeat_kv
-from .flex_limits import flex_refusal
+from .flex_kernel import CUDA_TILE, FlexKernel, flex_refusal
 from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
+from .patterns import MaskMod, band_mask_mod, band_pairs, band_pattern
 from .registry import register
-
-
-def band_pairs(nq: int, nk: int, window: int, causal: bool) -> int:
-    """Number of pairs (query position ``p``, key ``j < nk``) with ``|p - j| <= window`` (and ``j <= p``
-    if causal), the queries at positions ``off .. off + nq - 1`` with ``off = max(0, nk - nq)``.
-
-    Summed diagonal by diagonal (``d = p - j``): diagonal ``d`` holds ``min(off + nq, nk + d) -
-    max(off, d)`` pairs, so the cost is ``O(window)``, not ``O(nq * nk)``.
-    """
-    off = max(0, nk - nq)
-    lo = 0 if causal else -min(window, nk - 1)  # causal keeps d >= 0; diagonals past the edge are empty
-    hi = min(window, off + nq - 1)
-    return sum(max(0, min(off + nq, nk + d) - max(off, d)) for d in range(lo, hi + 1))
-
 
 IMPLS = ("auto", "sdpa", "blocked", "flex")
 
@@ -85,7 +73,9 @@ class LocalWindowAttention(AttentionVariant):
         self.block = block
         self.impl = impl
         self.impl_ran: str | None = None
-        self.__dict__["_flex"] = None  # built on first use; not a submodule (no state of its own)
+        # tiles of 128 (or the block, if given): the band is the predicate, the tile only how much
+        # the kernel can skip
+        self._flex = FlexKernel(self._band, block or CUDA_TILE)
 
     def knobs(self) -> dict[str, object]:
         return {"window": self.window, "block": self.block, "impl": self.impl}
@@ -93,6 +83,7 @@ class LocalWindowAttention(AttentionVariant):
     def describe(self) -> dict[str, object]:
         d = super().describe()
         d["impl_ran"] = self.impl_ran
+        d["tile"] = self._flex.tile_ran if self.impl_ran == "flex" else None
         return d
 
     def choose_impl(self, w: Workload) -> str:
@@ -128,7 +119,7 @@ class LocalWindowAttention(AttentionVariant):
             return self._few_queries_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # grouped heads: only the keys kept are copied
         if impl == "flex":
-            return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+            return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         if impl == "sdpa":
             return self._sdpa_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self._blocked_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
@@ -243,22 +234,13 @@ class LocalWindowAttention(AttentionVariant):
         out = out.reshape(bsz, h, n_pad, v.shape[-1])  # (B, H, Np, Dv)
         return out[:, :, :n].to(q.dtype)  # padded queries dropped
 
-    def _flex_attend(self, q, k, v, *, causal, key_padding_mask):
-        if self._flex is None:
-            from .flex import FlexAttention
-
-            # tiles of 128 (or the block, if given): the band is the predicate, the tile only how
-            # much the kernel can skip
-            flex = FlexAttention(pattern="window", window=self.window, block=self.block or 128)
-            self.__dict__["_flex"] = flex
-        return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    def _band(self, nq: int, nk: int, causal: bool, device: torch.device) -> MaskMod:
+        """The band of a call as FlexAttention's predicate (:data:`variants.flex_kernel.Pattern`)."""
+        return band_mask_mod(nq, nk, self.window, causal)
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
         """``|p - j| <= window`` (and ``j <= p`` if causal) for the query at position ``p = i + Nk - Nq``."""
-        i = torch.arange(nq)[:, None] + nk - nq  # (Nq, 1): positions of the queries
-        j = torch.arange(nk)[None, :]  # (1, Nk)
-        allowed = (i - j).abs() <= self.window
-        return allowed & (j <= i) if causal else allowed
+        return band_pattern(nq, nk, self.window, causal)
 
     def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
         return band_pairs(nq, nk, self.window, causal)

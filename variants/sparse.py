@@ -37,7 +37,7 @@ The gathered blocks are scored by ``impl``: ``sdpa`` makes every query block one
 PyTorch's fused ``scaled_dot_product_attention`` with a 4-D additive mask (scores, softmax and the
 weighted sum inside the kernel, forward and backward); ``blocked`` does the same with batched matmuls
 and an in-place softmax in plain PyTorch, accumulating low-precision inputs in float32; ``flex`` runs
-this very layout as a FlexAttention block mask (:mod:`variants.flex`: a Triton kernel on CUDA that
+this very layout as a FlexAttention block mask (:mod:`variants.flex_kernel`: a Triton kernel on CUDA that
 skips the tiles outside the layout, fwd and bwd; no backward on the CPU; no float64). ``auto``
 picks ``flex`` on CUDA when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
 ``sdpa``. The record's ``impl_ran`` says which ran.
@@ -45,67 +45,16 @@ picks ``flex`` on CUDA when ``block`` divides 128 or is a multiple of it (the ke
 
 from __future__ import annotations
 
-import random
-
 import torch
 import torch.nn.functional as F
 
 from .base import AttentionVariant, Unsupported, Workload
-from .flex_limits import CUDA_TILE, fits_cuda_tile, flex_refusal
+from .flex_kernel import FlexKernel, flex_refusal
 from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
+from .patterns import MaskMod, block_layout, layout_blocks, layout_mask_mod, layout_pairs, layout_pattern
 from .registry import register
 
 IMPLS = ("auto", "sdpa", "blocked", "flex")
-
-
-def block_layout(
-    nb: int,
-    window_blocks: int,
-    global_blocks: int,
-    random_blocks: int,
-    seed: int,
-    causal: bool = False,
-    stride_blocks: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key-block table of a BigBird layout (plus optional strided blocks) over ``nb`` blocks.
-
-    Returns ``(index, valid)``, both ``(nb, S)`` with ``S = 2 wb + 1 + g + t + r`` slots per query
-    block (``wb``, ``g``, ``r`` the knobs clipped to what ``nb`` blocks allow; ``t = ceil(nb /
-    stride_blocks)``, 0 without a stride): slots ``[0, 2wb]`` are the window (offsets ``-wb .. wb``),
-    then ``g`` global slots, then the strided slots (every block ``j`` with ``(i - j) % stride_blocks
-    == 0`` outside the window and global blocks: the Sparse Transformer's strided pattern, Child et
-    al. 2019), then ``r`` random slots drawn from the blocks left. ``valid`` is False for a slot off
-    the end, repeating an earlier one or unused; its ``index`` is then a harmless 0. Global query
-    rows are not marked here (they see everything). ``causal`` keeps strided and random blocks in
-    the past (before the window), where a causal query can use them. Cost ``O(nb * (S + nb))``.
-    """
-    wb = min(window_blocks, nb - 1)
-    g = min(global_blocks, nb)
-    r = min(random_blocks, max(0, nb - g))
-    t = -(-nb // stride_blocks) if stride_blocks > 0 else 0
-    width = 2 * wb + 1 + g + t + r
-    rng = random.Random(seed)  # one stream, rows in order: the same (nb, knobs) give the same table
-    index = torch.zeros(nb, width, dtype=torch.long)
-    valid = torch.zeros(nb, width, dtype=torch.bool)
-    for i in range(nb):
-        row = list(range(i - wb, i + wb + 1))  # window slots, may fall off either end
-        ok = [0 <= c < nb for c in row]
-        row += list(range(g))  # global slots; those already in the window are duplicates
-        ok += [abs(i - c) > wb for c in range(g)]
-        lo, hi = max(i - wb, g), min(i + wb, nb - 1)  # the window's blocks outside the global ones
-        # the blocks not seen yet, in order: g..nb-1 minus the window (causal: only g..lo-1)
-        rest = [j for j in range(g, lo if causal else nb) if not lo <= j <= hi]
-        strided = [j for j in rest if stride_blocks > 0 and (i - j) % stride_blocks == 0]
-        row += strided + [0] * (t - len(strided))
-        ok += [True] * len(strided) + [False] * (t - len(strided))
-        taken = set(strided)
-        rest = [j for j in rest if j not in taken]
-        chosen = [rest[x] for x in sorted(rng.sample(range(len(rest)), min(r, len(rest))))]
-        row += chosen + [0] * (r - len(chosen))
-        ok += [True] * len(chosen) + [False] * (r - len(chosen))
-        index[i] = torch.tensor([c if o else 0 for c, o in zip(row, ok, strict=True)])
-        valid[i] = torch.tensor(ok)
-    return index, valid
 
 
 @register("sparse")
@@ -152,7 +101,7 @@ class BlockSparseAttention(AttentionVariant):
         self.impl = impl
         self.impl_ran: str | None = None
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.__dict__["_flex"] = None  # built on first use; not a submodule (no state of its own)
+        self._flex = FlexKernel(self._layout_mask_mod, block)
 
     def knobs(self) -> dict[str, object]:
         return {
@@ -169,23 +118,18 @@ class BlockSparseAttention(AttentionVariant):
         """The implementation that runs ``w`` (``auto`` resolved, see the module docstring)."""
         if self.impl != "auto":
             return self.impl
-        flex_ok = w.device == "cuda" and fits_cuda_tile(self.block) and flex_refusal(w) is None
+        flex_ok = w.device == "cuda" and flex_refusal(w, layout_block=self.block) is None
         return "flex" if flex_ok else "sdpa"
 
     def check(self, w: Workload) -> None:
         super().check(w)
-        if self.choose_impl(w) == "flex":
-            if why := flex_refusal(w):
-                raise Unsupported(f"sparse impl=flex {why}")
-            if w.device == "cuda" and not fits_cuda_tile(self.block):
-                raise Unsupported(
-                    f"sparse impl=flex on CUDA needs block to divide {CUDA_TILE} or be a multiple of it; "
-                    f"got block={self.block}"
-                )
+        if self.choose_impl(w) == "flex" and (why := flex_refusal(w, layout_block=self.block)):
+            raise Unsupported(f"sparse impl=flex {why}")
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
         d["impl_ran"] = self.impl_ran
+        d["tile"] = self._flex.tile_ran if self.impl_ran == "flex" else None
         return d
 
     def layout(self, n: int, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,20 +147,17 @@ class BlockSparseAttention(AttentionVariant):
             )
         return self._tables[nb, causal]
 
-    def _flex_attend(self, q, k, v, *, causal, key_padding_mask):
-        if self._flex is None:
-            from .flex import FlexAttention
-
-            flex = FlexAttention(pattern="sparse", block=self.block)
-            flex.__dict__["_sparse"] = self  # this instance's layout (all its knobs), one definition
-            self.__dict__["_flex"] = flex
-        return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    def _layout_mask_mod(self, nq: int, nk: int, causal: bool, device: torch.device) -> MaskMod:
+        """The layout of a call as FlexAttention's predicate (:data:`variants.flex_kernel.Pattern`):
+        that of length ``max(Nq, Nk)`` (causal: random blocks drawn from the past), read at token level."""
+        blocks = self.block_pattern(max(nq, nk), causal).to(device)  # (nb, nb)
+        return layout_mask_mod(nq, nk, blocks, self.block, causal)
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
         self.impl_ran = self.choose_impl(w)
         if self.impl_ran == "flex":
-            return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+            return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         bsz, h, nq, d = q.shape
         n, dv = k.shape[2], v.shape[-1]
         off = n - nq  # query i is position i + off of the layout of length N
@@ -340,40 +281,14 @@ class BlockSparseAttention(AttentionVariant):
 
     def block_pattern(self, n: int, causal: bool = False) -> torch.Tensor:
         """Boolean ``(nb, nb)``: which key blocks each query block sees (global rows included)."""
-        index, valid = self.layout(n, causal)
-        nb = index.shape[0]
-        blocks = torch.zeros(nb, nb, dtype=torch.bool)
-        blocks[torch.arange(nb)[:, None].expand_as(index)[valid], index[valid]] = True
-        blocks[: min(self.global_blocks, nb)] = True
-        return blocks
+        return layout_blocks(*self.layout(n, causal), self.global_blocks)
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
         """The layout of length ``Nk`` at token level; with ``Nq < Nk`` its last ``Nq`` rows."""
-        n = max(nq, nk)  # the layout is defined for self-attention; a rectangle is cut from it
-        off = max(0, nk - nq)
-        blocks = self.block_pattern(n, causal)  # (nb, nb)
-        q_blocks = torch.arange(off, off + nq) // self.block  # (Nq,): block of each query's position
-        allowed = blocks[q_blocks][:, torch.arange(nk) // self.block]  # (Nq, Nk)
-        return allowed.tril(off) if causal else allowed
+        # the layout is defined for self-attention; a rectangle is cut from it
+        return layout_pattern(nq, nk, self.block_pattern(max(nq, nk), causal), self.block, causal)
 
     def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
         if nq != nk:
             return int(self.pattern(nq, nk, causal).sum())
-        n, b = nq, self.block
-        index, valid = self.layout(n, causal)
-        nb = index.shape[0]
-        g = min(self.global_blocks, nb)
-        ng = min(g * b, n)
-        # global query rows see every key (or every earlier one)
-        total = ng * (ng + 1) // 2 if causal else ng * n
-        # other rows: sum over their valid slots of (query rows) x (key columns) of the block pair
-        rows = torch.arange(nb)[:, None].expand_as(index)
-        sel = valid & (rows >= g)
-        qi, kj = rows[sel], index[sel]
-        qlen = (n - qi * b).clamp(max=b)
-        klen = (n - kj * b).clamp(max=b)
-        if causal:
-            per = torch.where(kj < qi, qlen * klen, torch.where(kj == qi, qlen * (qlen + 1) // 2, 0))
-        else:
-            per = qlen * klen
-        return total + int(per.sum())
+        return layout_pairs(nq, *self.layout(nq, causal), self.block, self.global_blocks, causal)

@@ -1,0 +1,210 @@
+"""PyTorch FlexAttention as a kernel, and what it refuses: used by ``flex`` (exact attention) and by
+``local_window`` and ``sparse`` with ``impl=flex`` (their pattern as its block mask).
+
+FlexAttention ("FlexAttention: The Flexibility of PyTorch with the Performance of FlashAttention",
+PyTorch blog, Aug 2024; Dong et al., "Flex Attention: A Programming Model for Generating Optimized
+Attention Kernels", 2024) turns a predicate ``mask_mod(b, h, q_idx, kv_idx) -> bool`` into a fused
+kernel through ``torch.compile``, skipping whole ``tile x tile`` blocks that the predicate rules out
+(the tiles are listed once by ``create_block_mask``). :class:`FlexKernel` builds that block mask from
+a pattern's predicate (:mod:`variants.patterns`: the band, or a block-sparse layout read at token
+level), causal masking, key padding and ``attn_mask`` (captured tensors read by the predicate), adds
+a float ``bias`` through a ``score_mod`` (a captured tensor), and hands grouped K/V heads to
+FlexAttention's ``enable_gqa`` (no copy). Shapes ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``, ``v (B,
+Hkv, Nk, Dv)`` -> ``(B, H, Nq, Dv)``. Time ``O(B H P D)`` for ``P`` pairs in visited tiles; memory
+``O(B H N D)`` compiled, plus the block mask ``O(B H (N / tile)^2)`` (``O(B H Nq Nk)`` while it is
+built, and uncompiled FlexAttention materialises the full score matrix).
+
+Facts, checked on torch 2.13 CPU and torch 2.11 on an H100: compiled kernels refuse float64
+(inductor's CPU template); uncompiled ones also run float64, any tile and odd lengths. There is no
+backward on the CPU (``NotImplementedError`` when an input requires grad). A row that sees no key
+comes out as zeros (the kernel's row sum is 0 and it writes 0), compiled and not, so no fix-up pass
+is needed (the tests check it). ``create_block_mask`` is slow (it evaluates the predicate on every
+pair), so block masks are cached per (shape, causal, mask tensors and their in-place version). The
+compiled function is ``torch.compile(flex_attention, dynamic=False)``: one specialised kernel per
+shape, so a length sweep recompiles (and Dynamo falls back to eager after its recompile limit unless
+the caller resets it). The CUDA (Triton) kernel refuses head sizes below 16 ("NYI: embedding
+dimension of the query, key, and value must be at least 16") and block-mask tiles narrower than its
+own (up to 128, chosen per GPU; 64 is refused on an H100). So on CUDA the block mask uses 128-wide
+tiles unless ``block`` is a multiple of 128: full attention and the band do not depend on the tile,
+and a layout of smaller blocks (``block`` dividing 128) is expressed exactly by its predicate inside
+partly used tiles (fewer tiles are skipped than the layout allows; ``tile_ran`` says which ran).
+Layouts of other block sizes are refused on CUDA (:func:`flex_refusal`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .base import Workload
+from .patterns import MaskMod, causal_mask_mod
+
+CUDA_TILE = 128  # a block-mask tile every GPU's Triton kernel configuration divides
+MIN_HEAD_DIM_CUDA = 16
+_CACHE_SIZE = 8  # block masks kept per kernel: one per (shape, mask) a benchmark cycles through
+
+#: ``(Nq, Nk, causal, device) -> MaskMod``: a variant's pattern for one call shape, causal masking
+#: included, its captured tensors on ``device``
+Pattern = Callable[[int, int, bool, torch.device], MaskMod]
+
+
+def tile_size(block: int, device: str) -> int:
+    """The block mask's tile on ``device``: ``block``, or on CUDA :data:`CUDA_TILE` unless ``block`` is
+    a multiple of it (the Triton kernel's tiles; see the module docstring)."""
+    if device != "cuda" or block % CUDA_TILE == 0:
+        return block
+    return CUDA_TILE
+
+
+def flex_refusal(w: Workload, compiled: bool = True, layout_block: int | None = None) -> str | None:
+    """Why FlexAttention cannot run ``w`` (a short reason to follow the variant's name), or None if it
+    can. ``layout_block``: the block size of a block-sparse layout the block mask must express, which
+    the CUDA kernel takes only when it divides :data:`CUDA_TILE` or is a multiple of it."""
+    if compiled and w.dtype == torch.float64:
+        return "does not support float64 (compiled kernels)"
+    if w.backward and w.device == "cpu":
+        return "has no backward on the CPU (FlexAttention)"
+    if compiled and w.device == "cuda" and min(w.head_dim, w.v_head_dim) < MIN_HEAD_DIM_CUDA:
+        return (
+            f"needs head sizes of at least {MIN_HEAD_DIM_CUDA} on CUDA (the Triton kernel); "
+            f"got D={w.head_dim}, Dv={w.v_head_dim}"
+        )
+    fits = layout_block is None or CUDA_TILE % layout_block == 0 or layout_block % CUDA_TILE == 0
+    if compiled and w.device == "cuda" and not fits:
+        return (
+            f"on CUDA needs block to divide {CUDA_TILE} or be a multiple of it (the Triton kernel's "
+            f"tiles); got block={layout_block}"
+        )
+    return None
+
+
+class FlexKernel:
+    """FlexAttention with one fixed pattern, for one variant instance: its compiled function and its
+    block masks, cached (a plain object, not a module: it holds no state to save).
+
+    ``pattern`` is the variant's pattern (:data:`Pattern`), or None for every pair (causal: every
+    pair with ``j <= i + Nk - Nq``); ``block`` is the block-mask tile (:func:`tile_size`); ``compile``
+    False runs FlexAttention eagerly (any dtype; materialises the scores).
+    """
+
+    def __init__(self, pattern: Pattern | None, block: int, compile: bool = True) -> None:
+        self.pattern = pattern
+        self.block = block
+        self.compile = compile
+        self.tile_ran: int | None = None  # the block mask's tile of the last call (None: no mask)
+        self._fn: Callable[..., torch.Tensor] | None = None  # compiled (or plain) flex_attention
+        self._masks: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
+
+    def block_mask(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        causal: bool,
+        key_padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+    ) -> Any:
+        """A ``BlockMask`` for a call on ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)`` and these masks, or
+        None for every pair; cached. Building one evaluates the predicate on every pair: ``O(B H Nq
+        Nk)`` (``B`` and ``H`` only where a mask varies over them)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        b, h, nq, _ = q.shape
+        nk = k.shape[2]
+        if self.pattern is None and not causal and key_padding_mask is None and attn_mask is None:
+            return None
+        # the tensors themselves are held in the entry, so their ids cannot be reused while cached;
+        # _version changes on any in-place edit, which would make the block list stale
+        tensors = tuple(t for t in (key_padding_mask, attn_mask) if t is not None)
+        # tensors made under torch.inference_mode have no _version (reading it raises), so an in-place
+        # edit could not be seen: their block masks are built afresh every call, never cached
+        cacheable = not any(t.is_inference() for t in tensors)
+        key = None
+        if cacheable:
+            key = (nq, nk, b, h, causal, q.device, *((id(t), t._version, tuple(t.shape)) for t in tensors))
+        hit = self._masks.get(key) if cacheable else None
+        if hit is not None:
+            self._masks.move_to_end(key)
+            return hit[0]
+
+        preds: list[Callable] = []
+        if self.pattern is not None:
+            pattern = self.pattern(nq, nk, causal, q.device)  # causal included
+            preds.append(lambda bi, hi, qi, ki: pattern(qi, ki))
+        elif causal:
+            past = causal_mask_mod(nq, nk)
+            preds.append(lambda bi, hi, qi, ki: past(qi, ki))
+        mb = mh = None  # None = the block mask broadcasts over batch / heads
+        if key_padding_mask is not None:
+            kpm = key_padding_mask.to(q.device)  # (B, Nk), captured by the predicate
+            preds.append(lambda bi, hi, qi, ki: kpm[bi, ki])
+            mb = b
+        if attn_mask is not None:
+            am = attn_mask.to(q.device)
+            while am.dim() < 4:
+                am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
+            am = am.expand(b, h, nq, nk)  # a view: the predicate indexes it directly
+            preds.append(lambda bi, hi, qi, ki: am[bi, hi, qi, ki])
+            if attn_mask.dim() == 4 and attn_mask.shape[0] > 1:
+                mb = b
+            if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1:
+                mh = h
+
+        def mask_mod(bi: torch.Tensor, hi: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+            ok = preds[0](bi, hi, qi, ki)
+            for p in preds[1:]:
+                ok = ok & p(bi, hi, qi, ki)
+            return ok
+
+        tile = tile_size(self.block, q.device.type)
+        bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=tile)
+        if cacheable:
+            self._masks[key] = (bm, tensors)
+        if len(self._masks) > _CACHE_SIZE:
+            self._masks.popitem(last=False)
+        return bm
+
+    def _flex_fn(self) -> Callable[..., torch.Tensor]:
+        if self._fn is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            # held once per kernel: compiling per call would recompile every time
+            self._fn = torch.compile(flex_attention, dynamic=False) if self.compile else flex_attention
+        return self._fn
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` through the
+        pattern, causal masking and the masks (boolean, True = may attend; ``key_padding_mask (B,
+        Nk)``, ``attn_mask`` broadcastable to ``(B, H, Nq, Nk)``), scores scaled by ``scale`` (default
+        ``1/sqrt(D)``) plus ``bias`` (broadcastable to ``(B, H, Nq, Nk)``): ``(B, H, Nq, Dv)``. The
+        caller checks the workload first (:func:`flex_refusal`)."""
+        bm = self.block_mask(q, k, causal, key_padding_mask, attn_mask)
+        self.tile_ran = tile_size(self.block, q.device.type) if bm is not None else None
+        extra: dict[str, Any] = {"scale": scale}
+        if k.shape[1] != q.shape[1]:
+            extra["enable_gqa"] = True  # query head h reads K/V head h // (H / Hkv)
+        if bias is not None:
+            bias4 = bias[(None,) * (4 - bias.dim())].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+            def add_bias(score, bi, hi, qi, ki):  # noqa: ANN001, ANN202  (FlexAttention's signature)
+                return score + bias4[bi, hi, qi, ki]
+
+            extra["score_mod"] = add_bias
+        with warnings.catch_warnings():
+            # uncompiled use is a deliberate choice here (compile=False), not a mistake to warn about
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return self._flex_fn()(q, k, v, block_mask=bm, **extra)  # (B, H, Nq, Dv)
