@@ -23,17 +23,17 @@ import torch
 
 import variants
 from experiments.measure.timing import time_cuda
-from variants.flex import FlexAttention
 
 
 def contenders(window: int, block: int, device: str) -> dict[str, variants.AttentionVariant]:
-    """The variants compared; on CUDA the pattern variants' ``auto`` is flex, so their fused-SDPA
-    route is shown beside it."""
+    """The variants compared: each pattern variant by default and with ``impl=flex`` (compiled
+    FlexAttention with its pattern); on CUDA their ``auto`` is flex, so their fused-SDPA route is
+    shown beside it."""
     c = {
         "local_window": variants.build("local_window", window=window),
-        "flex window": variants.build("flex", pattern="window", window=window, block=128),
+        "flex window": variants.build("local_window", window=window, impl="flex"),
         "sparse": variants.build("sparse", block=block),
-        "flex sparse": variants.build("flex", pattern="sparse", block=block),
+        "flex sparse": variants.build("sparse", block=block, impl="flex"),
         "sdpa (dense)": variants.build("sdpa"),
     }
     if device == "cuda":
@@ -45,11 +45,11 @@ def contenders(window: int, block: int, device: str) -> dict[str, variants.Atten
 
 
 def visited_pairs(attn: variants.AttentionVariant, q: torch.Tensor, k: torch.Tensor) -> int | None:
-    """Pairs inside the tiles a flex block mask visits (partial and full tiles), per (batch, head)."""
-    flex = attn if isinstance(attn, FlexAttention) else getattr(attn, "_flex", None)
-    if flex is None:
+    """Pairs inside the tiles the block mask of a variant's flex route visits (partial and full
+    tiles), per (batch, head); None where the route that ran was not flex."""
+    if attn.describe().get("impl_ran") != "flex":
         return None
-    bm = flex._block_mask(q, k, False, None, None)
+    bm = attn._flex.block_mask(q, k, False, None, None)
     if bm is None:
         return None
     tiles = bm.kv_num_blocks.sum() + (bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0)
