@@ -53,6 +53,7 @@ import torch
 import variants
 from experiments.measure.accuracy import error_stats
 from experiments.measure.memory import cpu_peak_bytes
+from experiments.measure.spec import DType, JobSpec, Mode
 from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -178,18 +179,16 @@ def make_inputs(mode: str) -> Inputs:
 
 
 def workload(mode: str) -> Workload:
-    """The workload every case runs (plain self-attention, no masks)."""
-    return Workload(
+    """The workload every case runs (plain self-attention, no masks), as a sweep job would build it."""
+    return JobSpec(
+        variant={},
         batch=BATCH,
         heads=HEADS,
-        nq=SEQ,
-        nk=SEQ,
+        seq_len=SEQ,
         head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
-        device="cpu",
-        dtype=DTYPE,
-        backward=mode == "fwd_bwd",
-    )
+        dtype=DType(str(DTYPE)[6:]),
+        mode=Mode(mode),
+    ).workload()
 
 
 def make_call(attn: AttentionVariant, mode: str, inputs: Inputs | None = None) -> Callable[[], Any]:

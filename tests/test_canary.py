@@ -8,7 +8,7 @@ import torch
 
 from experiments.measure import canary
 from experiments.measure.canary import CANARY_CALLS, SLOW_RATIO, canary_ms, job_canary_ms, slowdown
-from experiments.sweep.runner import canary_ratio
+from experiments.sweep.retry import canary_ratio
 
 
 def test_canary_is_the_median_of_its_timed_calls_on_the_given_threads(monkeypatch):

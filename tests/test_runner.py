@@ -820,7 +820,9 @@ def test_a_job_returns_its_objective_figure():
 
     rec = {"status": "ok", "config": {"mode": "fwd_bwd"}, "figures": {"fwd_bwd_median_s": 0.5, "peak_mib": 3}}
     assert objective(rec) == 0.5 and objective(rec, "peak_mib") == 3.0
-    assert objective({**rec, "figures": {"test_accuracy": 0.9, "fwd_median_s": 1}}) == 0.9  # a task
+    task = {**rec, "kind": "task", "figures": {"test_accuracy": 0.9, "fwd_median_s": 1}}
+    assert objective(task) == 0.9  # a task's default figure, by its stored kind
+    assert objective({**task, "kind": None, "config": {"mode": "fwd", "task": {"name": "copy"}}}) == 0.9  # older
     nan = [objective(None), objective({**rec, "status": "oom"}), objective(rec, "no_such_figure")]
     nan.append(objective({**rec, "figures": {**rec["figures"], "valid": False}}))  # a wrong result
     assert all(v != v for v in nan)

@@ -15,7 +15,7 @@ import inspect
 import types
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 
 from .base import AttentionVariant
@@ -96,6 +96,19 @@ def registered_name(cls: type) -> str | None:
 
 
 SHAPE_HINTS = ("heads", "head_dim")  # workload sizes a learned variant needs; dropped by others
+
+
+def config_knobs(variant_cfg: Mapping[str, object]) -> dict[str, object]:
+    """A variant config's knobs: the config without ``_target_`` (which class) and the workload sizes
+    it is handed (:data:`SHAPE_HINTS`), in the config's order. What a label, a record's ``knobs``
+    column and a task's variant settings show."""
+    return {k: v for k, v in variant_cfg.items() if k != "_target_" and k not in SHAPE_HINTS}
+
+
+def knob_label(name: str, knobs: Mapping[str, object]) -> str:
+    """``name(k=v, ...)``, or ``name`` when there are no knobs: how a variant setting is written in
+    job labels and tables."""
+    return name + (f"({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else "")
 
 
 def knob_defaults(cls: type[AttentionVariant]) -> dict[str, object]:

@@ -3,8 +3,8 @@
 ``measure(spec)`` never raises: whatever happens becomes a status (DESIGN.md: ok, unsupported,
 unavailable, oom, nan, error; the parent adds killed and timeout). ``spec`` is the job's
 :class:`~experiments.measure.spec.JobSpec` (from a resolved config dict:
-``JobSpec.from_config(cfg)``). A job with a ``task`` trains a model instead
-(:mod:`experiments.measure.tasks`).
+``JobSpec.from_config(cfg)``). What runs depends on the job's kind
+(:mod:`experiments.measure.kinds`): this module's :func:`measure_kernel` for a kernel job.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from variants import AttentionVariant, Unavailable, Unsupported, Workload
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
 from .canary import canary_ms
 from .common import build_variant, check_device, job_threads
-from .inputs import DTYPES, Inputs, make_inputs
+from .inputs import Inputs, make_inputs
+from .kinds import rules
 from .machine_load import load_average, others_cores, snapshot
 from .memory import peak_bytes
-from .spec import Device, JobSpec, Mode
+from .spec import Device, JobSpec
 from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_graph
 
 # above this many float64 bytes, the gradient check (which needs the whole oracle) is skipped
@@ -85,20 +86,7 @@ def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
     canary_before = _canary(canary_threads) if canary_threads else None
     load_start, busy_start = load_average(), snapshot()
     try:
-        if spec.task:
-            from .tasks.train import measure_task  # task accuracy: train and evaluate a small model
-
-            measure_task(spec, result)
-        elif spec.model:
-            from .model_job import measure_model  # a transformers model end to end
-
-            measure_model(spec, result)
-        elif spec.pretrained:
-            from .pretrained.job import measure_pretrained  # fidelity inside a pretrained encoder
-
-            measure_pretrained(spec, result)
-        else:
-            _measure(spec, result)
+        rules(spec.kind).load("measurer")(spec, result)
     except BaseException as exc:  # the whole point: turn anything into a status
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -115,7 +103,7 @@ def measure(spec: JobSpec, roofline: bool = False) -> dict[str, Any]:
         result["figures"]["canary_after_ms"] = _canary(canary_threads)
     if spec.device is Device.cuda and torch.cuda.is_available():
         result["env"] = torch_gpu_info()
-    if roofline and not (spec.task or spec.model or spec.pretrained):
+    if roofline and rules(spec.kind).roofline:
         result["roofline"] = _roofline(spec)
     # what the OS saw, beside the allocator's peak: the C allocator may keep freed memory (resident
     # GBs while torch's peak is MBs). Per job only in an isolated child, whose count includes torch.
@@ -148,27 +136,6 @@ def torch_gpu_info(device: int | None = None) -> dict[str, object]:
     }
 
 
-def workload(spec: JobSpec) -> Workload:
-    """The :class:`Workload` a job spec describes."""
-    return Workload(
-        batch=spec.batch,
-        heads=spec.heads,
-        nq=spec.seq_len,
-        nk=spec.kv_len or spec.seq_len,
-        head_dim=spec.head_dim,
-        v_head_dim=spec.v_head_dim or spec.head_dim,
-        device=spec.device.value,
-        dtype=DTYPES[spec.dtype.value],
-        causal=spec.causal,
-        key_padding=spec.padding > 0,
-        attn_mask=False,
-        backward=spec.mode is Mode.fwd_bwd,
-        kv_heads=spec.kv_heads if spec.kv_heads != spec.heads else None,
-        scale=spec.scale,
-        bias=spec.bias is not None,
-    )
-
-
 def min_bytes(w: Workload, inp: Inputs) -> int:
     """Bytes one forward call must move at least: read q, K and V (``Hkv`` heads: the K/V cache of a
     decoding step) and the bias, write the output. The key padding mask (one byte per key) is left out.
@@ -187,19 +154,21 @@ def precheck(spec: JobSpec, variant: AttentionVariant) -> dict[str, Any] | None:
     """
     try:
         check_device(spec.device.value)
-        if not (spec.task or spec.model or spec.pretrained):  # these check their own workloads
-            variant.check(workload(spec))
+        if rules(spec.kind).checks_workload:
+            variant.check(spec.workload())
     except (Unavailable, Unsupported) as exc:
         status, reason = classify(exc)
         return {"status": status, "reason": reason, "variant": variant.describe(), "figures": {}}
     return None
 
 
-def _measure(spec: JobSpec, result: dict[str, Any]) -> None:
+def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
+    """A kernel job: build the variant and inputs, check the output (and gradients) against the
+    float64 oracle, time the mode, count FLOPs and bytes, measure peak memory; fills ``result``."""
     device = spec.device.value
     check_device(device)
     torch.set_num_threads(job_threads(spec))
-    w = workload(spec)
+    w = spec.workload()
     dtype, nq, nk, dv, backward = w.dtype, w.nq, w.nk, w.v_head_dim, w.backward
     # one process may run many jobs (isolate=false): Dynamo's code compiled for earlier shapes counts
     # against its recompile limit (8), past which compiled FlexAttention silently runs eagerly with the
@@ -321,3 +290,16 @@ def _measure(spec: JobSpec, result: dict[str, Any]) -> None:
         fig.update(_timing_fields("fwd_graph", graph_t))
         if why is not None:
             fig["fwd_graph_skipped"] = why
+
+
+def kernel_summary(figures: dict[str, Any], config: dict[str, Any]) -> str:
+    """A kernel job's terminal text: the time of its mode with its IQR, peak memory, error against the
+    oracle, and INVALID when the output failed that check."""
+    key = "fwd_bwd" if config["mode"] == "fwd_bwd" else "fwd"
+    bits = [f"{key} {figures[f'{key}_median_s'] * 1e3:.3g} ms (IQR {figures[f'{key}_iqr_s'] * 1e3:.2g})"]
+    bits.append(f"peak {figures['peak_mib']:.3g} MiB")
+    if "out_rel_err" in figures:
+        bits.append(f"rel err {figures['out_rel_err']:.1e}")
+    if not figures.get("valid", True):
+        bits.append("INVALID (correctness check failed)")
+    return ", ".join(bits)

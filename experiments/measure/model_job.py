@@ -53,3 +53,12 @@ def measure_model(spec: JobSpec, result: dict[str, Any]) -> None:
             "transformers": out["transformers"],
         }
     )
+
+
+def model_summary(figures: dict[str, Any], config: dict[str, Any]) -> str:
+    """A model job's terminal text: prefill time, time per decoded token, peak memory."""
+    peak = "n/a" if figures.get("peak_mib") is None else f"{figures['peak_mib']:.4g} MiB"
+    return (
+        f"prefill {figures['prefill_ms']:.4g} ms, {figures['decode_ms_per_token']:.3g} ms per decoded token "
+        f"({figures['tokens_generated']} tokens), peak {peak}"
+    )

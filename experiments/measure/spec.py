@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from variants import Workload
 
 
 class Device(Enum):
@@ -98,6 +101,31 @@ class JobSpec:
     def kind(self) -> Kind:
         """What this job measures (:func:`kind_of`)."""
         return kind_of({k.value: getattr(self, k.value) for k in KIND_GROUPS})
+
+    def workload(self) -> Workload:
+        """The attention call this job makes, as the variants see it (what ``check`` and ``flops``
+        read); built here once for the runner, the regression gates and the tests."""
+        import torch  # here: reading a config must not wait for torch and the variants
+
+        from variants import Workload
+
+        return Workload(
+            batch=self.batch,
+            heads=self.heads,
+            nq=self.seq_len,
+            nk=self.kv_len or self.seq_len,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim or self.head_dim,
+            device=self.device.value,
+            dtype=getattr(torch, self.dtype.value),
+            causal=self.causal,
+            key_padding=self.padding > 0,
+            attn_mask=False,
+            backward=self.mode is Mode.fwd_bwd,
+            kv_heads=self.kv_heads if self.kv_heads != self.heads else None,
+            scale=self.scale,
+            bias=self.bias is not None,
+        )
 
     @classmethod
     def from_config(cls: type[S], cfg: Mapping[str, Any]) -> S:

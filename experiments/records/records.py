@@ -31,6 +31,10 @@ _HASHED_UNLESS_NULL = {"kv_heads", "scale", "bias", "model", "pretrained"}
 _HASHED_UNLESS_DEFAULT = {"round": 0}
 
 
+#: a sweep folder's list of the records its jobs wrote (one JSON object per line, appended)
+MANIFEST = "manifest.jsonl"
+
+
 def config_hash(cfg: dict[str, Any]) -> str:
     """Stable 16-hex-digit hash of the measured configuration (key order does not matter)."""
     measured = {
@@ -72,6 +76,15 @@ def write_json_atomic(final: Path, obj: object) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return final
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is missing or unreadable (a ceiling or canary
+    file another job is writing)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def read_records(directory: str | Path) -> list[dict[str, Any]]:

@@ -27,11 +27,15 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from ..measure.kinds import rules
+from ..measure.spec import kind_of
+from ..records.records import MANIFEST
+
 
 def manifest_entries(sweep_dir: Path) -> list[dict[str, Any]]:
     """The lines of a sweep's manifest: ``{"config_hash", "record", "status"}`` per job (a skipped
     job has status ``skipped`` and points at its older record)."""
-    path = sweep_dir / "manifest.jsonl"
+    path = sweep_dir / MANIFEST
     if not path.exists():
         return []
     out = []
@@ -154,7 +158,7 @@ class SweepCallback(Callback):
         if refused and remove_unmeasured_sweep(sweep_dir):  # the error lines above say why
             print(f"\n{finished_line(entries)}; nothing measured, sweep folder removed", flush=True)
         else:
-            print(f"\n{finished_line(entries)}; records listed in {sweep_dir / 'manifest.jsonl'}", flush=True)
+            print(f"\n{finished_line(entries)}; records listed in {sweep_dir / MANIFEST}", flush=True)
         from hydra.utils import to_absolute_path
 
         junk = unreadable_records(Path(to_absolute_path(config.records_dir)))
@@ -182,7 +186,7 @@ def remove_unmeasured_sweep(sweep_dir: Path) -> bool:
     def ours(p: Path) -> bool:
         if p.is_dir():
             return p.name.isdigit() and {c.name for c in p.iterdir()} <= {"run.log", ".hydra"}
-        return p.name in ("multirun.yaml", "manifest.jsonl")
+        return p.name in ("multirun.yaml", MANIFEST)
 
     if not sweep_dir.is_dir() or not all(ours(p) for p in sweep_dir.iterdir()):
         return False
@@ -244,7 +248,7 @@ def warn_parallel_timing(config: DictConfig) -> None:
     """One warning line when a launcher will time several jobs at once on one machine."""
     launcher = config.hydra.launcher
     target = str(launcher.get("_target_", ""))
-    if config.get("task"):
+    if not rules(kind_of(config)).timed:
         return  # training for accuracy: parallel jobs are fine
     parallel = None
     if "Joblib" in target and launcher.get("n_jobs", 1) not in (1, None):

@@ -28,6 +28,7 @@ def check_job(cfg: dict[str, Any]) -> tuple[BenchConfig, type, str, Any]:
 
     conf = BenchConfig.from_config(cfg)
     validate(conf)
+    conf.kind  # noqa: B018  (a config that selects two kinds, task= and model=, is refused here)
     if conf.tokens:  # a fixed token budget: the batch follows the length (and is hashed)
         cfg["batch"] = max(1, conf.tokens // conf.seq_len)
         conf = replace(conf, batch=cfg["batch"])

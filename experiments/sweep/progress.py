@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..records.records import MANIFEST
+
 _active = threading.Event()  # set while a follower runs in this process
 #: set by the submitting process while its follower runs: the device and inode of its standard output.
 #: A launcher worker (joblib) that writes to the same terminal or file leaves its job lines to the
@@ -63,7 +65,7 @@ class ManifestFollower:
     """Polls ``<sweep_dir>/manifest.jsonl`` in a thread; ``bar`` (tqdm or None) counts the jobs."""
 
     def __init__(self, sweep_dir: Path, bar: Any = None, poll_s: float = 0.5) -> None:
-        self.path = sweep_dir / "manifest.jsonl"
+        self.path = sweep_dir / MANIFEST
         self.bar = bar
         self.poll_s = poll_s
         self._offset = 0

@@ -22,23 +22,29 @@ from omegaconf import DictConfig, OmegaConf
 
 from variants.registry import SHAPE_HINTS, knob_defaults
 
-from ..measure.canary import SLOW_RATIO, job_canary_ms
 from ..measure.common import job_threads
-from ..measure.machine_load import settle
+from ..measure.kinds import rules
 from ..measure.roofline import implausible
-from ..measure.spec import JobSpec
+from ..measure.spec import JobSpec, kind_of
 from ..records.environment import environment, variant_code_version
-from ..records.records import SCHEMA_VERSION, config_hash, find_existing, write_json_atomic, write_record
+from ..records.records import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    config_hash,
+    find_existing,
+    read_json,
+    write_json_atomic,
+    write_record,
+)
 from .allocator import set_job_allocator_env
 from .allocator import settings as malloc_settings
 from .checks import check_job, one_line
-from .concurrency import measuring, others_measuring
+from .labels import job_label, summary_line
 from .progress import following, say
-from .schema import BenchConfig, register_schema
+from .retry import measure_with_retries
+from .schema import register_schema
 
 log = logging.getLogger("attnbench")
-
-MANIFEST = "manifest.jsonl"
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -93,76 +99,6 @@ def register_hydra_pieces() -> None:
         )
 
 
-def job_label(spec: JobSpec, name: str) -> str:
-    """Short human label of a job, e.g. ``naive N=1024 fwd float32 cpu`` or
-    ``task=recall local_window(window=16, block=None) N=128 seed=0 float32 cpu``."""
-    knobs = {k: v for k, v in spec.variant.items() if k not in ("_target_", "heads", "head_dim")}
-    # the knobs in brackets: a variant's own seed (sparse) is not the job's seed
-    parts = [
-        name + (f"({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else ""),
-        f"N={spec.seq_len}",
-    ]
-    if spec.task:
-        parts.insert(0, f"task={spec.task.get('name', '?')}")
-    if spec.model:
-        parts.insert(0, f"model(L={spec.model.get('layers')}, +{spec.model.get('new_tokens')} tokens)")
-    if spec.pretrained:
-        parts.insert(0, f"pretrained={spec.pretrained.get('name', '?')}")
-    if spec.kv_len:
-        parts.append(f"Nk={spec.kv_len}")
-    if spec.kv_heads:
-        parts.append(f"Hkv={spec.kv_heads}")
-    if spec.scale is not None:
-        parts.append(f"scale={spec.scale:g}")
-    if spec.bias:
-        parts.append(f"bias={spec.bias}")
-    if spec.tokens:
-        parts.append(f"B={spec.batch}")  # from the token budget
-    # a task job trains (mode does not apply) and its seed is what tells its runs apart
-    parts += [f"seed={spec.seed}" if spec.task else spec.mode.value, spec.dtype.value, spec.device.value]
-    if spec.causal:
-        parts.append("causal")
-    if spec.padding:
-        parts.append(f"pad={spec.padding}")
-    return " ".join(str(p) for p in parts)
-
-
-def summary_line(rec: dict[str, Any]) -> str:
-    """One line per finished job for the terminal."""
-    f = rec["figures"]
-    head = f"[{rec['label']}] {rec['status']}"
-    if rec["status"] != "ok":
-        return f"{head}: {rec['reason']}"
-    if "test_accuracy" in f:  # a task job: quality, not kernel speed
-        return (
-            f"{head}: test accuracy {f['test_accuracy']:.3f}"
-            f", final loss {f.get('final_loss', float('nan')):.3g}"
-            f", {f.get('steps')} steps in {f.get('train_s', float('nan')):.1f} s, {f.get('params')} params"
-        )
-    if "cosine_mean" in f:  # a pretrained job: fidelity inside a pretrained encoder
-        flag = f" (beyond the {f['trained_len']} tokens it was trained on)" if f.get("beyond_trained") else ""
-        return (
-            f"{head}: cosine mean {f['cosine_mean']:.5f} (p5 {f['cosine_p5']:.4f}), top-1 agreement "
-            f"{f['top1_agreement']:.2f}, keeps {100 * f['kept_pairs']:.0f}% of pairs and "
-            f"{100 * f['mass_inside_mean']:.0f}% of the attention mass, {f['batch_ms_median']:.4g} ms per "
-            f"{f['batch_texts']} texts{flag}"
-        )
-    if "decode_ms_per_token" in f:  # a model job: end to end through transformers
-        peak = "n/a" if f.get("peak_mib") is None else f"{f['peak_mib']:.4g} MiB"
-        return (
-            f"{head}: prefill {f['prefill_ms']:.4g} ms, {f['decode_ms_per_token']:.3g} ms per decoded token "
-            f"({f['tokens_generated']} tokens), peak {peak}"
-        )
-    key = "fwd_bwd" if rec["config"]["mode"] == "fwd_bwd" else "fwd"
-    bits = [f"{key} {f[f'{key}_median_s'] * 1e3:.3g} ms (IQR {f[f'{key}_iqr_s'] * 1e3:.2g})"]
-    bits.append(f"peak {f['peak_mib']:.3g} MiB")
-    if "out_rel_err" in f:
-        bits.append(f"rel err {f['out_rel_err']:.1e}")
-    if not f.get("valid", True):
-        bits.append("INVALID (correctness check failed)")
-    return f"{head}: " + ", ".join(bits)
-
-
 def _fail(msg: str) -> None:
     """A config error: one line, no traceback; ends a single run with exit code 1, and makes a sweep
     exit 1 at its end (the manifest notes it, and the submitting process's follower prints its line:
@@ -188,8 +124,8 @@ def objective(record: dict[str, Any] | None, figure: str | None = None) -> float
     if figures.get("valid") is False:
         return float("nan")
     if figure is None:
-        default = ("test_accuracy", "cosine_mean", "decode_ms_per_token")
-        figure = next((f for f in default if f in figures), f"{record['config'].get('mode', 'fwd')}_median_s")
+        figure = rules(record.get("kind") or kind_of(record["config"])).objective
+        figure = figure or f"{record['config'].get('mode', 'fwd')}_median_s"
     value = figures.get(figure)
     return float(value) if isinstance(value, (int, float)) else float("nan")
 
@@ -242,18 +178,18 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
 
     # the device's ceilings, once per sweep and (device, dtype): the first job that runs measures them
     roof_path = sweep_dir / f"roofline-{conf.device.value}-{conf.dtype.value}.json"
-    want_roof = conf.roofline and not (conf.task or conf.pretrained) and not roof_path.exists()
     spec = JobSpec.from_config(cfg)  # what the job's process gets: the measurement's half of conf
+    want_roof = conf.roofline and rules(spec.kind).roofline and not roof_path.exists()
     result = precheck(spec, variant)  # unsupported / unavailable without spawning a child
     if result is None:
         canary_path = sweep_dir / f"canary-cpu-{job_threads(spec)}.json"
-        result = _measure(spec, conf, label, want_roof, canary_path)
+        result = measure_with_retries(spec, conf, label, want_roof, canary_path)
     roof = result.get("roofline")
     if roof and "error" not in roof:
         write_json_atomic(roof_path, roof)
     elif roof:
         log.warning("[%s] roofline not measured: %s", label, roof["error"])
-    ceiling = _read_json(roof_path)  # the record keeps the ceiling this job was compared with
+    ceiling = read_json(roof_path)  # the record keeps the ceiling this job was compared with
     figures = result.get("figures") or {}
     if implausible(figures.get("gflops_per_s"), ceiling, figures.get("threads")):
         roof_path.unlink(missing_ok=True)  # the report marks this job's share; the next job re-measures
@@ -264,6 +200,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         env.setdefault(k, v)
     record = {
         "schema_version": SCHEMA_VERSION,
+        "kind": spec.kind.value,
         "variant_name": name,
         "label": label,
         "config": cfg,
@@ -291,100 +228,6 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     if record["status"] == "error" and hc.mode != RunMode.MULTIRUN:
         raise SystemExit(1)  # a single run that failed says so; a sweep says so at its end
     return record
-
-
-#: what an earlier attempt leaves in the record: each timing figure's median, IQR, samples and
-#: stability, and the machine's speed around it (the canary)
-_ATTEMPT_FIELDS = ("_median_s", "_iqr_s", "_samples", "_unstable", "_cpu_per_wall", "_page_faults", "_steal")
-_ATTEMPT_FIELDS += ("canary_before_ms", "canary_after_ms", "canary_ratio")
-
-
-def timing_figures(figures: dict[str, Any]) -> list[str]:
-    """The timing figures of a record (``fwd``, ``bwd``, ...; each has an ``_unstable`` flag), in record
-    order; none for a job that times nothing (a task's training)."""
-    return [k.removesuffix("_unstable") for k in figures if k.endswith("_unstable")]
-
-
-def unstable_figures(figures: dict[str, Any]) -> list[str]:
-    """The timing figures of a record marked unstable, in record order."""
-    return [f for f in timing_figures(figures) if figures[f"{f}_unstable"]]
-
-
-def canary_ratio(figures: dict[str, Any], path: Path) -> float | None:
-    """The job's canary (:func:`~experiments.measure.canary.job_canary_ms`) over the fastest job canary
-    of the sweep so far, this one included, which ``path`` keeps for the sweep's later jobs; None for a
-    job without a canary (CUDA, or one that never ran)."""
-    job = job_canary_ms(figures.get("canary_before_ms"), figures.get("canary_after_ms"))
-    if job is None:
-        return None
-    seen = (_read_json(path) or {}).get("fastest_ms")
-    if seen is None or job < seen:
-        write_json_atomic(path, {"fastest_ms": job})  # a race with a parallel job loses one update only
-        seen = job
-    return job / seen
-
-
-def _measure(
-    spec: JobSpec, conf: BenchConfig, label: str, want_roof: bool, canary_path: Path
-) -> dict[str, Any]:
-    """Measure one job (in its own process unless ``isolate=false``) after the machine settles; a job
-    whose timing figures end ``unstable``, or whose canary ran more than ``SLOW_RATIO`` times slower than
-    the sweep's fastest (``canary_ratio``), is measured again from the start, up to ``retry_unstable``
-    times, in a fresh process after the machine settles again, and the last attempt is kept.
-
-    Why again and not longer: on this project's 2-core VM a figure went unstable when the machine ran
-    slower for a stretch of seconds to minutes (sparse fwd+bwd at N=4096 had more than half of its
-    calls slow while its forward and backward alone, in the same job, were stable). More samples in
-    the same stretch do not help; a later attempt measures the machine as it usually is. The earlier
-    attempts' timing figures stay in the record (``figures.earlier_attempts``), so nothing is dropped.
-    """
-    from ..measure.timing import STABLE_IQR
-    from .isolation import run_inline, run_isolated
-
-    earlier: list[dict[str, Any]] = []
-    roofline = None
-    for attempt in range(conf.retry_unstable + 1):
-        waited, busy = settle(conf.settle_s, side_by_side=lambda: others_measuring() > 0)
-        if busy:
-            say(f"[{label}] the machine did not go quiet in {waited:.0f} s ({busy}); measuring anyway")
-        elif waited > 2:
-            say(f"[{label}] waited {waited:.0f} s for the machine to go quiet")
-        with measuring() as concurrent:  # other jobs measuring on this host meanwhile
-            if conf.isolate:
-
-                def alive(elapsed: float) -> None:
-                    say(f"[{label}] still running: {elapsed:.0f} s (timeout_s={conf.timeout_s:g})")
-
-                result = run_isolated(spec, conf.timeout_s, roofline=want_roof, heartbeat=alive)
-            else:
-                result = run_inline(spec, roofline=want_roof)
-            figures = result.setdefault("figures", {})
-            figures["concurrent_jobs"] = concurrent()
-            figures["settle_wait_s"], figures["settle_busy"] = waited, busy
-        if result.get("roofline"):  # the sweep's ceilings are measured once, by the first attempt
-            roofline, want_roof = result["roofline"], False
-        figures["canary_ratio"] = ratio = canary_ratio(figures, canary_path)
-        why = []
-        if result["status"] == "ok" and (shaky := unstable_figures(figures)):
-            why.append(f"{', '.join(shaky)} unstable (IQR above {STABLE_IQR:.0%} of the median)")
-        # only a job with timing figures is measured again for a slow machine (a task's accuracy does
-        # not depend on its speed), and not beside other jobs of the suite (a parallel launcher: a
-        # slower canary is expected there)
-        timed = bool(timing_figures(figures))
-        alone = not figures["concurrent_jobs"]
-        if result["status"] == "ok" and timed and alone and ratio is not None and ratio > SLOW_RATIO:
-            why.append(f"the machine ran slow (canary {ratio:.2f}x the sweep's fastest)")
-        if not why or attempt == conf.retry_unstable:
-            break
-        tries = f"attempt {attempt + 2} of {conf.retry_unstable + 1}"
-        say(f"[{label}] {'; '.join(why)}; measuring again ({tries})")
-        earlier.append({k: v for k, v in figures.items() if k.endswith(_ATTEMPT_FIELDS)})
-    if roofline is not None:
-        result["roofline"] = roofline
-    if earlier:
-        figures["earlier_attempts"] = earlier
-    figures["attempts"] = len(earlier) + 1
-    return result
 
 
 def _write_somewhere(record: dict[str, Any], records_dir: Path, sweep_dir: Path) -> Path:
@@ -417,13 +260,6 @@ def _launcher_name(hc: Any) -> str:
         return str(hc.launcher._target_).rsplit(".", 1)[-1]
     except Exception:  # a single run has the basic launcher too; never fail a job over a label
         return "BasicLauncher"
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _valid(record: dict[str, Any]) -> bool:

@@ -140,3 +140,16 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
             "threads": torch.get_num_threads(),
         }
     )
+
+
+def pretrained_summary(figures: dict[str, Any], config: dict[str, Any]) -> str:
+    """A pretrained job's terminal text: output cosine to the exact model, top-1 agreement, the share
+    of pairs and of attention mass it keeps, time per batch, and whether N is beyond training."""
+    f = figures
+    flag = f" (beyond the {f['trained_len']} tokens it was trained on)" if f.get("beyond_trained") else ""
+    return (
+        f"cosine mean {f['cosine_mean']:.5f} (p5 {f['cosine_p5']:.4f}), top-1 agreement "
+        f"{f['top1_agreement']:.2f}, keeps {100 * f['kept_pairs']:.0f}% of pairs and "
+        f"{100 * f['mass_inside_mean']:.0f}% of the attention mass, {f['batch_ms_median']:.4g} ms per "
+        f"{f['batch_texts']} texts{flag}"
+    )

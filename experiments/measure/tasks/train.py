@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import variants
 from variants import AttentionVariant, Unsupported
+from variants.registry import config_knobs
 
 from ..common import build_variant, check_device, job_threads
 from ..spec import DType, JobSpec
@@ -98,7 +99,7 @@ def variant_for_training(
         raise Unsupported(f"{name} has no backward pass on device '{device}': it cannot be trained there")
     if seq2seq and not cls.supports_cross:
         raise Unsupported(f"{name} does not support cross-attention, which the decoder needs")
-    knobs = {k: v for k, v in cfg_variant.items() if k not in ("_target_", "heads", "head_dim")}
+    knobs = config_knobs(cfg_variant)
     if name in variants.available() and variants.get(name) is cls:
         return name, name, knobs
     takes = inspect.signature(cls.__init__).parameters
@@ -384,3 +385,13 @@ def _chunks(xs: list[float], k: int) -> list[list[float]]:
     k = max(1, min(k, len(xs)))
     edges = [round(i * len(xs) / k) for i in range(k + 1)]
     return [xs[a:b] for a, b in zip(edges, edges[1:], strict=False) if b > a]
+
+
+def task_summary(figures: dict[str, Any], config: dict[str, Any]) -> str:
+    """A task job's terminal text: test accuracy, final loss, steps, training time and parameters."""
+    return (
+        f"test accuracy {figures['test_accuracy']:.3f}"
+        f", final loss {figures.get('final_loss', float('nan')):.3g}"
+        f", {figures.get('steps')} steps in {figures.get('train_s', float('nan')):.1f} s"
+        f", {figures.get('params')} params"
+    )
