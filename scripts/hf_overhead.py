@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from variants import transformers_backend as hf
+from integrations import transformers_backend as hf
 
 
 def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:

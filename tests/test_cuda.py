@@ -70,11 +70,11 @@ def test_cuda_graph_figure_is_recorded_or_explained():
     assert timing is None and why.startswith("capture failed")
 
 
-def test_flex_sparse_block_64_runs_on_cuda_with_its_exact_pattern():
+def test_sparse_impl_flex_block_64_runs_on_cuda_with_its_exact_pattern():
     # the Triton kernel refuses 64-wide block-mask tiles on an H100: the variant uses 128-wide tiles
     # and keeps the 64-block layout through its predicate
     case = Case("n256", b=1, h=2, nq=256, nk=256, d=64, dv=64, causal=True)
-    attn = variants.build("flex", pattern="sparse", block=64, compile=True)
+    attn = variants.build("sparse", block=64, impl="flex")
     q, k, v, kw = make_inputs(case, dtype=torch.float16, requires_grad=True, device="cuda")
     out = attn(q, k, v, **kw)
     assert attn.describe()["tile"] == 128

@@ -32,7 +32,7 @@ from experiments.measure.pretrained.fidelity import (  # noqa: E402
     retrieval_agreement,
 )
 from experiments.measure.spec import JobSpec  # noqa: E402
-from variants import transformers_backend as hf  # noqa: E402
+from integrations import transformers_backend as hf  # noqa: E402
 
 from .helpers import sweep_overrides  # noqa: E402
 

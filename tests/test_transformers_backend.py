@@ -1,4 +1,4 @@
-"""The transformers backend (variants/transformers_backend.py) against a real client as the oracle:
+"""The transformers backend (integrations/transformers_backend.py) against a real client as the oracle:
 transformers' own eager attention, in tiny random-weight models built offline (no downloads), fp32.
 
 Cases for every exact variant runnable on the CPU (and local_window with a window covering the whole
@@ -40,7 +40,7 @@ from transformers.masking_utils import (  # noqa: E402
     sliding_window_causal_mask_function,
 )
 
-from variants import transformers_backend as hf  # noqa: E402
+from integrations import transformers_backend as hf  # noqa: E402
 
 TOL = 1e-4
 CPU_KNOBS = {"flex": {"compile": False}}  # compiled flex compiles per shape: decoding recompiles
@@ -142,9 +142,9 @@ def test_variants_import_without_transformers():
     code = (
         "import sys\n"
         "import variants\n"
-        "assert 'transformers' not in sys.modules and 'variants.transformers_backend' not in sys.modules\n"
+        "assert 'transformers' not in sys.modules and 'integrations.transformers_backend' not in sys.modules\n"
         "sys.modules['transformers'] = None\n"
-        "from variants import transformers_backend as hf\n"
+        "from integrations import transformers_backend as hf\n"
         "try:\n"
         "    hf.register(['sdpa'])\n"
         "except ImportError:\n"
@@ -338,7 +338,7 @@ def test_additive_has_one_instance_per_layer_in_the_state_dict():
     hf.register(["additive"])
     model = _model(eager.config, "attnbench_additive", eager.state_dict())
     with pytest.raises(
-        variants.Unsupported, match=r"call variants.transformers_backend.attach\(model, 'additive'\)"
+        variants.Unsupported, match=r"call integrations.transformers_backend.attach\(model, 'additive'\)"
     ):
         run_case(model, "unpadded")
     layers = hf.attach(model, "additive", hidden=8)

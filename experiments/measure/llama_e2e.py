@@ -5,7 +5,7 @@ The model is ``LlamaForCausalLM`` built offline from a config (random weights, n
 ``layers`` decoder layers of width ``hidden``, ``heads`` query heads and ``kv_heads`` key/value heads
 (grouped-query attention, ``head_dim = hidden / heads``), MLP width ``4 * hidden``, vocabulary
 ``vocab``. Its attention runs through ``attn_implementation="attnbench_<variant>"``
-(:mod:`variants.transformers_backend`); a learned variant (``has_params``) gets one instance per layer
+(:mod:`integrations.transformers_backend`); a learned variant (``has_params``) gets one instance per layer
 (``attach``). Inputs are ``input_ids (batch, prefill_len)``, random, no padding.
 
 What is timed (``time.perf_counter``, with ``torch.cuda.synchronize()`` before each clock read on
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 import variants
-from variants import transformers_backend as hf
+from integrations import transformers_backend as hf
 
 CPU_PEAK_NOTE = (
     "None on the CPU: torch keeps no CPU allocator statistics (tracemalloc and ru_maxrss miss tensors); "

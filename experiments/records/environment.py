@@ -42,12 +42,12 @@ def _git(*args: str) -> str | None:
 
 @functools.cache
 def code_version() -> str:
-    """Hash of the measuring and measured code (variants/ and experiments/ sources).
+    """Hash of the measuring and measured code (variants/, integrations/ and experiments/ sources).
 
     A record is reused on resume only if it was made by the same code, whether or not git is there.
     """
     h = hashlib.sha256()
-    for pkg in ("variants", "experiments"):
+    for pkg in ("variants", "integrations", "experiments"):
         for f in sorted((ROOT / pkg).rglob("*.py")):
             h.update(f.relative_to(ROOT).as_posix().encode())
             h.update(f.read_bytes())

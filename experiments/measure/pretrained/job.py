@@ -10,7 +10,7 @@ Steps, each recorded:
    attention weights give, per layer, the mass on the first token ([CLS]), on the band
    ``|i - j| <= band`` and inside the variant's pattern (``variant.pattern(N, N)``).
 3. The model with the variant (``attn_implementation='attnbench_<name>'``, see
-   :mod:`variants.transformers_backend`) encodes the same: one untimed warm-up batch (compilation
+   :mod:`integrations.transformers_backend`) encodes the same: one untimed warm-up batch (compilation
    included: ``first_call_s``), then every batch timed (``batch_ms_*``: whole-model forward of
    ``batch`` texts; queries are padded to a multiple of 8), then the peak memory of one batch (CPU:
    allocator events; CUDA: the allocator's peak), above the weights and inputs.
@@ -56,7 +56,7 @@ TOP_K = 5  # neighbours compared in the retrieval task
 def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     """Fill ``result`` (status, variant, figures) for a pretrained job; raises like a kernel job does
     (the caller turns exceptions into statuses)."""
-    from variants import transformers_backend as hf
+    from integrations import transformers_backend as hf
 
     cfg = {**DEFAULTS, **dict(spec.pretrained)}
     device = spec.device.value

@@ -6,7 +6,7 @@ transformers installed.
 
 Usage::
 
-    from variants import transformers_backend as hf
+    from integrations import transformers_backend as hf
 
     hf.register(knobs={"flex": {"compile": False}, "local_window": {"window": 64}})  # every variant
     # from_config writes attn_implementation into the config it is given: pass a copy
@@ -65,8 +65,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .base import AttentionVariant, Unsupported
-from .registry import available, build, check_knobs, get
+from variants.base import AttentionVariant, Unsupported
+from variants.registry import available, build, check_knobs, get
 
 PREFIX = "attnbench_"
 #: attribute name of the per-layer variant instance that :func:`attach` adds to an attention module
@@ -181,10 +181,10 @@ def _variant_for(module: nn.Module, name: str) -> AttentionVariant:
     if get(name).has_params:
         raise Unsupported(
             f"{implementation(name)}: {name} has learned parameters, one set per layer: call "
-            f"variants.transformers_backend.attach(model, '{name}') before running the model"
+            f"integrations.transformers_backend.attach(model, '{name}') before running the model"
         )
     raise Unsupported(
-        f"{implementation(name)} is not registered: call variants.transformers_backend.register()"
+        f"{implementation(name)} is not registered: call integrations.transformers_backend.register()"
     )
 
 
