@@ -23,8 +23,11 @@ from matplotlib import image as mpimg
 
 from experiments.records import store
 from experiments.records.records import config_hash, write_record
+from experiments.report import kernel_tables as T
 from experiments.report import plots, report
-from experiments.report import tables as T
+from experiments.report.compare import baseline_table
+from experiments.report.format import Section, num, render
+from experiments.report.grouping import NO_RECORD
 
 from .helpers import sweep_overrides
 
@@ -79,7 +82,7 @@ def raw_records(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.rglob("*.json"))]
 
 
-def cell(section: T.Section, heading_part: str, variant: str, n: int) -> str:
+def cell(section: Section, heading_part: str, variant: str, n: int) -> str:
     tabs = [tab for heading, tab in section.parts if heading_part in heading]
     assert len(tabs) == 1, [h for h, _ in section.parts]
     return tabs[0].loc[variant, f"N={n}"]
@@ -122,7 +125,7 @@ def test_store_keeps_every_record_and_prints_counts(sweep, capsys):
 
 def test_a_share_above_the_sweeps_gemm_rate_is_explained(sweep):
     tmp, _ = sweep
-    shown = T.select(store.load([tmp / "records"], verbose=False))
+    shown = store.select(store.load([tmp / "records"], verbose=False))
     above = "percentage above 100"
     measured = 100 * shown["gflops_per_s"] * 1e9 / shown["roofline_gemm_flops_per_s"]
     assert (above in T.speed_table(shown).note) == bool((measured > 100).any())
@@ -134,7 +137,7 @@ def test_a_share_above_the_sweeps_gemm_rate_is_explained(sweep):
 def test_table_numbers_equal_record_figures(sweep):
     tmp, _ = sweep
     df = store.load([tmp / "records"], verbose=False)
-    shown = T.select(df)
+    shown = store.select(df)
     speed, memory, acc = T.speed_table(shown), T.memory_table(shown), T.accuracy_table(shown)
     checked = 0
     for rec in raw_records(tmp / "records"):
@@ -172,11 +175,11 @@ def test_invalid_figures_are_never_numbers(sweep):
         if r["config"]["variant"]["_target_"].endswith("WrongAttention")
     ]
     assert wrong and all(r["status"] == "ok" and r["figures"]["valid"] is False for r in wrong)
-    shown = T.select(store.load([tmp / "records"], verbose=False))
+    shown = store.select(store.load([tmp / "records"], verbose=False))
     for sec in (T.speed_table(shown), T.memory_table(shown)):
         for _, tab in sec.parts:
             if "WrongAttention" in tab.index:
-                assert set(tab.loc["WrongAttention"]) <= {"invalid", T.NO_RECORD}
+                assert set(tab.loc["WrongAttention"]) <= {"invalid", NO_RECORD}
         rows = sec.data[sec.data["variant"] == "WrongAttention"]
         assert (
             len(rows) == 2
@@ -196,15 +199,15 @@ def test_invalid_figures_are_never_numbers(sweep):
     for line in speed_memory.splitlines():
         if line.startswith("| WrongAttention"):
             cells = [c.strip() for c in line.strip("|").split("|")][1:]
-            assert set(cells) <= {"invalid", T.NO_RECORD}, line
+            assert set(cells) <= {"invalid", NO_RECORD}, line
 
 
 def test_status_table_names_every_status_and_reason(sweep):
     tmp, _ = sweep
     recs = raw_records(tmp / "records")
     df = store.load([tmp / "records"], verbose=False)
-    sec = T.status_table(df, T.select(df))
-    text = T.render(sec)
+    sec = T.status_table(df, store.select(df))
+    text = render(sec)
     for status in {r["status"] for r in recs}:
         assert f"| {status} " in text
     assert "ok (invalid)" in text
@@ -212,7 +215,7 @@ def test_status_table_names_every_status_and_reason(sweep):
         if r["status"] != "ok":
             assert r["reason"] in text
     # an unsupported job is a word in the speed table, never a blank
-    assert cell(T.speed_table(T.select(df)), "median time", "sdpa(backend=cudnn)", 64) == "unsupported"
+    assert cell(T.speed_table(store.select(df)), "median time", "sdpa(backend=cudnn)", 64) == "unsupported"
 
 
 def test_knob_settings_are_distinct_rows_only_when_they_differ(sweep):
@@ -245,7 +248,7 @@ def test_fit_exponent_recovers_known_powers():
 
 def test_scaling_table_fits_the_records(sweep):
     tmp, _ = sweep
-    fits = T.scaling_fits(T.select(store.load([tmp / "records"], verbose=False))).set_index("variant")
+    fits = T.scaling_fits(store.select(store.load([tmp / "records"], verbose=False))).set_index("variant")
     naive = {
         r["config"]["seq_len"]: r["figures"] for r in raw_records(tmp / "records") if label(r) == "naive"
     }
@@ -254,7 +257,7 @@ def test_scaling_table_fits_the_records(sweep):
     assert fits.loc["naive", "time_n_min"] == 64 and fits.loc["naive", "time_n_max"] == 128
     # two lengths: a line through two points fits exactly, so no R², and no R² column in the table
     assert fits["time_r2"].isna().all() and fits["memory_r2"].isna().all()
-    tabs = T.scaling_table(T.select(store.load([tmp / "records"], verbose=False))).parts
+    tabs = T.scaling_table(store.select(store.load([tmp / "records"], verbose=False))).parts
     assert tabs and all("time R²" not in tab.columns for _, tab in tabs)
 
 
@@ -270,7 +273,7 @@ def test_a_fit_over_three_lengths_has_its_r2(sweep, tmp_path):
         r["config"]["seq_len"], r["figures"]["fwd_median_s"] = n, ms / 1e3
         r["config_hash"] = config_hash(r["config"])  # one record per length (and file name)
         write_record(r, tmp_path)
-    df = T.select(store.load([tmp_path], verbose=False))
+    df = store.select(store.load([tmp_path], verbose=False))
     fit = T.scaling_fits(df).set_index("variant").loc["naive"]
     assert fit["time_exponent"] == pytest.approx(1.5, rel=1e-9)
     assert fit["time_r2"] == pytest.approx(27 / 28, rel=1e-9)
@@ -293,29 +296,29 @@ def test_same_config_twice_keeps_both_and_shows_the_newest(sweep, tmp_path):
     assert len(df) == len(recs) + 1
     same = df[df["config_hash"] == old["config_hash"]]
     assert len(same) == 2 and same["newest"].sum() == 1
-    text = cell(T.speed_table(T.select(df)), "median time", "naive", 64)
+    text = cell(T.speed_table(store.select(df)), "median time", "naive", 64)
     assert float(text.split()[0]) == pytest.approx(new["figures"]["fwd_median_s"] * 1e3, rel=5e-3)
     # asked for every measurement: both, one row per run
-    both = T.speed_table(T.select(df, all_measurements=True))
+    both = T.speed_table(store.select(df, all_measurements=True))
     times = both.data[(both.data["variant"] == "naive") & (both.data["seq_len"] == 64)]["time_ms"]
     expected = sorted(r["figures"]["fwd_median_s"] * 1e3 for r in (old, new))
     assert sorted(times) == pytest.approx(expected)
     tab = next(tab for heading, tab in both.parts if "median time" in heading)
-    shown = sorted(float(c.split()[0]) for c in tab.loc["naive", "N=64"] if c != T.NO_RECORD)
+    shown = sorted(float(c.split()[0]) for c in tab.loc["naive", "N=64"] if c != NO_RECORD)
     assert shown == pytest.approx(expected, rel=5e-3)
 
 
 def test_cuda_graph_times_get_their_own_table_only_when_recorded(sweep, tmp_path):
     tmp, _ = sweep
     recs = raw_records(tmp / "records")
-    plain = T.speed_table(T.select(store.load([tmp / "records"], verbose=False)))
+    plain = T.speed_table(store.select(store.load([tmp / "records"], verbose=False)))
     assert not [h for h, _ in plain.parts if "CUDA graph" in h]
     for r in recs:
         if label(r) == "naive" and r["config"]["seq_len"] == 64 and r["status"] == "ok":
             r["figures"]["fwd_graph_median_s"] = 0.00125  # as a CUDA job with cuda_graph=true records it
         write_record(r, tmp_path)
-    sec = T.speed_table(T.select(store.load([tmp_path], verbose=False)))
-    assert cell(sec, "CUDA graph", "naive", 64) == T.num(1.25)
+    sec = T.speed_table(store.select(store.load([tmp_path], verbose=False)))
+    assert cell(sec, "CUDA graph", "naive", 64) == num(1.25)
     row = sec.data[(sec.data["variant"] == "naive") & (sec.data["seq_len"] == 64)]
     assert row["graph_ms"].tolist() == pytest.approx([1.25])
 
@@ -335,7 +338,7 @@ def test_baseline_ratios(sweep, tmp_path):
     for df in (cur, base):
         df["machine_slowdown"] = 1.0
         df["fwd_q1_s"] = df["fwd_q3_s"] = df["fwd_median_s"]
-    sec = T.baseline_table(cur, base)
+    sec = baseline_table(cur, base)
     assert cell(sec, "speedup", "naive", 64) == "2.00x"
     assert cell(sec, "speedup", "WrongAttention", 128) == "invalid"
     assert cell(sec, "memory", "sdpa(backend=math)", 64) == "1.00x"
@@ -348,7 +351,7 @@ def test_partial_sweep_loads_what_is_there(sweep, tmp_path, capsys):
     for p in recs[:3]:
         (tmp_path / p.name).write_text(p.read_text())
     (tmp_path / "cut.json").write_text(recs[3].read_text()[:100])  # a record cut short by a crash
-    manifest = tmp_path / "manifest.jsonl"
+    manifest = tmp_path / store.MANIFEST
     lines = [json.dumps({"record": str(tmp_path / p.name)}) for p in recs[:3]]
     manifest.write_text("\n".join([*lines, json.dumps({"record": str(tmp_path / "gone.json")}), '{"rec']))
     df = store.load([tmp_path], verbose=True)
@@ -368,7 +371,7 @@ def test_report_writes_tables_store_and_valid_pngs(sweep):
     # the CLI over every record (plots below, drawn once)
     cli_out = tmp / "cli"
     assert report.main([str(tmp / "records"), "--out", str(cli_out), "--no-plots"]) == 0
-    shown = T.select(store.load([tmp / "records"], verbose=False))
+    shown = store.select(store.load([tmp / "records"], verbose=False))
     record_plots = (
         plots.plot_time,
         plots.plot_memory,
@@ -393,7 +396,7 @@ def test_report_writes_tables_store_and_valid_pngs(sweep):
 
 def test_weights_plot_draws_what_ran_with_its_knobs(sweep, monkeypatch):
     tmp, _ = sweep
-    df = T.select(store.load([tmp / "records"], verbose=False))
+    df = store.select(store.load([tmp / "records"], verbose=False))
     ran = {r["config"]["variant"]["_target_"] for r in raw_records(tmp / "records") if r["status"] == "ok"}
     panels = plots._swept_variants(df)
     # one panel per (variant, knobs) that ran ok, none for the others, each built with its recorded knobs
@@ -420,7 +423,7 @@ def test_weights_plot_draws_what_ran_with_its_knobs(sweep, monkeypatch):
 
 def test_single_length_scaling_says_it_needs_two_lengths(sweep, capsys):
     tmp, _ = sweep
-    df = T.select(store.load([tmp / "records"], verbose=False))
+    df = store.select(store.load([tmp / "records"], verbose=False))
     one = df[df["seq_len"] == df["seq_len"].min()]
     plots.write_all(one, tmp / "one_length")
     assert "scaling plot skipped: scaling needs >= 2 lengths" in capsys.readouterr().out
@@ -434,7 +437,7 @@ def test_default_out_dir_is_inside_the_input(sweep):
 
 def test_a_time_marked_in_the_tables_is_ringed_in_the_time_plot(sweep, tmp_path, monkeypatch):
     tmp, _ = sweep
-    df = T.select(store.load([tmp / "records"], verbose=False))
+    df = store.select(store.load([tmp / "records"], verbose=False))
     # the machine as the fixture's records saw it is replaced by a known one: quiet everywhere, on its
     # cores, except naive at N=64, measured beside 1.2 busy cores of other work
     df = df.assign(others_cpu_cores=0.0, concurrent_jobs=0, machine_slowdown=1.0, fwd_cpu_per_wall=64.0)
@@ -473,14 +476,14 @@ def test_loaded_times_are_marked_and_skipped_files_are_named_in_the_report(sweep
     text = (out / "tables.md").read_text()
     assert "- unreadable: " + str(tmp_path / "recs" / "junk.json") in text
     assert "- not a record: " + str(tmp_path / "recs" / "list.json") in text
-    shown = T.select(store.load([tmp_path / "recs"], verbose=False))
+    shown = store.select(store.load([tmp_path / "recs"], verbose=False))
     speed = T.speed_table(shown)
     assert cell(speed, "median time", "naive", 64).endswith(" *")  # measured beside 1.2 busy cores
     assert not cell(speed, "median time", "naive", 128).endswith("*")
     assert cell(speed, "median time", "naive", 128).endswith(" unstable")  # its timed runs never settled
     assert "unstable" not in cell(speed, "median time", "naive", 64)
     # the fixture's parallel sweeps: jobs that measured beside another job of the suite are marked
-    fixture = T.speed_table(T.select(store.load([tmp / "records"], verbose=False)))
+    fixture = T.speed_table(store.select(store.load([tmp / "records"], verbose=False)))
     recs = [r for r in raw_records(tmp / "records") if r["status"] == "ok" and r["figures"]["valid"]]
     for r in recs:
         marked = " *" in cell(fixture, "median time", label(r), r["config"]["seq_len"])
@@ -500,7 +503,7 @@ def test_two_hosts_merge_into_one_report_without_mixing_their_figures(sweep, tmp
             r2["env"]["host"] = host
             r2["figures"]["fwd_median_s"] = r["figures"]["fwd_median_s"] * scale
             write_record(r2, tmp_path / host)  # one records folder per machine
-    shown = T.select(store.load([tmp_path / "alpha", tmp_path / "beta"], verbose=False))
+    shown = store.select(store.load([tmp_path / "alpha", tmp_path / "beta"], verbose=False))
     assert set(shown["env_host"]) == {"alpha", "beta"}
     speed = T.speed_table(shown)
     times = [(h, tab) for h, tab in speed.parts if "median time" in h]
@@ -522,7 +525,7 @@ def test_a_cpu_time_whose_threads_were_off_their_cores_is_marked(cpu_per_wall, d
     rec = record(0, 0.105, 0.02, 10)
     rec["config"].update(threads=2, device=device)
     rec["figures"].update(fwd_bwd_cpu_per_wall=cpu_per_wall, threads=2)
-    speed = T.speed_table(T.select(store.to_frame([rec])))
+    speed = T.speed_table(store.select(store.to_frame([rec])))
     text = speed.parts[0][1].iloc[0, 0]
     assert text.startswith("105") and text.endswith(" *") == marked, text
     assert speed.data["cpu_per_wall"].tolist() == [cpu_per_wall]

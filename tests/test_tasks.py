@@ -341,9 +341,11 @@ def test_real_task_sweep_writes_records_and_the_report(tmp_path):
             assert f["seed"] == seed
     assert p.returncode == 0, p.stderr[-3000:]
 
-    from experiments.report.task_report import load_frame, main, task_table
+    from experiments.records.store import load
+    from experiments.report.report import main
+    from experiments.report.task_section import task_table
 
-    table = task_table(load_frame([tmp_path / "records"]))
+    table = task_table(load([tmp_path / "records"], verbose=False))
     row = table[(table["variant"] == "sdpa") & (table["task"] == "recall")].iloc[0]
     accs = [by[("sdpa", "recall", s)]["figures"]["test_accuracy"] for s in (0, 1)]
     assert row["seeds"] == 2 and row["acc_mean"] == pytest.approx(sum(accs) / 2)
@@ -360,7 +362,7 @@ def test_real_task_sweep_writes_records_and_the_report(tmp_path):
 
 
 def test_repeated_attention_maps_are_drawn_once():
-    from experiments.report.task_report import _distinct_maps
+    from experiments.report.task_section import _distinct_maps
 
     diag = [[1.0 if i == j else 0.0 for j in range(6)] for i in range(6)]
     anti = [[1.0 if i + j == 5 else 0.0 for j in range(6)] for i in range(6)]

@@ -1,10 +1,13 @@
 """The store: every record, from any number of sweeps and machines, as one tidy pandas DataFrame.
 
 One row per measurement (one record = one job = one row), with the workload config, the variant, the
-figures and the environment as columns. Nothing is dropped silently: records of every status are
-kept, unreadable files and duplicate copies are counted and printed. The same configuration measured
-twice on one machine keeps both rows; the ``newest`` column marks the one tables show by default: the
-newest measurement, or of a sweep run in rounds the median round (:mod:`experiments.records.rounds`).
+figures and the environment as columns; ``kind`` says what the job measured (kernel, task, model,
+pretrained: :class:`~experiments.measure.spec.Kind`) and :func:`of_kind` selects by it. Nothing is
+dropped silently: records of every status are kept, unreadable files and duplicate copies are counted
+and printed. The same configuration measured twice on one machine keeps both rows; the ``newest``
+column marks the one tables show by default: the newest measurement, or of a sweep run in rounds the
+median round (:mod:`experiments.records.rounds`).
+:func:`newest_mask` is the one newest-record rule: every report section picks its rows with it.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import numpy as np
 import pandas as pd
 
 from ..measure.canary import slowdown
+from ..measure.spec import KIND_GROUPS, Kind, kind_of
+from .records import MANIFEST
 from .rounds import shown_rows
 
-MANIFEST = "manifest.jsonl"
 # folders a recursive search never enters: our own output and Hydra's config copies
 _SKIP_DIRS = {"report", ".hydra"}
 
@@ -141,6 +145,22 @@ def load_records(inputs: Iterable[str | Path]) -> tuple[list[dict[str, Any]], Lo
     return records, rep
 
 
+def _derived_kind(cfg: dict[str, Any]) -> str:
+    """The kind of a job from its config, for records (and saved stores) written before records
+    stored their ``kind``: the only place the report side derives a kind instead of reading it."""
+    return kind_of(cfg).value
+
+
+def record_kind(rec: dict[str, Any]) -> str:
+    """The record's ``kind`` (:class:`~experiments.measure.spec.Kind` value)."""
+    return rec.get("kind") or _derived_kind(rec.get("config") or {})
+
+
+def of_kind(df: pd.DataFrame, *kinds: Kind) -> pd.DataFrame:
+    """The rows of ``df`` whose job is one of ``kinds``."""
+    return df[df["kind"].isin([k.value for k in kinds])]
+
+
 def _knobs(variant_cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sorted(variant_cfg.items()) if k not in _NOT_KNOBS}
 
@@ -161,6 +181,7 @@ def _row(rec: dict[str, Any]) -> dict[str, Any]:
         "knobs": json.dumps(_knobs(vcfg), sort_keys=True, default=str),
         "exact": desc.get("exact"),
         "backend_ran": desc.get("backend_ran"),
+        "kind": record_kind(rec),
         "status": rec["status"],
         "reason": rec.get("reason"),
         "label": rec.get("label"),
@@ -228,7 +249,9 @@ def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
 def to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     """The tidy DataFrame of ``records``: one row per measurement, with ``variant`` and ``newest``."""
     if not records:
-        return pd.DataFrame(columns=["variant", "variant_name", "status", "seq_len", "newest", *CELL_KEYS])
+        return pd.DataFrame(
+            columns=["variant", "variant_name", "kind", "status", "seq_len", "newest", *CELL_KEYS]
+        )
     return finish(pd.DataFrame([_row(r) for r in records]))
 
 
@@ -264,32 +287,33 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def newest_mask(df: pd.DataFrame, keys: list[str] | None = None) -> pd.Series:
-    """True for the latest measurement (by start time, then finish time, then file) of each ``keys``."""
+    """True for the latest measurement (by start time, then finish time, then file, those of them
+    ``df`` has) of each ``keys`` (default :data:`CELL_KEYS`); a section whose rows are told apart by
+    other config (a task, an encoder) passes its own keys."""
     keys = keys or CELL_KEYS
-    order = df.sort_values(["started_at", "finished_at", "path"], na_position="first")
+    order = df.sort_values([c for c in ("started_at", "finished_at", "path") if c in df], na_position="first")
     last = order.groupby(keys, dropna=False, sort=False).tail(1).index
     return pd.Series(df.index.isin(last), index=df.index)
+
+
+def select(df: pd.DataFrame, all_measurements: bool = False) -> pd.DataFrame:
+    """The rows tables show: the ``newest`` per configuration, or all with a ``run`` column to tell
+    them apart."""
+    if not all_measurements:
+        return df[df["newest"]].copy()
+    out = df.copy()
+    run = out["sweep_dir"].astype(object).map(lambda s: Path(s).name if isinstance(s, str) and s else None)
+    stamp = out["started_at"].dt.strftime("%Y-%m-%d %H:%M:%S").astype(object)
+    out["run"] = run.where(run.notna(), stamp)
+    # the same configuration twice in one sweep folder: the older ones get their own row, by start time
+    twice = out.sort_values("started_at").duplicated([*CELL_KEYS, "run"], keep="last").reindex(out.index)
+    out.loc[twice, "run"] = out.loc[twice, "run"].astype(str) + " @ " + stamp[twice].astype(str)
+    return out
 
 
 def is_false(v: object) -> bool:
     """True only for a real False (``valid`` is True, False, or missing when nothing was checked)."""
     return isinstance(v, (bool, np.bool_)) and not v
-
-
-def is_task(df: pd.DataFrame) -> pd.Series:
-    """True for task-training records (``config.task`` set): they measure a trained model's accuracy,
-    not the kernel, and have their own report (``experiments.report.task_report``)."""
-    if "task" not in df:
-        return pd.Series(False, index=df.index)
-    return df["task"].map(lambda v: isinstance(v, str) and v not in ("", "null"))
-
-
-def is_pretrained(df: pd.DataFrame) -> pd.Series:
-    """True for pretrained-model records (``config.pretrained`` set): a variant's fidelity inside a
-    pretrained encoder, reported by ``experiments.report.pretrained_report``."""
-    if "pretrained" not in df:
-        return pd.Series(False, index=df.index)
-    return df["pretrained"].map(lambda v: isinstance(v, str) and v not in ("", "null"))
 
 
 def status_counts(df: pd.DataFrame) -> pd.Series:
@@ -366,6 +390,15 @@ def save(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
 def read_store(path: str | Path) -> pd.DataFrame:
     """A saved store (``.parquet`` or ``.csv``) back as a DataFrame."""
     path = Path(path)
-    if path.suffix == ".parquet":
-        return pd.read_parquet(path)
-    return pd.read_csv(path)
+    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    if "kind" not in df and len(df):  # saved before records stored their kind
+        groups = [g.value for g in KIND_GROUPS if g.value in df]
+        df["kind"] = [_derived_kind({g: _set(row[g]) for g in groups}) for _, row in df.iterrows()]
+    return df
+
+
+def _set(cell: Any) -> Any:
+    """A saved config cell as its value: None for an empty cell (NaN, "", "null" after a round trip)."""
+    return (
+        None if cell is None or cell in ("", "null") or (isinstance(cell, float) and cell != cell) else cell
+    )

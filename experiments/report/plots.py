@@ -1,4 +1,4 @@
-"""Plots of the store (seaborn, PNG): time, memory and GFLOP/s against N, scaling exponents, the
+"""Plots of the kernel records (seaborn, PNG): time, memory and GFLOP/s against N, scaling exponents, the
 accuracy heatmap; and two that need no records: each variant's attention pattern and its attention
 weights on one structured input.
 
@@ -23,7 +23,8 @@ from matplotlib.colors import PowerNorm  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
 from ..records.store import is_false  # noqa: E402
-from .tables import (  # noqa: E402
+from .format import sci  # noqa: E402
+from .grouping import (  # noqa: E402
     GROUP_BASE,
     beside_work,
     group_keys,
@@ -31,12 +32,11 @@ from .tables import (  # noqa: E402
     length_axis,
     mode_times,
     pivot_cells,
-    scaling_fits,
-    sci,
     slow_machine,
     usable,
     value_text,
 )
+from .kernel_tables import scaling_fits  # noqa: E402
 
 DPI = 110
 MODE_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
@@ -55,7 +55,8 @@ def _facet_rows(df: pd.DataFrame) -> pd.Series:
     return df.apply(label, axis=1).astype(str) if len(df) else pd.Series("", index=df.index)
 
 
-def _palette(names: list[str]) -> dict[str, tuple]:
+def palette(names: list[str]) -> dict[str, tuple]:
+    """A distinct color per name (in order): the same variant keeps its color across panels."""
     colors = sns.color_palette("tab10" if len(names) <= 10 else "tab20", len(names))
     return dict(zip(names, colors, strict=True))
 
@@ -106,7 +107,7 @@ def _plot_vs_n(
     data = data.assign(_row=_facet_rows(data), _col=data["mode"].map(lambda m: MODE_TITLES.get(m, m)))
     axis = length_axis(data)
     names = sorted(data["variant"].unique())
-    colors, markers = _palette(names), _markers(names)
+    colors, markers = palette(names), _markers(names)
     rows, cols = sorted(data["_row"].unique()), sorted(data["_col"].unique(), key=lambda c: c != "forward")
     fig, axes = plt.subplots(
         len(rows),

@@ -1,4 +1,4 @@
-"""Report of the pretrained-model axis: what each variant keeps of a pretrained encoder, beside its cost.
+"""The pretrained jobs' section: what each variant keeps of a pretrained encoder, beside its cost.
 
 - :func:`fidelity_table`: one table per (device, dtype, encoder, N): kept pairs, the model's attention
   mass inside the pattern, embedding cosine (mean, 5th percentile), retrieval agreement, time per batch
@@ -10,12 +10,12 @@
 - :func:`plot_token_mass`: per layer, the unmodified model's attention mass on the first token and
   on the diagonal band, per length, and inside each pattern at the longest length.
 
-``python -m experiments.report.pretrained_report RECORD_DIR [...] --out DIR``. ``O(records)``.
+:func:`write_report` writes ``pretrained.md``, ``pretrained.csv`` and the plots (the report,
+:mod:`experiments.report.report`, calls it when the store has pretrained records). ``O(records)``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -29,10 +29,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from ..records.store import is_pretrained, newest_mask  # noqa: E402
-from .plots import _palette  # noqa: E402
-from .tables import markdown, num  # noqa: E402
-from .task_report import _obj  # noqa: E402
+from ..measure.spec import Kind  # noqa: E402
+from ..records.store import newest_mask, of_kind  # noqa: E402
+from .format import markdown, num, obj  # noqa: E402
+from .plots import palette  # noqa: E402
 
 DPI = 110
 # one measurement: the same values here are the same configuration (the newest one is shown)
@@ -49,15 +49,15 @@ _FIGURES = [
 ]  # fmt: skip
 
 
-def newest(df: pd.DataFrame) -> pd.DataFrame:
+def pretrained_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The pretrained records, the newest measurement of each (host, device, dtype, encoder, variant
     and knobs, N), with every figure column present (NaN where a job did not get that far) and the
     grouping columns ``_encoder`` (the encoder's name) and ``_corpus`` (the corpus hash, short)."""
-    rows = df[is_pretrained(df)]
+    rows = of_kind(df, Kind.pretrained)
     rows = rows[newest_mask(rows, _IDENT)] if len(rows) else rows
     rows = rows.reindex(columns=[*rows.columns, *(c for c in _FIGURES if c not in rows.columns)])
     return rows.assign(
-        _encoder=rows["pretrained"].map(lambda v: str((_obj(v) or {}).get("name", "?"))),
+        _encoder=rows["pretrained"].map(lambda v: str((obj(v) or {}).get("name", "?"))),
         # a job that did not run has no hash: it joins the table of the corpus its length was run on
         _corpus=rows["corpus_sha256"]
         .map(lambda h: str(h)[:12] if isinstance(h, str) else "")
@@ -123,7 +123,7 @@ COLUMNS = {
 def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     """``(title, table)`` per comparable set and N, rows by variant (best mean cosine first; jobs that
     did not run show their status); a length beyond the model's training says so in its title."""
-    rows = newest(df)
+    rows = pretrained_rows(df)
     if rows.empty:
         return []
     hosts, corpora = rows["env_host"].nunique() > 1, rows["_corpus"].nunique() > 1
@@ -148,7 +148,7 @@ def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
     """Each ok record with ``global_blocks > 0`` beside the record with the same variant, knobs, N
     and workload but ``global_blocks = 0``: cosine, top-1 agreement and attention mass inside, with
     and without the global block. Empty when the store has no such pair."""
-    rows = newest(df)
+    rows = pretrained_rows(df)
     rows = rows[rows["status"] == "ok"]
     found = []
     for _, r in rows.iterrows():
@@ -189,7 +189,7 @@ def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _csv_frame(df: pd.DataFrame) -> pd.DataFrame:
     """The numbers behind the tables, one row per (variant, N)."""
-    rows = newest(df)
+    rows = pretrained_rows(df)
     cols = ["env_host", "device", "dtype", "_encoder", "variant", "seq_len", "status", "reason"]
     cols += [c for c in _FIGURES if c != "corpus_recipe"] + ["config_hash", "path"]
     out = rows.reindex(columns=cols).rename(columns={"_encoder": "encoder"})
@@ -218,14 +218,14 @@ def _suffix(keys: dict[str, Any], several: bool) -> str:
 def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     """Mean cosine against time per batch (top) and against the share of pairs kept (bottom), one
     column per length, one point per variant and knobs; the cost-fidelity frontier (points nothing
-    beats on both axes) filled and joined. ``rows``: one comparable set (:func:`newest`'s rows).
+    beats on both axes) filled and joined. ``rows``: one comparable set (:func:`pretrained_rows`).
     None when no record is usable."""
     rows = rows[rows["status"] == "ok"]
     if rows.empty:
         return None
     ns = sorted(int(n) for n in rows["seq_len"].unique())
     names = sorted(rows["variant"].unique())
-    colors = _palette(names)
+    colors = palette(names)
     fig, axes = plt.subplots(2, len(ns), figsize=(3.4 * len(ns) + 2.4, 6.6), squeeze=False, sharey=True)
     axes_x = [("batch_ms_median", "ms per batch (whole model)"), ("kept_pairs", "share of pairs kept")]
     for col, n in enumerate(ns):
@@ -276,7 +276,7 @@ def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     for n in ns:
         r = rows[rows["seq_len"] == n].iloc[0]  # the reference's figures: the same in every job of a length
         for ax, col in zip(axes[:2], ("mass_first_token", "mass_band"), strict=True):
-            vals = _obj(r[col])
+            vals = obj(r[col])
             ax.plot(range(1, len(vals) + 1), vals, marker="o", color=shades[n], label=f"N={n}")
     axes[0].set_title("mass on the first token ([CLS])", fontsize=10)
     axes[1].set_title(f"mass on the diagonal band |i-j| <= {band}", fontsize=10)
@@ -284,9 +284,9 @@ def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     # variants that keep every pair sit at 1.0 on every layer: one line would hide the others' legend
     full = longest["kept_pairs"].astype(float) >= 1.0
     longest = longest[~full]
-    colors = _palette(longest["variant"].tolist())
+    colors = palette(longest["variant"].tolist())
     for _, r in longest.iterrows():
-        vals = _obj(r["mass_inside"])
+        vals = obj(r["mass_inside"])
         axes[2].plot(
             range(1, len(vals) + 1), vals, marker="o", color=colors[r["variant"]], label=r["variant"]
         )
@@ -332,7 +332,7 @@ def report_markdown(df: pd.DataFrame) -> str:
     abl = ablation_table(df)
     if len(abl):
         parts += ["**Ablation: the global block**", "", markdown(abl.set_index("variant")), ""]
-    rows = newest(df)
+    rows = pretrained_rows(df)
     ok = rows[rows["status"] == "ok"]
     for corpus_hash, sub in ok.groupby("corpus_sha256"):
         r = sub.iloc[0]
@@ -358,7 +358,7 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
     _csv_frame(df).to_csv(out / "pretrained.csv", index=False)
     written = [out / "pretrained.md", out / "pretrained.csv"]
     if plots:
-        rows = newest(df)
+        rows = pretrained_rows(df)
         sets = _groups(rows)
         hosts, corpora = rows["env_host"].nunique() > 1, rows["_corpus"].nunique() > 1
         for keys, sub in sets:
@@ -370,25 +370,3 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
                 if p is not None:
                     written.append(p)
     return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m experiments.report.pretrained_report RECORD_DIR [...] --out DIR``."""
-    from ..records.store import load
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="+", help="record folders, record files or sweep folders")
-    ap.add_argument("--out", default="outputs/pretrained_report", help="folder for the tables and plots")
-    args = ap.parse_args(argv)
-    df = load(args.inputs)
-    if not is_pretrained(df).any():
-        print("no pretrained records found")
-        return 1
-    files = write_report(df, args.out)
-    print((Path(args.out) / "pretrained.md").read_text())
-    print(f"report written to {args.out}: {', '.join(p.name for p in files)}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

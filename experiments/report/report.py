@@ -1,17 +1,24 @@
-"""The report: tables (Markdown and CSV), the store (Parquet and CSV) and the plots of a set of records.
+"""The report of a set of records: every section, the store (Parquet and CSV), and the one CLI.
 
     python -m experiments.report.report [PATHS ...] [--out DIR] [--baseline OTHER ...] [--all-measurements]
 
-PATHS are sweep folders (their ``manifest.jsonl`` names the records), record folders (searched
-recursively), record files, or saved stores (``store.parquet`` / ``store.csv``); default
-``outputs/records``. It works on whatever records exist, so a crashed or partial sweep still gets
-its report. A multirun calls :func:`report_paths` at its end (``experiments/sweep/callbacks.py``).
+PATHS are sweep folders (their manifest names the records), record folders (searched recursively),
+record files, or saved stores (``store.parquet`` / ``store.csv``); default ``outputs/records``. It
+works on whatever records exist, so a crashed or partial sweep still gets its report. A multirun
+calls :func:`report_paths` at its end (``experiments/sweep/callbacks.py``).
+
+Each kind of job has its section (the store's ``kind`` column says which rows are whose):
+
+- kernel: ``tables.md`` (:mod:`.kernel_tables`), one CSV per table, the plots (:mod:`.plots`) and,
+  with ``--baseline``, the comparison (:mod:`.compare`);
+- model: its table in ``tables.md`` (:mod:`.model_section`);
+- task: ``task_table.md``/``.csv`` and two plots (:mod:`.task_section`);
+- pretrained: ``pretrained.md``/``.csv`` and two plots per comparable set (:mod:`.pretrained_section`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -20,8 +27,14 @@ from pathlib import Path
 import pandas as pd
 
 from ..measure.canary import SLOW_RATIO, job_canaries, machine_keys
+from ..measure.spec import Kind
 from ..records import store
-from . import tables as T
+from . import kernel_tables as K
+from . import pretrained_section, task_section
+from .compare import baseline_table
+from .format import Section, render
+from .grouping import workload_line
+from .model_section import model_table
 
 DEFAULT_INPUT = "outputs/records"
 
@@ -113,7 +126,7 @@ def header(
     canaries = _canaries(df)
     if canaries:
         lines += ["Machine speed around each CPU job (the canary, a 1024x1024 float32 GEMM):", *canaries, ""]
-    workload = T.workload_line(shown)
+    workload = workload_line(shown)
     if workload:
         lines += [f"Workload in every table: {workload}.", ""]
     hidden = len(df) - len(shown)
@@ -125,28 +138,30 @@ def header(
             "per run).",
             "",
         ]
-    lines += [T.LEGEND, ""]
+    lines += [K.LEGEND, ""]
     return "\n".join(lines)
 
 
-def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | None) -> list[T.Section]:
-    """Every table of the report, in reading order (model jobs get their own table, not the kernels')."""
-    models = T.model_table(shown)
-    if models.parts and T.is_model_job(shown).all():
-        return [models, T.status_table(df, shown)]
-    df, shown = df[~T.is_model_job(df)], shown[~T.is_model_job(shown)]
+def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | None) -> list[Section]:
+    """Every table of ``tables.md`` in reading order: the model jobs' table, then the kernel jobs'
+    tables (and the baseline comparison); ``df`` and ``shown`` hold kernel and model rows."""
+    models = model_table(store.of_kind(shown, Kind.model))
+    kernels = store.of_kind(df, Kind.kernel)
+    if kernels.empty:
+        return [models, K.status_table(df, shown)]
+    df, shown = kernels, store.of_kind(shown, Kind.kernel)
     sections = [
-        T.speed_table(shown),
-        *[sec for sec in [T.bandwidth_table(shown)] if sec.parts],  # only sweeps with decoding jobs
-        T.memory_table(shown),
-        T.accuracy_table(shown),
-        T.scaling_table(shown),
-        T.status_table(df, shown),
+        K.speed_table(shown),
+        *[sec for sec in [K.bandwidth_table(shown)] if sec.parts],  # only sweeps with decoding jobs
+        K.memory_table(shown),
+        K.accuracy_table(shown),
+        K.scaling_table(shown),
+        K.status_table(df, shown),
     ]
     if models.parts:
         sections.insert(0, models)
     if base is not None and len(base):
-        sections.append(T.baseline_table(df, base))
+        sections.append(baseline_table(df, base))
     return sections
 
 
@@ -173,24 +188,23 @@ def report_paths(
         base = store.load(baseline)
     out.mkdir(parents=True, exist_ok=True)
     written = store.save(df, out)
-    # records with a report of their own: task training, then fidelity inside a pretrained model; each
-    # writer gets the frame as it is then (the task table puts kernel records' speed beside accuracy)
-    for is_kind, module, table in (
-        (store.is_task, "task_report", "task_table.md"),
-        (store.is_pretrained, "pretrained_report", "pretrained.md"),
+    # task and pretrained jobs have files of their own (the task table puts the kernel records' speed
+    # beside accuracy, so it gets the whole store); kernel and model jobs share tables.md
+    for kind, section, table in (
+        (Kind.task, task_section, "task_table.md"),
+        (Kind.pretrained, pretrained_section, "pretrained.md"),
     ):
-        kind = is_kind(df)
-        if kind.any():
-            written += importlib.import_module(f".{module}", __package__).write_report(df, out, plots=plots)
+        if not store.of_kind(df, kind).empty:
+            written += section.write_report(df, out, plots=plots)
             if echo:
                 print("\n" + (out / table).read_text())
-        df = df[~kind]
+    df = store.of_kind(df, Kind.kernel, Kind.model)
     if df.empty:
         print(f"report written to {out}: {', '.join(p.name for p in written)}")
         return written
-    shown = T.select(df, all_measurements)
+    shown = store.select(df, all_measurements)
     sections = build_sections(df, shown, base)
-    text = header(df, shown, paths, all_measurements) + "\n" + "\n".join(T.render(s) for s in sections)
+    text = header(df, shown, paths, all_measurements) + "\n" + "\n".join(render(s) for s in sections)
     (out / "tables.md").write_text(text)
     written.append(out / "tables.md")
     for sec in sections:
@@ -201,9 +215,9 @@ def report_paths(
     if plots:
         from .plots import write_all
 
-        # plots always show the newest measurement: several runs on one line would zigzag
-        kernels = T.select(df)
-        written += write_all(kernels[~T.is_model_job(kernels)], out)  # model jobs: a table, no plots
+        # plots always show the newest measurement: several runs on one line would zigzag; model jobs
+        # get a table, no plots
+        written += write_all(store.select(store.of_kind(df, Kind.kernel)), out)
     print(f"report written to {out}: {', '.join(p.name for p in written)}")
     return written
 

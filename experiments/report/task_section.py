@@ -1,8 +1,8 @@
-"""Report of the task-accuracy axis: a table and two plots from task records.
+"""The task jobs' section: a table and two plots from task records.
 
 - :func:`task_table`: one row per (variant, task, N): test accuracy as mean ± std over seeds, beside
   the training cost and parameter counts of those runs and the same variant's kernel speed and memory
-  at that N (from the timing records in the same store, when there are any).
+  at that N (from the kernel records in the same store, when there are any).
 - :func:`plot_recall_vs_distance`: recall accuracy against the key-to-query distance, one line per
   variant (from the per-distance accuracies every recall record carries).
 - :func:`plot_trained_attention`: attention-weight heatmaps of trained models. Each task record
@@ -11,14 +11,12 @@
   average-pooled to at most ``heatmap_size`` per side: ``{"module", "stride", "shape", "weights"}``
   with ``weights`` a nested list. Records are self-contained, so no other file is needed.
 
-``python -m experiments.report.task_report RECORD_DIR [...] --out DIR`` writes ``task_table.md``,
-``task_table.csv`` and the two PNGs. Everything is ``O(records)``.
+:func:`write_report` writes ``task_table.md``, ``task_table.csv`` and the two PNGs (the report,
+:mod:`experiments.report.report`, calls it when the store has task records). ``O(records)``.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
 import json
 import math
 import textwrap
@@ -28,36 +26,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .tables import markdown as markdown_table
+from ..measure.spec import Kind
+from ..records.store import newest_mask, of_kind
+from .format import markdown as markdown_table
+from .format import obj
 
 # task-config keys left out of a task's label even when they vary: they change how a run is done or
 # reported, not what is learned (a run the time cap stopped says so in its stopped_early figure)
 _TRAINING_KEYS = {"max_train_s", "eval_batch", "heatmap_size", "distance_bins"}
 
 
-# ---------------------------------------------------------------------------------------------- loading
-def load_frame(inputs: list[str | Path]) -> pd.DataFrame:
-    """Records under ``inputs`` (folders, record files, saved stores) as the store's DataFrame."""
-    from ..records.store import load
-
-    return load([str(p) for p in inputs], verbose=False)
-
-
-def _obj(v: Any) -> Any:
-    """A dict or list cell as an object (a CSV round trip leaves JSON or a Python repr)."""
-    if isinstance(v, str):
-        try:
-            return json.loads(v)
-        except json.JSONDecodeError:
-            try:
-                return ast.literal_eval(v)
-            except (ValueError, SyntaxError):
-                return None
-    return v
-
-
 def _task_dict(v: Any) -> dict[str, Any] | None:
-    v = _obj(v)
+    """A task cell as its config dict (``{"name": ...}`` when a flattened frame holds only the name)."""
+    v = obj(v)
     if isinstance(v, dict) and "name" in v:
         return v
     if isinstance(v, str) and v:  # a flattened frame may hold just the name
@@ -66,6 +47,7 @@ def _task_dict(v: Any) -> dict[str, Any] | None:
 
 
 def _variant_col(df: pd.DataFrame) -> pd.Series:
+    """The variant's display label per row (the registered name where labels are missing)."""
     if "variant" in df and df["variant"].map(lambda x: isinstance(x, str)).all():
         return df["variant"]
     return df["variant_name"]
@@ -77,11 +59,10 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
     ``task_label`` is the task name plus the task-config values that differ between its records
     (e.g. ``recall(gap=32)`` or ``reverse(steps=450)``), except the time cap and reporting settings.
     """
-    if "task" not in df:
-        return df.iloc[0:0].assign(task_name=[], task_label=[], variant_label=[])
-    tasks = df["task"].map(_task_dict)
-    sub = df[tasks.notna()].copy()
-    tasks = tasks[tasks.notna()]
+    sub = of_kind(df, Kind.task).copy()
+    if sub.empty:
+        return sub.assign(task_name=[], task_label=[], variant_label=[])
+    tasks = sub["task"].map(_task_dict)
     sub["task_name"] = tasks.map(lambda t: t["name"])
     sub["_task_json"] = tasks.map(lambda t: json.dumps(t, sort_keys=True, default=str))
     labels = pd.Series("", index=sub.index, dtype=object)
@@ -97,23 +78,12 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
     return sub
 
 
-def _newest(sub: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """The latest record per ``keys`` (a re-run replaces, it does not add a seed)."""
-    order = [c for c in ("started_at", "finished_at", "path", "_path") if c in sub]
-    if order:
-        sub = sub.sort_values(order, na_position="first")
-    return sub.groupby(keys, dropna=False, sort=False).tail(1)
-
-
 # ---------------------------------------------------------------------------------------------- table
 def _speed_beside(df: pd.DataFrame) -> pd.DataFrame:
     """Median kernel time (forward, forward+backward) and forward peak memory per (variant, N), from
-    the ok timing records of ``df`` (those without a task)."""
+    the ok kernel records of ``df``."""
     cols = ["variant_label", "seq_len", "fwd_ms", "fwd_bwd_ms", "peak_mib"]
-    if "task" in df:
-        timing = df[df["task"].map(_task_dict).isna()]
-    else:
-        timing = df
+    timing = of_kind(df, Kind.kernel)
     if not len(timing) or "status" not in timing:
         return pd.DataFrame(columns=cols)
     timing = timing[timing["status"] == "ok"].copy()
@@ -177,7 +147,9 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
     if not len(sub):
         return pd.DataFrame(columns=cols)
     variant_key = "variant_key" if "variant_key" in sub else "variant_label"
-    sub = _newest(sub, [variant_key, "_task_json", "seq_len", "seed"])
+    # a re-run replaces a seed's record, it does not add a seed; oldest first, so that a cell with no
+    # ok run shows its newest run's status
+    sub = sub[newest_mask(sub, [variant_key, "_task_json", "seq_len", "seed"])].sort_values("started_at")
     rows = []
     for (v, t, n), g in sub.groupby(keys, sort=True):
         ok = g[g["status"] == "ok"]
@@ -293,7 +265,7 @@ def _plt() -> Any:
 
 def _window_size(row: pd.Series) -> float | None:
     """The window of a local_window record (tokens), else None."""
-    knobs = _obj(row.get("knobs")) if "knobs" in row else None
+    knobs = obj(row.get("knobs")) if "knobs" in row else None
     if (
         isinstance(knobs, dict)
         and "window" in knobs
@@ -323,8 +295,8 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
         hits: dict[int, float] = {}
         counts: dict[int, float] = {}
         for _, r in g.iterrows():
-            acc = _obj(r["acc_by_distance"]) or {}
-            cnt = _obj(r.get("n_by_distance")) or {}
+            acc = obj(r["acc_by_distance"]) or {}
+            cnt = obj(r.get("n_by_distance")) or {}
             for k, a in acc.items():
                 c = float(cnt.get(k, 1))
                 hits[int(k)] = hits.get(int(k), 0.0) + a * c
@@ -364,7 +336,7 @@ def _distinct_maps(one: pd.DataFrame, min_corr: float = 0.98) -> pd.DataFrame:
     kept: list[tuple[Any, np.ndarray]] = []  # (index, flattened weights)
     labels: dict[Any, str] = {}
     for idx, r in one.iterrows():
-        w = np.asarray(_obj(r["attention"])["weights"], dtype=float).ravel()
+        w = np.asarray(obj(r["attention"])["weights"], dtype=float).ravel()
         for k_idx, kw in kept:
             k = one.loc[k_idx]
             if (k["task_label"], k["seq_len"]) != (r["task_label"], r["seq_len"]) or kw.shape != w.shape:
@@ -389,7 +361,7 @@ def plot_trained_attention(
     sub = task_rows(df)
     if not len(sub) or "attention" not in sub:
         return None
-    sub = sub[(sub["status"] == "ok") & sub["attention"].map(lambda a: isinstance(_obj(a), dict))]
+    sub = sub[(sub["status"] == "ok") & sub["attention"].map(lambda a: isinstance(obj(a), dict))]
     if tasks is not None:
         sub = sub[sub["task_name"].isin(tasks)]
     if not len(sub):
@@ -412,7 +384,7 @@ def plot_trained_attention(
     for ax in axes.flat[len(picks) :]:
         ax.axis("off")
     for ax, (_, r) in zip(axes.flat, picks.iterrows(), strict=False):
-        att = _obj(r["attention"])
+        att = obj(r["attention"])
         w = att["weights"]
         nq, nk = att.get("shape", [len(w), len(w[0])])
         stride = att.get("stride", 1)
@@ -435,7 +407,7 @@ def plot_trained_attention(
     return path
 
 
-# ---------------------------------------------------------------------------------------------- CLI
+# ---------------------------------------------------------------------------------------------- files
 def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -> list[Path]:
     """Write ``task_table.md``/``.csv`` and (``plots``) the two plots into ``out_dir``; returns the
     files written."""
@@ -465,21 +437,3 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
             if p is not None:
                 written.append(p)
     return written
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m experiments.report.task_report RECORD_DIR [...] --out DIR``."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="+", help="record folders, record files or sweep folders")
-    ap.add_argument("--out", default="outputs/task_report", help="folder for the table and plots")
-    args = ap.parse_args(argv)
-    df = load_frame(args.inputs)
-    files = write_report(df, args.out)
-    table = task_table(df)
-    print(markdown(table) if len(table) else "no task records found")
-    for f in files:
-        print(f"wrote {f}")
-
-
-if __name__ == "__main__":
-    main()

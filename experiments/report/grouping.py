@@ -1,0 +1,165 @@
+"""How kernel-shaped records become tables: which rows are usable, each row's time in its own mode,
+the group a row belongs to (device, dtype, mode and whatever else varies) and the variant x N grid of
+cells, with the marks a time carries when it was measured beside other work or on a slow machine.
+
+Shared by the kernel tables, the model table, the baseline comparison and the kernel plots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pandas as pd
+
+from ..measure.canary import SLOW_RATIO
+from ..records.store import WORKLOAD, is_false
+
+#: above this many cores' worth of other processes' work (``others_cpu_cores``, see
+#: :mod:`experiments.measure.machine_load`), a job's times are flagged as measured beside other work
+LOADED_CORES = 0.5
+
+
+#: a CPU figure whose process ran on fewer than this share of its threads' cores (CPU time over wall
+#: time, ``<fig>_cpu_per_wall``) is flagged too: its threads waited, or other work pushed them off
+#: (on the 2-core VM sdpa fwd+bwd at N=1024 ran at 1.32 cores, 105 ms with an IQR of 28%, while the
+#: kernel reclaimed memory after an OOM kill)
+ON_CORES = 0.9
+
+
+GROUP_BASE = ["device", "dtype", "mode"]
+
+
+# shown in a group's title only when they vary in the data
+GROUP_EXTRA = ["env_host", *[c for c in WORKLOAD if c not in GROUP_BASE], "seed", "threads", "extra"]
+
+
+NO_RECORD = "–"
+
+
+def is_invalid(df: pd.DataFrame) -> pd.Series:
+    """True where the job ran but its correctness check failed (``figures.valid`` is False)."""
+    return (df["status"] == "ok") & df["valid"].map(is_false).astype(bool)
+
+
+def usable(df: pd.DataFrame) -> pd.Series:
+    """True where the figures can be shown: status ok and not invalid."""
+    return (df["status"] == "ok") & ~is_invalid(df)
+
+
+def mode_times(df: pd.DataFrame) -> pd.DataFrame:
+    """``time_s``, ``iqr_s``, ``q1_s``, ``q3_s``, ``cpu_per_wall``, ``page_faults``, ``steal``,
+    ``retimed`` and ``unstable`` of each row's own mode (fwd or fwd_bwd)."""
+    cols = ["time_s", "iqr_s", "q1_s", "q3_s", "cpu_per_wall", "page_faults", "steal", "retimed"]
+    out = pd.DataFrame(index=df.index, columns=cols, dtype=float)
+    out["unstable"] = False
+    for mode in df["mode"].dropna().unique():
+        rows = df["mode"] == mode
+        for col in cols:
+            src = f"{mode}_{col.replace('time', 'median')}"
+            if src in df:
+                out.loc[rows, col] = pd.to_numeric(df.loc[rows, src], errors="coerce")
+        if f"{mode}_unstable" in df:  # records from before the flag existed count as stable
+            out.loc[rows, "unstable"] = df.loc[rows, f"{mode}_unstable"].map(lambda v: v is True)
+    return out
+
+
+def length_axis(df: pd.DataFrame) -> str:
+    """The tables' column axis: ``seq_len`` (N), or ``kv_len`` (Nk) where the key length takes more
+    values than the query length (decode sweeps: Nq = 1 or 16 against Nk = 1k to 128k)."""
+    if "kv_len" not in df:
+        return "seq_len"
+    nk = df["kv_len"].dropna().nunique()
+    return "kv_len" if nk > 1 and nk >= df["seq_len"].nunique() else "seq_len"
+
+
+def group_keys(df: pd.DataFrame) -> list[str]:
+    """device, dtype, mode, then every other workload field that takes several values in ``df``
+    (except the length axis; with the key length as the axis, the query length is a group key)."""
+    axis = length_axis(df)
+    extra = [c for c in GROUP_EXTRA if c in df and c != axis and df[c].astype(str).nunique(dropna=False) > 1]
+    if axis == "kv_len" and df["seq_len"].nunique() > 1:
+        extra.append("seq_len")
+    if "tokens" in df and df["tokens"].notna().any():
+        extra = [c for c in extra if c != "batch"]  # batch = tokens // N: it follows the length
+    return GROUP_BASE + extra
+
+
+def groups(df: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
+    """``(title, rows)`` per group, e.g. ``cpu · float32 · fwd · causal=True``."""
+    out = []
+    for vals, sub in df.groupby(keys, dropna=False, sort=True):
+        vals = vals if isinstance(vals, tuple) else (vals,)
+        parts = [str(v) for v in vals[: len(GROUP_BASE)]]
+        named = zip(keys[len(GROUP_BASE) :], vals[len(GROUP_BASE) :], strict=True)
+        parts += [f"{k.removeprefix('env_')}={value_text(k, v)}" for k, v in named]
+        out.append((" · ".join(parts), sub))
+    return out
+
+
+def value_text(key: str, v: object) -> object:
+    """A config value for a title; null kv_len / v_head_dim mean "the same as the queries'"."""
+    if v is None or (not isinstance(v, str) and pd.isna(v)):
+        return {"kv_len": "seq_len", "v_head_dim": "head_dim"}.get(key, "null")
+    return v
+
+
+def workload_line(df: pd.DataFrame) -> str:
+    """The workload fields that are the same in every row, e.g. ``batch=1, heads=8, head_dim=64``."""
+    same = []
+    for c in [*WORKLOAD[3:], "seed"]:
+        if c in df and len(df) and df[c].astype(str).nunique(dropna=False) == 1:
+            if c == "tokens" and pd.isna(df[c].iloc[0]):
+                continue  # no token budget: the batch is as given
+            same.append(f"{c}={value_text(c, df[c].iloc[0])}")
+    return ", ".join(same)
+
+
+def _row_index(df: pd.DataFrame) -> list[str]:
+    return ["variant", "run"] if "run" in df else ["variant"]
+
+
+def pivot_cells(df: pd.DataFrame, cell: Callable[[pd.Series], str]) -> pd.DataFrame:
+    """Variant x N (or x Nk, see :func:`length_axis`) table of ``cell(row)`` strings; missing
+    combinations show ``NO_RECORD``."""
+    if df.empty:
+        return pd.DataFrame()
+    axis = length_axis(df)
+    long = df.assign(_cell=df.apply(cell, axis=1), _n=df[axis].astype("Int64"))
+    long = long.sort_values("started_at", na_position="first")
+    table = long.pivot_table(index=_row_index(df), columns="_n", values="_cell", aggfunc="last")
+    table = table.reindex(sorted(table.columns), axis=1).fillna(NO_RECORD)
+    label = "Nk" if axis == "kv_len" else "N"
+    table.columns = [f"{label}={n}" for n in table.columns]
+    table.columns.name = None
+    return table.sort_index()
+
+
+def status_cell(row: pd.Series) -> str | None:
+    """What to show instead of a number, or None when the row's figures are usable."""
+    if row["status"] != "ok":
+        return str(row["status"])
+    if is_false(row["valid"]):
+        return "invalid"
+    return None
+
+
+def beside_work(row: pd.Series) -> bool:
+    """A time measured beside other work (marked ``*``): other processes kept more than
+    :data:`LOADED_CORES` busy, other jobs of the suite measured at the same time, or its threads were
+    off their cores (:func:`_off_cores`)."""
+    busy = pd.to_numeric(row.get("others_cpu_cores"), errors="coerce")
+    beside = pd.to_numeric(row.get("concurrent_jobs"), errors="coerce")
+    loaded = (pd.notna(busy) and busy > LOADED_CORES) or (pd.notna(beside) and beside > 0)
+    return bool(loaded or _off_cores(row))
+
+
+def slow_machine(row: pd.Series) -> bool:
+    """A time measured while the machine ran slow (marked ``~``): its canary above ``SLOW_RATIO``."""
+    return bool(pd.to_numeric(row.get("machine_slowdown"), errors="coerce") > SLOW_RATIO)
+
+
+def _off_cores(row: pd.Series) -> bool:
+    """A CPU figure whose threads were on their cores less than :data:`ON_CORES` of its wall time."""
+    threads = pd.to_numeric(row.get("fig_threads", row.get("threads")), errors="coerce")
+    cpw = pd.to_numeric(row.get("cpu_per_wall"), errors="coerce")
+    return row.get("device") == "cpu" and pd.notna(threads) and pd.notna(cpw) and cpw < ON_CORES * threads
