@@ -1,2 +1,2 @@
-"""Tables, plots and reports rebuilt from records. Imports records and variants; nothing from sweep
-or measure."""
+"""Tables, plots and reports rebuilt from records. Imports records, measure (the job kinds, the
+canary) and variants (the structure plots); nothing from sweep."""

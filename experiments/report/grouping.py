@@ -17,22 +17,16 @@ from ..records.store import WORKLOAD, is_false
 #: above this many cores' worth of other processes' work (``others_cpu_cores``, see
 #: :mod:`experiments.measure.machine_load`), a job's times are flagged as measured beside other work
 LOADED_CORES = 0.5
-
-
 #: a CPU figure whose process ran on fewer than this share of its threads' cores (CPU time over wall
 #: time, ``<fig>_cpu_per_wall``) is flagged too: its threads waited, or other work pushed them off
 #: (on the 2-core VM sdpa fwd+bwd at N=1024 ran at 1.32 cores, 105 ms with an IQR of 28%, while the
 #: kernel reclaimed memory after an OOM kill)
 ON_CORES = 0.9
 
-
 GROUP_BASE = ["device", "dtype", "mode"]
-
-
 # shown in a group's title only when they vary in the data
 GROUP_EXTRA = ["env_host", *[c for c in WORKLOAD if c not in GROUP_BASE], "seed", "threads", "extra"]
-
-
+#: a cell where no job was run
 NO_RECORD = "–"
 
 

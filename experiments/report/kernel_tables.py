@@ -42,8 +42,7 @@ FLOPS_NOTE = (
     "The percentage beside GFLOP/s divides by the FLOP/s of a large matrix multiply in the same dtype, "
     "measured on the same device in the same sweep (the record's roofline)."
 )
-
-
+#: how to read the tables' cells (the report's header)
 LEGEND = (
     f"Cells without a number give the job's status (oom, unsupported, ...); `invalid` = the "
     f"correctness check failed, so its figures are not shown; `{NO_RECORD}` = no job was run there; "
