@@ -8,8 +8,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from experiments.sweep.hydra_nodes import register_hydra_pieces
 from experiments.sweep.preflight import preflight
-from experiments.sweep.runner import objective, register_hydra_pieces, run_job
+from experiments.sweep.runner import objective, run_job
 
 register_hydra_pieces()
 

@@ -24,8 +24,8 @@ from experiments.measure.machine_load import settle
 from experiments.measure.spec import JobSpec
 from experiments.records.environment import variant_code_version
 from experiments.records.records import find_existing, read_records, write_record
+from experiments.sweep.hydra_nodes import register_hydra_pieces
 from experiments.sweep.isolation import context_for, run_isolated
-from experiments.sweep.runner import register_hydra_pieces
 from experiments.sweep.schema import BenchConfig
 
 from .helpers import sweep_overrides
@@ -54,20 +54,38 @@ def job_spec(target: str | None = None, **over) -> JobSpec:
 SMALL = dict(seq_len=64, heads=2, head_dim=16, min_run_time=0.02)
 
 
-def test_registry_and_variant_configs_name_the_same_set():
-    # every conf/variant file builds a registered class and every registered name has a file
-    names = set()
-    for f in sorted((CONF / "variant").glob("*.yaml")):
-        cfg = job_cfg(variant=f.stem)
-        from hydra.utils import get_class
+@pytest.mark.parametrize("name", variants.available())
+def test_every_registered_variant_composes_from_its_constructor(name):
+    # no YAML per variant: variant=<name> is the class the registry names, with the constructor's defaults
+    from hydra.utils import get_class
 
-        names.add(get_class(cfg["variant"]["_target_"]).name)
-        assert get_class(cfg["variant"]["_target_"]).name == f.stem
-    assert names == set(variants.available())
+    from variants.registry import SHAPE_HINTS, knob_defaults
+
+    cfg = job_cfg(variant=name)
+    assert get_class(cfg["variant"]["_target_"]) is variants.get(name)
+    want = {k: v for k, v in knob_defaults(variants.get(name)).items() if k not in SHAPE_HINTS}
+    assert {k: v for k, v in cfg["variant"].items() if k not in ("_target_", *SHAPE_HINTS)} == want
 
 
-def test_config_yaml_states_the_schema_defaults_without_changing_them():
-    # the defaults live in the dataclasses (JobSpec, BenchConfig); conf/config.yaml only shows them
+def test_defaults_are_written_once():
+    # the schema's dataclasses and the constructors hold the defaults; the YAML files hold none of them
+    import yaml
+
+    from variants.registry import knob_defaults
+
+    top = yaml.safe_load((CONF / "config.yaml").read_text())
+    assert set(top) == {"defaults", "hydra"}, (
+        f"conf/config.yaml restates settings: {set(top) - {'defaults', 'hydra'}}"
+    )
+    assert not list((CONF / "variant").glob("*.yaml")), "a variant's config node comes from its constructor"
+    presets = sorted((CONF / "variant").glob("*/*.yaml"))
+    assert presets
+    for f in presets:
+        body = yaml.safe_load(f.read_text())
+        base = next(d for d in body["defaults"] if isinstance(d, str) and d.startswith("/variant/"))
+        defaults = knob_defaults(variants.get(base.removeprefix("/variant/").split("@")[0]))
+        restated = [k for k, v in body.items() if k != "defaults" and defaults.get(k, object()) == v]
+        assert not restated, f"{f.name} restates defaults: {restated}"
     cfg = job_cfg(variant="naive")
     assert BenchConfig.from_config(cfg) == BenchConfig(variant=cfg["variant"])
     assert JobSpec.from_config(cfg) == JobSpec(variant=cfg["variant"])
@@ -822,7 +840,8 @@ def test_a_job_returns_its_objective_figure():
     assert objective(rec) == 0.5 and objective(rec, "peak_mib") == 3.0
     task = {**rec, "kind": "task", "figures": {"test_accuracy": 0.9, "fwd_median_s": 1}}
     assert objective(task) == 0.9  # a task's default figure, by its stored kind
-    assert objective({**task, "kind": None, "config": {"mode": "fwd", "task": {"name": "copy"}}}) == 0.9  # older
+    older = {**task, "kind": None, "config": {"mode": "fwd", "task": {"name": "copy"}}}
+    assert objective(older) == 0.9  # a record written before kinds were stored
     nan = [objective(None), objective({**rec, "status": "oom"}), objective(rec, "no_such_figure")]
     nan.append(objective({**rec, "figures": {**rec["figures"], "valid": False}}))  # a wrong result
     assert all(v != v for v in nan)

@@ -28,7 +28,7 @@ from experiments.measure.tasks.model import (
 )
 from experiments.measure.tasks.train import Settings, build_model
 from experiments.records.records import read_records
-from experiments.sweep.runner import register_hydra_pieces
+from experiments.sweep.hydra_nodes import register_hydra_pieces
 
 from .helpers import sweep_overrides
 

@@ -72,12 +72,12 @@ class JobSpec:
     """
 
     variant: Any  # the variant's config: ``{"_target_": ..., **knobs}``
-    device: Device = Device.cpu
+    device: Device = Device.cpu  # cuda without a GPU: status 'unavailable'
     dtype: DType = DType.float32
     batch: int = 1
     tokens: int | None = None  # tokens per batch: batch = max(1, tokens // seq_len), overriding batch
     heads: int = 8
-    seq_len: int = 1024
+    seq_len: int = 1024  # query length N
     kv_len: int | None = None  # keys/values length (None: = seq_len); > seq_len: the queries are the last
     # seq_len positions of a kv_len sequence (decoding, prefill onto a cache), causal bottom-right
     kv_heads: int | None = None  # key/value heads, dividing heads (None: = heads; 1: multi-query)
@@ -87,15 +87,19 @@ class JobSpec:
     padding: float = 0.0  # fraction of keys that are padding, in [0, 1)
     scale: float | None = None  # the softmax scale (None: 1/sqrt(head_dim))
     bias: str | None = None  # an additive bias on the scores: None or "alibi" (ALiBi's per-head slopes)
-    mode: Mode = Mode.fwd
+    mode: Mode = Mode.fwd  # fwd_bwd times forward, backward alone and both
     seed: int = 0
-    threads: int | None = None  # None: every CPU the job may run on (its affinity)
+    threads: int | None = None  # torch threads, set in every job and recorded; None: every CPU the job
+    # may run on (its affinity)
     min_run_time: float = 1.0  # seconds of timed runs per figure
     accuracy_rows: int = 256  # query rows checked against the float64 oracle
-    cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only)
+    cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only; the record says
+    # why when it cannot)
     task: Any = None  # a task from conf/task/: train a small model instead of timing the kernel
     model: Any = None  # a model from conf/model/: time a transformers model with the variant as attention
+    # (extra [hf])
     pretrained: Any = None  # an encoder from conf/pretrained/: the variant inside a pretrained model
+    # (extra [pretrained])
 
     @property
     def kind(self) -> Kind:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 import time
-import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -19,8 +16,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
-
-from variants.registry import SHAPE_HINTS, knob_defaults
 
 from ..measure.common import job_threads
 from ..measure.kinds import rules
@@ -42,7 +37,6 @@ from .checks import check_job, one_line
 from .labels import job_label, summary_line
 from .progress import following, say
 from .retry import measure_with_retries
-from .schema import register_schema
 
 log = logging.getLogger("attnbench")
 
@@ -58,45 +52,6 @@ def handle_sigterm() -> None:
         return
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # the sweep's own handler stays
         signal.signal(signal.SIGTERM, _interrupt)
-
-
-def register_variant_configs() -> None:
-    """A ``variant/<name>`` config node for every registered variant without a YAML file in
-    ``conf/variant`` (third-party plugins): ``_target_`` and the constructor's knobs with their
-    defaults (``???`` where there is none), so ``variant=<name>``, ``variant.<knob>=...`` and
-    ``'variant=glob(*)'`` include it."""
-    from hydra.core.config_store import ConfigStore
-
-    import variants
-
-    from .preflight import CONF
-
-    have = {p.stem for p in (CONF / "variant").glob("*.yaml")}
-    for name in variants.available():
-        if name in have:
-            continue
-        cls = variants.get(name)
-        node: dict[str, Any] = {"_target_": f"{cls.__module__}.{cls.__qualname__}"}
-        for knob, default in knob_defaults(cls).items():
-            if knob in SHAPE_HINTS:
-                node[knob] = "${" + knob + "}"  # a learned variant follows the workload's sizes
-            elif default is inspect.Parameter.empty:
-                node[knob] = "???"
-            elif default is None or isinstance(default, (bool, int, float, str)):
-                node[knob] = default
-        ConfigStore.instance().store(group="variant", name=name, node=node)
-
-
-def register_hydra_pieces() -> None:
-    """Schema and plugin variant configs in the ConfigStore, and the ``${sweep_uid:}`` resolver
-    (idempotent)."""
-    register_schema()
-    register_variant_configs()
-    if not OmegaConf.has_resolver("sweep_uid"):
-        # one id per sweep, shared with launcher workers through the environment
-        OmegaConf.register_new_resolver(
-            "sweep_uid", lambda: os.environ.setdefault("ATTNBENCH_SWEEP_UID", uuid.uuid4().hex[:6])
-        )
 
 
 def _fail(msg: str) -> None:

@@ -19,17 +19,24 @@ from ..measure.spec import JobSpec
 class BenchConfig(JobSpec):
     """A :class:`JobSpec` and the sweep's settings for it."""
 
-    roofline: bool = True  # measure the device's GEMM FLOP/s and copy bandwidth once per sweep
-    isolate: bool = True  # run each job in its own child process
+    roofline: bool = True  # measure the device's GEMM FLOP/s and copy bandwidth once per sweep, device, dtype
+    isolate: bool = True  # each job in its own child process with a timeout (false: quicker, a crash ends
+    # the sweep)
     timeout_s: float = 600.0  # per job, with isolation
-    settle_s: float = 10.0  # before each job, wait up to this long for other work and memory reclaim to stop
-    retry_unstable: int = 1  # times a job is measured again (fresh process): unstable, or the machine slow
-    round: int = 0  # which repetition of a sweep run in rounds (round=0,1,2): tables show the median round
-    resume: bool = True  # skip configs whose record (same code, same host) exists
-    records_dir: str = "outputs/records"
+    settle_s: float = 10.0  # before each job, wait up to this long for the machine to go quiet (other
+    # processes under 0.5 cores, no memory reclaim); 0: do not wait
+    retry_unstable: int = 1  # a job whose timing figure ends unstable (IQR > 10% of the median), or whose
+    # canary ran > 1.15x the sweep's fastest, is measured again from the start in a fresh process, up to
+    # this many times; the record keeps the last attempt and the earlier ones' figures (earlier_attempts)
+    round: int = 0  # repetition index: round=0,1,2 measures each job at 3 moments; tables show the median
+    resume: bool = True  # skip configs with a record from the same code on the same host
+    records_dir: str = "outputs/records"  # where records are written (and read, to resume)
     report: bool = True  # print tables and write plots at the end of a multirun
-    objective: str | None = None  # the figure run.py returns (optimising sweepers); None: see objective()
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form tags copied into the record
+    objective: str | None = None  # the record figure run.py returns, for optimising sweepers
+    # (hydra/sweeper=optuna): e.g. fwd_median_s, peak_mib, cosine_mean; None: the kind's default
+    # (experiments/measure/kinds.py; a kernel job: its time in its mode); NaN when the job did not run
+    # or failed its check
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form tags copied into each record
 
 
 def register_schema() -> None:
@@ -74,7 +81,7 @@ def validate(conf: BenchConfig) -> None:
     if conf.pretrained:
         _validate_pretrained(conf)
     if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
-        raise ValueError("variant must be chosen: variant=<name> (see conf/variant/)")
+        raise ValueError("variant must be chosen: variant=<name> (docs/variants.md lists them)")
 
 
 def _validate_pretrained(conf: BenchConfig) -> None:
