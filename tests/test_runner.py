@@ -71,21 +71,24 @@ def test_defaults_are_written_once():
     # the schema's dataclasses and the constructors hold the defaults; the YAML files hold none of them
     import yaml
 
-    from variants.registry import knob_defaults
-
     top = yaml.safe_load((CONF / "config.yaml").read_text())
     assert set(top) == {"defaults", "hydra"}, (
         f"conf/config.yaml restates settings: {set(top) - {'defaults', 'hydra'}}"
     )
     assert not list((CONF / "variant").glob("*.yaml")), "a variant's config node comes from its constructor"
+    # a preset (a variant with chosen knobs, a task, the model, the encoder) starts from a node built
+    # from the code's defaults and sets only what differs from it
+    from hydra.core.config_store import ConfigStore
+
     presets = sorted((CONF / "variant").glob("*/*.yaml"))
-    assert presets
+    presets += [p for group in ("task", "model", "pretrained") for p in sorted((CONF / group).glob("*.yaml"))]
+    assert len(presets) >= 9
     for f in presets:
         body = yaml.safe_load(f.read_text())
-        base = next(d for d in body["defaults"] if isinstance(d, str) and d.startswith("/variant/"))
-        defaults = knob_defaults(variants.get(base.removeprefix("/variant/").split("@")[0]))
-        restated = [k for k, v in body.items() if k != "defaults" and defaults.get(k, object()) == v]
-        assert not restated, f"{f.name} restates defaults: {restated}"
+        base = next(d for d in body["defaults"] if isinstance(d, str) and d.startswith("/"))
+        node = ConfigStore.instance().load(base[1:].split("@")[0] + ".yaml").node
+        restated = [k for k, v in body.items() if k != "defaults" and k in node and node[k] == v]
+        assert not restated, f"{f.relative_to(CONF)} restates defaults: {restated}"
     cfg = job_cfg(variant="naive")
     assert BenchConfig.from_config(cfg) == BenchConfig(variant=cfg["variant"])
     assert JobSpec.from_config(cfg) == JobSpec(variant=cfg["variant"])

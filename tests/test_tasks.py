@@ -66,8 +66,7 @@ def task_cfg(task: str = "recall", seq_len: int = 24, variant: str = "sdpa", **t
     """A plain job config composed by Hydra as ``run.py -m experiment=tasks`` would, made tiny."""
     over = {**TINY, **task_over}
     overrides = ["experiment=tasks", f"task={task}", f"variant={variant}", f"seq_len={seq_len}"]
-    overrides += [f"task.{k}={v}" for k, v in over.items() if k in TASK_KEYS[task]]
-    overrides += [f"+task.{k}={v}" for k, v in over.items() if k not in TASK_KEYS[task]]
+    overrides += [f"task.{k}={v}" for k, v in over.items()]  # every setting is in the composed task
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -76,16 +75,6 @@ def task_cfg(task: str = "recall", seq_len: int = 24, variant: str = "sdpa", **t
 def task_spec(task: str = "recall", seq_len: int = 24, variant: str = "sdpa", **task_over) -> JobSpec:
     """The spec of :func:`task_cfg`."""
     return JobSpec.from_config(task_cfg(task, seq_len, variant, **task_over))
-
-
-def _task_keys() -> dict[str, set[str]]:
-    out = {}
-    for f in (CONF / "task").glob("*.yaml"):
-        out[f.stem] = set(OmegaConf.load(f).keys())
-    return out
-
-
-TASK_KEYS = _task_keys()
 
 
 # ---------------------------------------------------------------------------------------------- data

@@ -142,7 +142,8 @@ def test_variants_import_without_transformers():
     code = (
         "import sys\n"
         "import variants\n"
-        "assert 'transformers' not in sys.modules and 'integrations.transformers_backend' not in sys.modules\n"
+        "assert 'transformers' not in sys.modules\n"
+        "assert 'integrations.transformers_backend' not in sys.modules\n"
         "sys.modules['transformers'] = None\n"
         "from integrations import transformers_backend as hf\n"
         "try:\n"

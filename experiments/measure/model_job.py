@@ -9,6 +9,7 @@ weights, the cache and the C allocator's retained memory, so read it as an upper
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -17,7 +18,23 @@ from .common import check_device, job_threads, registered_variant
 from .memory import hwm_peak_bytes
 from .spec import JobSpec
 
-MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "prefill_len", "new_tokens", "batch", "vocab")
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """A model job's transformers model (a Llama-style decoder, random weights, no download) and what it
+    runs, with their defaults (``conf/model/<name>.yaml`` sets what differs)."""
+
+    layers: int = 4  # decoder layers
+    hidden: int = 512  # model width
+    heads: int = 8  # query heads (head size = hidden / heads)
+    kv_heads: int = 2  # key/value heads shared by the query heads (grouped-query attention)
+    vocab: int = 1024  # vocabulary
+    prefill_len: int = 1024  # prompt tokens, prefilled in one call
+    new_tokens: int = 32  # tokens then decoded greedily with the K/V cache
+    batch: int = 1  # prompts per call
+
+
+MODEL_FIELDS = tuple(f.name for f in fields(ModelSettings))
 
 
 def measure_model(spec: JobSpec, result: dict[str, Any]) -> None:

@@ -38,11 +38,35 @@ def register_variant_configs() -> None:
         ConfigStore.instance().store(group="variant", name=name, node=node)
 
 
+def register_kind_defaults() -> None:
+    """The defaults of the task, model and pretrained config groups, as nodes their YAML files start
+    from (``defaults: [/task_defaults/recall@_here_, _self_]``): each task's from its training
+    :class:`~experiments.measure.tasks.train.Settings` and its constructor's knobs, the model's from
+    :class:`~experiments.measure.model_job.ModelSettings`, the encoder's from
+    :class:`~experiments.measure.pretrained.job.PretrainedSettings`. The YAML files keep what a preset
+    sets otherwise, and their comments."""
+    from dataclasses import asdict
+
+    from hydra.core.config_store import ConfigStore
+
+    from ..measure.model_job import ModelSettings
+    from ..measure.pretrained.job import PretrainedSettings
+    from ..measure.tasks.data import TASKS, task_knobs
+    from ..measure.tasks.train import Settings
+
+    store = ConfigStore.instance().store
+    for name in TASKS:
+        store(group="task_defaults", name=name, node={"name": name, **asdict(Settings()), **task_knobs(name)})
+    store(group="model_defaults", name="llama", node=asdict(ModelSettings()))
+    store(group="pretrained_defaults", name="encoder", node=asdict(PretrainedSettings()))
+
+
 def register_hydra_pieces() -> None:
-    """Schema and plugin variant configs in the ConfigStore, and the ``${sweep_uid:}`` resolver
-    (idempotent)."""
+    """Schema, variant configs and the job kinds' defaults in the ConfigStore, and the
+    ``${sweep_uid:}`` resolver (idempotent)."""
     register_schema()
     register_variant_configs()
+    register_kind_defaults()
     if not OmegaConf.has_resolver("sweep_uid"):
         # one id per sweep, shared with launcher workers through the environment
         OmegaConf.register_new_resolver(

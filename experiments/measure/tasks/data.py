@@ -122,6 +122,12 @@ class Recall(Task):
 
     Vocabulary: 0 filler, ``1..K`` keys, ``K+1..K+V`` values, then (``pair_tokens``) the ``K*V``
     pair tokens, ``K = num_keys``, ``V = num_values``.
+
+    Knobs: ``num_pairs`` key-value pairs per example; ``num_keys`` the key vocabulary (keys are
+    distinct within an example, so ``>= num_pairs``); ``num_values`` the value vocabulary (chance
+    accuracy ``1 / num_values``); ``gap`` filler tokens between the pairs and the first possible query
+    (distance ``> gap``); ``num_queries`` queries per example (None: every position after the gap);
+    ``pair_tokens`` and ``pair_loss`` as above.
     """
 
     name = "recall"
@@ -202,6 +208,10 @@ class Copy(Task):
     (distance ``M + 1`` from its source). Selective layout: ``R = N - M - 1`` positions holding the
     ``M`` symbols at random places among filler, then ``SEP`` and ``M`` MARKs; the answers are the
     symbols in order of appearance. Vocabulary: 0 filler, 1 SEP, 2 MARK, then ``num_symbols`` symbols.
+
+    Knobs: ``copy_len`` symbols to copy (None: ``(seq_len - 1) // 2``, or ``seq_len // 8`` when
+    ``selective``); ``num_symbols`` the symbol vocabulary (chance accuracy ``1 / num_symbols``);
+    ``selective`` scatter the symbols among filler instead of a contiguous prefix.
     """
 
     name = "copy"
@@ -277,6 +287,14 @@ class Reverse(Task):
 TASKS: dict[str, type[Task]] = {t.name: t for t in (Recall, Copy, Reverse)}
 
 
+def task_knobs(name: str) -> dict[str, Any]:
+    """The knobs of task ``name`` with their defaults (its constructor's, where they are written)."""
+    import inspect
+
+    params = inspect.signature(TASKS[name].__init__).parameters
+    return {p: v.default for p, v in params.items() if p not in ("self", "seq_len")}
+
+
 def make_task(name: str, seq_len: int, **knobs: Any) -> Task:
     """The task ``name`` at length ``seq_len`` with its knobs; unknown names or knobs are errors."""
     if name not in TASKS:
@@ -284,12 +302,7 @@ def make_task(name: str, seq_len: int, **knobs: Any) -> Task:
     try:
         return TASKS[name](seq_len, **knobs)
     except TypeError as exc:  # an unknown knob: say which ones the task takes
-        import inspect
-
-        takes = [
-            p for p in inspect.signature(TASKS[name].__init__).parameters if p not in ("self", "seq_len")
-        ]
-        raise ValueError(f"task '{name}': {exc}; it takes {takes}") from None
+        raise ValueError(f"task '{name}': {exc}; it takes {list(task_knobs(name))}") from None
 
 
 def is_test(src: torch.Tensor) -> torch.Tensor:

@@ -45,27 +45,34 @@ _DTYPES = {DType.float32: torch.float32, DType.float64: torch.float64}
 
 @dataclass
 class Settings:
-    """Model and training settings of a task job (defaults match conf/task/*.yaml)."""
+    """Model and training settings of a task job, with their defaults (written here only; a task's
+    file in ``conf/task/`` sets what it needs otherwise)."""
 
-    steps: int = 600
-    batch_size: int = 32
-    lr: float = 3e-3
-    warmup: int = 50
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    d_model: int = 64
-    heads: int = 4
-    layers: int = 2
-    ffn: int = 128
-    decoder_layers: int = 2
-    norm_first: bool = True
-    param_budget: float = 0.10
-    budget_knob: str | None = "hidden"
-    test_size: int = 512
-    eval_batch: int = 128
-    distance_bins: int = 8
-    heatmap_size: int = 64
-    max_train_s: float | None = None
+    # --- training (AdamW, linear warm-up then cosine decay); fresh examples every step
+    steps: int = 600  # optimiser steps
+    batch_size: int = 32  # examples per step
+    lr: float = 3e-3  # peak learning rate
+    warmup: int = 50  # warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    clip: float = 1.0  # gradient-norm clip (0: off)
+    # --- the model (a Transformer; the attention core is the variant)
+    d_model: int = 64  # model width = heads x head size
+    heads: int = 4  # attention heads (head size = d_model / heads)
+    layers: int = 2  # encoder blocks
+    ffn: int = 128  # feed-forward width (shrunk for variants with learned cores, see param_budget)
+    decoder_layers: int = 2  # decoder blocks (0: an encoder only)
+    norm_first: bool = True  # pre-LN trains small models without a long warm-up; false: the paper's post-LN
+    param_budget: float = 0.10  # learned cores (additive) may add at most this share of the exact model's
+    # parameters
+    budget_knob: str | None = "hidden"  # core knob shrunk (after the FFN, down to d_model) to meet the
+    # budget; None: the FFN only
+    # --- testing
+    test_size: int = 512  # held-out test examples (disjoint from training by a hash of the example)
+    eval_batch: int = 128  # examples per evaluation pass
+    distance_bins: int = 8  # bins of key-to-query distance in the recall task's accuracy
+    heatmap_size: int = 64  # side of the attention map stored in the record (0: none)
+    max_train_s: float | None = None  # wall-clock cap on training (None: none), so one slow variant
+    # cannot hold up a sweep; a capped run records stopped_early and the steps it did
 
     @classmethod
     def split(cls, task_cfg: dict[str, Any]) -> tuple[str, Settings, dict[str, Any]]:
