@@ -7,7 +7,8 @@ import pytest
 
 from experiments.records import store
 from experiments.records.records import config_hash
-from experiments.report import tables as T
+from experiments.report.compare import baseline_table
+from experiments.report.format import Section
 
 
 def record(n: int, median_ms: float, spread_ms: float, canary_ms: float = 20.0, hour: int = 10) -> dict:
@@ -47,10 +48,10 @@ CELLS = {
 
 
 @pytest.fixture
-def compared() -> T.Section:
+def compared() -> Section:
     base = store.to_frame([record(n, m, s, hour=9) for n, ((m, s), _, _) in CELLS.items()])
     cur = store.to_frame([record(n, m, s, c, hour=11) for n, (_, (m, s, c), _) in CELLS.items()])
-    return T.baseline_table(cur, base)
+    return baseline_table(cur, base)
 
 
 def test_each_speedup_says_whether_it_is_outside_the_two_runs_noise(compared):

@@ -12,7 +12,10 @@ import pytest
 
 from experiments.measure.kernel import measure
 from experiments.records.records import config_hash
-from experiments.report import tables as T
+from experiments.report.format import num
+from experiments.report.grouping import group_keys, length_axis
+from experiments.report.kernel_tables import bandwidth_table
+from experiments.report.model_section import model_table
 from experiments.sweep.schema import BenchConfig, validate
 
 from .test_runner import job_cfg, job_spec
@@ -107,9 +110,9 @@ def _decode_frame() -> pd.DataFrame:
 
 def test_decode_tables_put_the_key_length_on_the_axis_and_split_by_query_length():
     df = _decode_frame()
-    assert T.length_axis(df) == "kv_len"
-    assert "seq_len" in T.group_keys(df) and "kv_len" not in T.group_keys(df)
-    sec = T.bandwidth_table(df)
+    assert length_axis(df) == "kv_len"
+    assert "seq_len" in group_keys(df) and "kv_len" not in group_keys(df)
+    sec = bandwidth_table(df)
     assert [title.split(": ")[0] for title, _ in sec.parts] == [
         "cpu · float32 · fwd · seq_len=1",
         "cpu · float32 · fwd · seq_len=16",
@@ -123,8 +126,8 @@ def test_decode_tables_put_the_key_length_on_the_axis_and_split_by_query_length(
 def test_self_attention_sweeps_keep_the_query_length_axis():
     df = _decode_frame().assign(kv_len=None)
     df = df[df["kv_len"].isna()].drop_duplicates("seq_len")
-    assert T.length_axis(df) == "seq_len"
-    assert T.bandwidth_table(df).parts == []  # no job has fewer queries than keys
+    assert length_axis(df) == "seq_len"
+    assert bandwidth_table(df).parts == []  # no job has fewer queries than keys
 
 
 def test_model_job_runs_a_transformers_model_and_reports_it():
@@ -152,7 +155,7 @@ def test_model_job_runs_a_transformers_model_and_reports_it():
         reason=None,
         **{k: f[k] for k in ("prefill_ms", "decode_ms_per_token", "peak_mib")},
     )
-    sec = T.model_table(pd.DataFrame([row]))
+    sec = model_table(pd.DataFrame([row]))
     title, tab = sec.parts[0]
     assert "1 layers, width 64" in title and "prefill 24 tokens, then 3 decoded" in title
-    assert tab.loc["local_window", "ms / decoded token"] == T.num(f["decode_ms_per_token"])
+    assert tab.loc["local_window", "ms / decoded token"] == num(f["decode_ms_per_token"])

@@ -6,7 +6,8 @@ import pytest
 
 from experiments.records import store
 from experiments.records.records import config_hash
-from experiments.report import tables as T
+from experiments.records.store import select
+from experiments.report.kernel_tables import LEGEND, speed_table
 
 
 def record(
@@ -76,7 +77,7 @@ def test_the_median_round_is_shown_with_the_range_of_every_timing_figure():
     assert row["rounds"] == 3
     assert (row["fwd_bwd_rounds_min_s"], row["fwd_bwd_rounds_max_s"]) == (0.010, 0.030)
     assert (row["fwd_rounds_min_s"], row["fwd_rounds_max_s"]) == (0.001, 0.009)
-    speed = T.speed_table(T.select(df))
+    speed = speed_table(select(df))
     assert speed.data["time_ms"].tolist() == pytest.approx([20.0])
     assert speed.data[["rounds_min_ms", "rounds_max_ms"]].iloc[0].tolist() == pytest.approx([10.0, 30.0])
     assert "median time" in speed.parts[0][0] and speed.parts[0][1].iloc[0, 0].startswith("20")
@@ -138,8 +139,8 @@ def test_rounds_measured_while_the_machine_ran_slow_are_left_out_and_marked():
     assert rows["fwd_bwd_median_s"].tolist() == [0.010] and rows["rounds"].tolist() == [2]
     assert rows["fwd_bwd_rounds_max_s"].tolist() == [0.040]
     assert df["machine_slowdown"].tolist() == pytest.approx([1.0, 1.5, 1.05])
-    speed = T.speed_table(T.select(df))
-    assert speed.parts[0][1].iloc[0, 0] == "10.0 (n/a)" and "`~`" in T.LEGEND
+    speed = speed_table(select(df))
+    assert speed.parts[0][1].iloc[0, 0] == "10.0 (n/a)" and "`~`" in LEGEND
     assert speed.data["machine_slowdown"].tolist() == pytest.approx([1.05])
     # one usual round: shown as it is; every round slow (against a faster canary of another
     # configuration): the median of all, marked
@@ -149,7 +150,7 @@ def test_rounds_measured_while_the_machine_ran_slow_are_left_out_and_marked():
     other["config"]["seq_len"] = 1024
     other["config_hash"] = "other"
     df, _ = shown([other, *recs])
-    speed = T.speed_table(T.select(df))
+    speed = speed_table(select(df))
     cells = speed.parts[0][1]
     assert cells.loc[cells.index[0], "N=256"] == "25.0 (n/a) ~"  # 40, 25, 10 ms: 25; canaries 2-3x
     assert not cells.loc[cells.index[0], "N=1024"].endswith("~")

@@ -749,12 +749,12 @@ def test_an_unstable_job_is_measured_again_in_a_fresh_process(tmp_path, monkeypa
         assert "fwd unstable (IQR above 10% of the median); measuring again (attempt 2 of 2" in p.stdout
         # the store takes the list of earlier attempts (as JSON text) into its Parquet file and tables
         from experiments.records import store
-        from experiments.report import tables
+        from experiments.report.kernel_tables import speed_table
 
         df = store.load([tmp_path / "records"], verbose=False)
         assert json.loads(df["earlier_attempts"].iloc[0]) == f["earlier_attempts"]
         assert (tmp_path / "store" / "store.parquet") in store.save(df, tmp_path / "store")
-        speed = tables.speed_table(tables.select(df))
+        speed = speed_table(store.select(df))
         assert list(speed.data["attempts"]) == [2] and "measured again" in speed.note
     else:
         assert f["fwd_unstable"] and "earlier_attempts" not in f
