@@ -12,7 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from ..measure.spec import JobSpec
+from ..measure.spec import JobSpec, Kind
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def validate(conf: BenchConfig) -> None:
         raise ValueError(f"round must be >= 0, got {conf.round}")
     if conf.bias not in BIASES:
         raise ValueError(f"bias must be one of null, alibi; got {conf.bias!r}")
-    if conf.pretrained:
+    if conf.kind is Kind.pretrained:
         _validate_pretrained(conf)
     if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
         raise ValueError("variant must be chosen: variant=<name> (docs/variants.md lists them)")

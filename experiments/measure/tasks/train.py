@@ -1,7 +1,8 @@
 """Train a small Transformer with one attention variant on one synthetic task, then test it.
 
-:func:`measure_task` is what :func:`experiments.measure.kernel.measure` runs when ``spec.task`` is
-set. It fills ``result`` with the variant's description and these figures: ``train_s``, ``steps``,
+:func:`measure_task` is the measurer of a task job (:mod:`experiments.measure.kinds`), which
+:func:`experiments.measure.kernel.measure` runs. It fills ``result`` with the variant's description
+and these figures: ``train_s``, ``steps``,
 ``final_loss``, ``test_accuracy`` (exact match per answer token on the held-out split),
 ``test_exact_match`` (whole answer right), ``params``, ``params_baseline``, ``seed``,
 ``acc_by_distance`` (recall), and one trained attention map (``attention``) for the report's heatmaps.
