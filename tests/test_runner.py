@@ -542,9 +542,17 @@ def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, messag
 
 
 def test_a_sweep_that_matches_no_job_fails_in_one_line(tmp_path):
-    p = run_sweep(tmp_path, "variant=glob(zzz*)")
+    p = run_sweep(tmp_path, "variant=glob(zzz*)")  # checked before Hydra launches anything
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.startswith("error: 'variant=glob(zzz*)' matches no variant; known variants: additive")
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "sweep").exists()
+    # a glob with an exclude list is Hydra's to expand: the sweep's end says it launched nothing
+    p = run_sweep(tmp_path, "variant=glob(*,exclude=*)")
     assert p.returncode == 1
-    assert p.stderr.strip() == "the sweep launched no job: 'variant=glob(zzz*)' matched nothing: exit code 1"
+    assert p.stderr.strip() == (
+        "the sweep launched no job: 'variant=glob(*,exclude=*)' matched nothing: exit code 1"
+    )
+    assert "records listed" not in p.stdout and not (tmp_path / "sweep").exists()
 
 
 def test_a_job_refused_inside_a_sweep_says_so_once_and_leaves_no_empty_folder(tmp_path):

@@ -154,9 +154,11 @@ class SweepCallback(Callback):
             from ..report.report import report_paths
 
             report_paths(records, out_dir=sweep_dir / "report")
-        refused = not records and entries and all(e.get("status") == "invalid_config" for e in entries)
-        if refused and remove_unmeasured_sweep(sweep_dir):  # the error lines above say why
-            print(f"\n{finished_line(entries)}; nothing measured, sweep folder removed", flush=True)
+        # nothing launched, or every job refused: the error lines say why, and no empty folder stays
+        unmeasured = not records and all(e.get("status") == "invalid_config" for e in entries)
+        if unmeasured and remove_unmeasured_sweep(sweep_dir):
+            if entries:
+                print(f"\n{finished_line(entries)}; nothing measured, sweep folder removed", flush=True)
         else:
             print(f"\n{finished_line(entries)}; records listed in {sweep_dir / MANIFEST}", flush=True)
         from hydra.utils import to_absolute_path

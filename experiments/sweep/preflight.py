@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import itertools
 import re
 import sys
@@ -32,6 +33,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 #: jobs of the command line's own comma lists checked before launch (beyond: each job checks itself)
 MAX_CHECKED = 64
 _PLAIN = re.compile(r"^[^()\[\]{}'\"$]*$")  # a plain value or comma list, no sweep functions
+_GLOB = re.compile(r"^glob\(([^,()\[\]=]+)\)$")  # glob(pattern) with one pattern and no exclude
 
 
 def known_variants() -> list[str]:
@@ -42,6 +44,11 @@ def known_variants() -> list[str]:
     root = CONF / "variant"
     files = {p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml")}
     return sorted(files | set(variants.available()))
+
+
+def variants_only() -> list[str]:
+    """The registered variants (the names of :func:`known_variants` that are not knob presets)."""
+    return [k for k in known_variants() if "/" not in k]
 
 
 def known_settings() -> list[str]:
@@ -86,12 +93,15 @@ def preflight(argv: list[str]) -> list[str]:
             known = known_variants()
             for name in value.split(","):
                 if name not in known:
-                    names = ", ".join(k for k in known if "/" not in k)
+                    names = ", ".join(variants_only())
                     presets = ", ".join(k for k in known if "/" in k)
                     _fail(
                         f"unknown variant '{name}'; known variants: {names}"
                         + (f"; knob presets: {presets}" if presets else "")
                     )
+        elif bare == "variant" and (m := _GLOB.match(value)):
+            if not fnmatch.filter(known_variants(), m.group(1)):
+                _fail(f"'{arg}' matches no variant; known variants: {', '.join(variants_only())}")
         elif bare in CHOICES and _PLAIN.match(value):
             allowed = [e.value for e in CHOICES[bare]]
             for v in value.split(","):
