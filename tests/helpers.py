@@ -142,6 +142,7 @@ def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
         w.device in cls.devices
         and w.dtype in cls.dtypes
         and (not w.causal or (cls.supports_causal and w.nq <= w.nk))
+        and (w.causal or cls.supports_noncausal)
         and (not w.key_padding or cls.supports_key_padding)
         and (not w.attn_mask or cls.supports_attn_mask)
         and (w.nq <= w.nk or cls.supports_cross)

@@ -178,6 +178,13 @@ class AttentionVariant(nn.Module):
     #: ``Nq < Nk`` with the queries as the last ``Nq`` positions of the keys' sequence (decoding
     #: against a cache, prefill onto a cache); implied by ``supports_cross``
     supports_decode: ClassVar[bool] = True
+    #: attention without ``causal`` (False for a variant whose formula is a causal recurrence, such as
+    #: retention's decay over the past)
+    supports_noncausal: ClassVar[bool] = True
+    #: :meth:`prefill` and :meth:`step` carry a decoding state whose size does not grow with the
+    #: context (a kernelized or recurrent variant); without it a variant decodes against the K/V cache
+    #: (``forward`` with ``Nq < Nk``) and :meth:`state_bytes` counts that cache
+    supports_state: ClassVar[bool] = False
     #: a ``scale`` other than ``1/sqrt(D)`` (False where the scores have no scale, as in additive)
     supports_scale: ClassVar[bool] = True
     #: an additive float ``bias`` on the scores (ALiBi, relative position bias)
@@ -213,6 +220,8 @@ class AttentionVariant(nn.Module):
                 f"causal attention needs Nq <= Nk (queries aligned to the last keys), got Nq={w.nq}, "
                 f"Nk={w.nk}"
             )
+        if not w.causal and not self.supports_noncausal:
+            raise Unsupported(f"{who} is causal only (pass causal=True)")
         if w.causal and not self.supports_causal:
             raise Unsupported(f"{who} does not support causal masking")
         if w.key_padding and not self.supports_key_padding:
@@ -292,6 +301,45 @@ class AttentionVariant(nn.Module):
         attn_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ decoding with a state
+    def prefill(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+        heads: int | None = None,
+    ) -> object:
+        """The decoding state after the context ``k (B, Hkv, N, D)``, ``v (B, Hkv, N, Dv)``
+        (``key_padding_mask (B, N)``, True = real key), for ``heads`` query heads (default ``Hkv``)
+        and the score ``scale`` (default ``1/sqrt(D)``; :meth:`step` keeps it). Only where
+        ``supports_state``: its size is then independent of ``N``."""
+        raise Unsupported(self._no_state())
+
+    def step(
+        self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, state: object | None
+    ) -> tuple[torch.Tensor, object]:
+        """Decode the next positions: ``q (B, H, T, D)``, ``k_new (B, Hkv, T, D)``, ``v_new (B, Hkv, T,
+        Dv)`` after the context ``state`` holds (None: no context). Returns the causal output of the
+        ``T`` new positions ``(B, H, T, Dv)`` (the rows ``forward(..., causal=True)`` gives them over
+        the whole sequence) and the state after them. Only where ``supports_state``."""
+        raise Unsupported(self._no_state())
+
+    def _no_state(self) -> str:
+        who = self.name or type(self).__name__
+        return (
+            f"{who} keeps no fixed-size decoding state: it decodes against the K/V cache (forward with "
+            "Nq < Nk), which grows with the context"
+        )
+
+    def state_bytes(self, w: Workload) -> int:
+        """Bytes one decoding sequence keeps per layer at context length ``w.nk`` (the batch multiplies
+        it). Default: the K/V cache, ``Hkv * Nk * (D + Dv)`` elements of ``w.dtype``, linear in ``Nk``;
+        a variant with ``supports_state`` returns its state's size, constant in ``Nk``."""
+        elem = torch.empty((), dtype=w.dtype).element_size()
+        return w.hkv * w.nk * (w.head_dim + w.v_head_dim) * elem
 
     # ------------------------------------------------------------------ structure and work
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
