@@ -23,6 +23,9 @@ BUILTIN_MODULES = (
     "additive",
     "flex",
     "xformers_attn",
+    "linear",
+    "retention",
+    "performer",
 )
 for _m in BUILTIN_MODULES:
     import_module(f"{__name__}.{_m}")

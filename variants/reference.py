@@ -114,3 +114,106 @@ def full_attention_reference(
         bias = _rows_of(bias.to(q.device), rows, nq)
     q_rows = q if rows is None else q[:, :, rows]
     return reference_attention(q_rows, k, v, allowed=allowed, scale=scale, bias=bias)
+
+
+# ---------------------------------------------------------------- the kernelized family (issue 31)
+# linear, retention and performer written densely: the (B, H, Nq, Nk) weights, then their sum over
+# the visible keys. Nothing here is shared with variants/linear_core.py.
+
+
+def _kernel_visible(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, key_padding_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Float64 ``(B|1, 1, Nq, Nk)``: 1 where query ``i`` (position ``i + Nk - Nq``) sees key ``j``."""
+    nq, nk = q.shape[2], k.shape[2]
+    i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)  # (Nq, 1): positions of the queries
+    j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
+    seen = (j <= i) if causal else torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    seen = seen[None, None]  # (1, 1, Nq, Nk)
+    if key_padding_mask is not None:
+        seen = seen & key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, Nq, Nk)
+    return seen.double()
+
+
+def _kernel_sum(weights: torch.Tensor, v: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """``weights (B, H, Nq, Nk) @ v``, divided by the row sums when ``normalize`` (a zero row: 0)."""
+    out = weights @ v  # (B, H, Nq, Dv)
+    if normalize:
+        den = weights.sum(-1, keepdim=True)  # (B, H, Nq, 1)
+        out = out / torch.where(den == 0, torch.ones_like(den), den)
+    return out
+
+
+def linear_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    feature_map: str,
+    normalize: bool,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Float64 linear attention (Katharopoulos et al. 2020): weights ``s phi(q_i) . phi(k_j)`` over
+    the visible keys, ``sum_j w_ij v_j`` (divided by ``sum_j w_ij`` when ``normalize``); ``phi`` is
+    ``elu1`` (x + 1 for x > 0, e^x otherwise), ``relu`` or ``identity``. ``(B, H, Nq, Dv)``."""
+    phi = {
+        "elu1": lambda x: torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0))),
+        "relu": lambda x: torch.clamp(x, min=0),
+        "identity": lambda x: x,
+    }[feature_map]
+    q, k, v = q.double(), repeat_kv(k, q.shape[1]).double(), repeat_kv(v, q.shape[1]).double()
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    weights = s * (phi(q) @ phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
+    return _kernel_sum(weights, v, normalize)
+
+
+def retention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Float64 retention (RetNet, Sun et al. 2023): ``o_i = sum_{j <= i} gamma_h^(i-j) (s q_i . k_j)
+    v_j`` with ``gamma_h = 1 - 2^(-5-h)``, ``i`` the query's position (bottom-right), padded keys out
+    of the sum. Causal only. ``(B, H, Nq, Dv)``."""
+    if not causal:
+        raise ValueError("retention is causal only")
+    q, k, v = q.double(), repeat_kv(k, q.shape[1]).double(), repeat_kv(v, q.shape[1]).double()
+    nq, nk, h = q.shape[2], k.shape[2], q.shape[1]
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    gamma = 1 - 2.0 ** (-5.0 - torch.arange(h, dtype=torch.float64, device=q.device))  # (H,)
+    dist = (torch.arange(nq, device=q.device)[:, None] + (nk - nq)) - torch.arange(nk, device=q.device)
+    decay = gamma[:, None, None] ** dist.clamp(min=0).double()  # (H, Nq, Nk); masked where dist < 0
+    visible = _kernel_visible(q, k, True, key_padding_mask)  # (B|1, 1, Nq, Nk)
+    return (s * (q @ k.transpose(-2, -1)) * decay * visible) @ v
+
+
+def performer_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    projection: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Float64 FAVOR+ (Choromanski et al. 2021) with the random directions ``projection (m, D)``:
+    ``phi(x) = exp(W x - |x|^2 / 2) / sqrt(m)`` of ``x = sqrt(s) q`` and ``sqrt(s) k``, weights
+    ``phi(q_i) . phi(k_j)`` over the visible keys, normalised by their sum. Unstabilised: for inputs
+    of moderate size. ``(B, H, Nq, Dv)``."""
+    q, k, v = q.double(), repeat_kv(k, q.shape[1]).double(), repeat_kv(v, q.shape[1]).double()
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    w = projection.double().to(q.device)
+
+    def phi(x: torch.Tensor) -> torch.Tensor:
+        x = x * s**0.5
+        return torch.exp(x @ w.T - (x * x).sum(-1, keepdim=True) / 2) / w.shape[0] ** 0.5  # (B, H, N, m)
+
+    weights = (phi(q) @ phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
+    return _kernel_sum(weights, v, True)

@@ -1,0 +1,381 @@
+"""The kernelized-attention core that ``linear``, ``performer`` and ``retention`` share.
+
+All three compute, for query ``i`` at position ``t_i``,
+
+    out_i = sum_{j visible to i} exp(l_j - r_{t_i}) (qf_i . kf_j) v_j                        (*)
+
+with feature vectors ``qf (F,)``, ``kf (F,)`` (the variant's feature maps; ``F`` features), values
+``v (E,)`` (a normalised variant appends a column of ones, so the last output column is the
+denominator) and optional log weights: ``l_j`` per key and a reference ``r_t`` per position, with
+``l_j <= r_t`` whenever key ``j`` is visible at position ``t``, so every weight is at most 1.
+
+- ``linear``: no weights (``l = r = 0``).
+- ``retention``: ``l_j = j lambda_h``, ``r_t = t lambda_h`` with ``lambda_h = -log gamma_h``, so the
+  weight is ``gamma_h^(t - j)``, the decay.
+- ``performer``: ``l_j`` is key ``j``'s own log scale (its features are stored divided by it, so none
+  overflows) and ``r_t`` the running maximum of ``l`` up to ``t``: a stabiliser that cancels in the
+  normalised ratio and reads no future key, so causal outputs and the decoding state never see one.
+
+The sums run through a state ``kv (F, E) = sum_j exp(l_j - ref) kf_j v_j^T`` held relative to one
+reference ``ref``: its size is independent of ``N``. Non-causal: one pass builds it, each query reads
+it (:func:`global_attention`, ``O(N F E)``). Causal: the chunked form (:func:`causal_attention`): within
+a chunk of ``c`` positions the ``(c, c)`` products (quadratic in ``c`` only), across chunks the state
+carried from the chunks before, ``O(N c (F + E) + N F E)`` time, never an ``N x N`` tensor. A key
+excluded by padding has ``kf = 0`` and ``l = -inf``: it is in no sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as fn
+
+from .base import AttentionVariant, Unsupported, Workload, repeat_kv
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class KernelState:
+    """What a kernelized variant keeps while decoding, for ``B`` sequences and ``H`` query heads.
+
+    Its size does not depend on how many positions it has consumed.
+    """
+
+    kv: torch.Tensor  # (B, H, F, E): sum_j exp(l_j - ref) kf_j [v_j, 1]^T
+    ref: torch.Tensor | None  # (B|1, H): the log reference of kv; None where there are no weights
+    length: int  # positions consumed, padded ones included (they still take a position)
+    scale: float  # the score scale, fixed at prefill
+
+    def bytes_per_sequence(self) -> int:
+        """Bytes of one sequence's share of the state (what :meth:`state_bytes` predicts)."""
+        ref = 0 if self.ref is None else self.ref[:1].nbytes
+        return self.kv[:1].nbytes + ref
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the sums run in: float32 for 16-bit inputs (a state summed over thousands of keys
+    in bf16 would lose the small terms), the input's own otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def refuse_pairwise(who: str, w: Workload) -> None:
+    """Raise :class:`Unsupported` for what needs the ``(Nq, Nk)`` scores the family never forms."""
+    if w.attn_mask:
+        raise Unsupported(
+            f"{who} never forms the (Nq, Nk) scores, so an arbitrary attn_mask cannot be applied "
+            "(key padding and causal can)"
+        )
+    if w.bias:
+        raise Unsupported(f"{who} never forms the (Nq, Nk) scores a bias would be added to")
+
+
+def _weight(log_diff: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``exp(log_diff)`` in ``dtype``; NaN (``-inf - -inf``: no real key yet, the sum it scales is
+    zero) counts as ``-inf``, weight 0. The log weights carry no gradient, so neither does this."""
+    return torch.exp(torch.where(log_diff.isnan(), NEG_INF, log_diff)).to(dtype)
+
+
+def absorb(
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    log_k: torch.Tensor | None,
+    ref_end: torch.Tensor | None,
+    kv0: torch.Tensor | None,
+    ref0: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The state after keys ``kf (B, H, N, F)``, ``v (B, H, N, E)`` (log weights ``log_k (B|1, H, N)``)
+    are added to ``kv0 (B, H, F, E)`` (reference ``ref0 (B|1, H)``; None: empty), held relative to
+    ``ref_end (B|1, H)``: ``exp(ref0 - ref_end) kv0 + sum_j exp(l_j - ref_end) kf_j v_j^T``.
+    ``O(N F E)``; returns ``(kv, ref_end)``."""
+    if log_k is not None:
+        w = _weight(log_k - ref_end[..., None], kf.dtype)  # (B|1, H, N)
+        kf = kf * w[..., None]  # (B, H, N, F)
+    kv = kf.transpose(-1, -2) @ v  # (B, H, F, E)
+    if kv0 is not None:
+        carry = 1.0 if ref0 is None else _weight(ref0 - ref_end, kv.dtype)[..., None, None]
+        kv = kv + carry * kv0
+    return kv, ref_end
+
+
+def global_attention(
+    qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, log_k: torch.Tensor | None
+) -> torch.Tensor:
+    """Non-causal (*): every query reads every key. ``qf (B, H, Nq, F)``, ``kf (B, H, Nk, F)``,
+    ``v (B, H, Nk, E)``, ``log_k (B|1, H, Nk)`` or None -> ``(B, H, Nq, E)``; one pass through the
+    ``(F, E)`` state, ``O((Nq + Nk) F E)``. The state is held relative to the largest ``l``, so each
+    weight is at most 1 and the common factor ``exp(-max l)`` is one a normalised variant divides out."""
+    ref = None if log_k is None else log_k.amax(-1)  # (B|1, H)
+    kv, _ = absorb(kf, v, log_k, ref, None, None)  # (B, H, F, E)
+    return qf @ kv
+
+
+def causal_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    chunk: int,
+    log_k: torch.Tensor | None = None,
+    log_ref: torch.Tensor | None = None,
+    kv0: torch.Tensor | None = None,
+    ref0: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Causal (*) in chunks of ``chunk`` positions, bottom-right aligned.
+
+    ``qf (B, H, Nq, F)`` are the last ``Nq`` of the ``Nk`` positions of ``kf (B, H, Nk, F)``,
+    ``v (B, H, Nk, E)``; ``log_k``, ``log_ref (B|1, H, Nk)`` (both or neither) are per position;
+    ``kv0 (B, H, F, E)``, ``ref0 (B|1, H)`` a state the keys follow (decoding), or None. The first
+    ``Nk - Nq`` keys go straight into the state (:func:`absorb`); then, per chunk, the intra-chunk
+    ``(c, c)`` products masked to ``j <= i`` and the state from the chunks before, scaled to each
+    query's reference. Returns ``(out (B, H, Nq, E), kv, ref)``: the state after all ``Nk`` keys.
+    Time ``O(Nq c (F + E) + Nk F E)``; memory ``O(Nq c + (Nq / c) F E)`` per batch and head (the
+    state before each chunk is kept for the queries and for backward). With weights the state is
+    carried chunk by chunk (a loop over ``Nq / c`` chunks of ``O(F E)`` work each); without, by a sum.
+    """
+    b, h, nq, _ = qf.shape
+    nk, e = kf.shape[2], v.shape[-1]
+    weighted = log_k is not None
+    off = nk - nq
+    if off:  # keys before the first query: state only
+        kv0, ref0 = absorb(
+            kf[:, :, :off],
+            v[:, :, :off],
+            log_k[..., :off] if weighted else None,
+            log_ref[..., off - 1] if weighted else None,
+            kv0,
+            ref0,
+        )
+        kf, v = kf[:, :, off:], v[:, :, off:]  # (B, H, Nq, F|E)
+        if weighted:
+            log_k, log_ref = log_k[..., off:], log_ref[..., off:]  # (B|1, H, Nq)
+    c = max(1, min(chunk, nq))
+    n = -(-nq // c)
+    pad = n * c - nq
+    if pad:  # zero features after the end: they change no earlier output and add nothing to the state
+        qf, kf, v = (fn.pad(x, (0, 0, 0, pad)) for x in (qf, kf, v))  # (B, H, n c, F|E)
+        if weighted:
+            log_k = fn.pad(log_k, (0, pad), value=NEG_INF)  # (B|1, H, n c)
+            log_ref = torch.cat([log_ref, log_ref[..., -1:].expand(*log_ref.shape[:-1], pad)], -1)
+    qc = qf.view(b, h, n, c, -1)  # (B, H, n c, F) -> (B, H, n, c, F)
+    kc = kf.view(b, h, n, c, -1)  # (B, H, n, c, F)
+    vc = v.view(b, h, n, c, e)  # (B, H, n, c, E)
+    lower = torch.ones(c, c, dtype=torch.bool, device=qf.device).tril()  # (c, c): key j <= query i
+
+    scores = qc @ kc.transpose(-1, -2)  # (B, H, n, c, c)
+    if weighted:
+        lk = log_k.view(*log_k.shape[:2], n, c)  # (B|1, H, n, c)
+        lr = log_ref.view(*log_ref.shape[:2], n, c)  # (B|1, H, n, c)
+        # relative to the chunk's first reference before any float32 rounding: retention's absolute
+        # log positions reach thousands, where float32 keeps only 3-4 digits of a difference
+        base = lr[..., :1]
+        base = torch.where(base.isfinite(), base, 0.0)  # (B|1, H, n, 1); -inf: no real key yet
+        rel_k, rel_r = (lk - base).to(qf.dtype), (lr - base).to(qf.dtype)
+        diff = rel_k[..., None, :] - rel_r[..., :, None]  # (B|1, H, n, c, c): l_j - r_i
+        scores = scores * _weight(diff.masked_fill(~lower, NEG_INF), qf.dtype)
+        ends = lr[..., -1]  # (B|1, H, n): each chunk's state is held relative to its last reference
+        kw = kc * _weight(lk - ends[..., None], qf.dtype)[..., None]  # (B, H, n, c, F)
+    else:
+        scores = scores.masked_fill(~lower, 0.0)
+        kw = kc
+    out = scores @ vc  # (B, H, n, c, E): within each chunk
+    chunk_kv = kw.transpose(-1, -2) @ vc  # (B, H, n, F, E): each chunk's own keys
+    if kv0 is None:
+        kv0 = qf.new_zeros(b, h, qf.shape[-1], e)  # (B, H, F, E)
+
+    if weighted:
+        state, ref = kv0, ref0 if ref0 is not None else torch.full_like(ends[..., 0], NEG_INF)
+        befores, refs = [], []
+        for t in range(n):  # the state before chunk t, then chunk t added: O(F E) a chunk
+            befores.append(state)
+            refs.append(ref)
+            state = _weight(ref - ends[..., t], qf.dtype)[..., None, None] * state + chunk_kv[:, :, t]
+            ref = ends[..., t]
+        before = torch.stack(befores, 2)  # (B, H, n, F, E)
+        # each query reads the state at its own reference: exp(ref_before - r_i) <= 1
+        qscale = _weight(torch.stack(refs, -1)[..., None] - lr, qf.dtype)  # (B|1, H, n, c)
+        out = out + (qc * qscale[..., None]) @ before
+    else:
+        total = chunk_kv.cumsum(2)  # (B, H, n, F, E): through chunk t
+        before = kv0[:, :, None] + torch.cat([torch.zeros_like(total[:, :, :1]), total[:, :, :-1]], 2)
+        state, ref = kv0 + total[:, :, -1], None
+        out = out + qc @ before
+    return out.reshape(b, h, n * c, e)[:, :, :nq], state, ref  # (B, H, n, c, E) -> (B, H, Nq, E)
+
+
+def core_flops(nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weighted: bool) -> int:
+    """FLOPs of (*) for one batch element and head, as the functions above compute it.
+
+    Non-causal: the state ``2 Nk F E`` and its reading ``2 Nq F E``. Causal, in chunks of
+    ``c = min(chunk, Nq)``: the intra-chunk products ``2 Nq c (F + E)`` (the whole ``c x c`` block, as
+    computed), each chunk's state ``2 Nq F E``, the reading ``2 Nq F E``, the carry ``(Nq / c) F E`` and
+    the keys before the first query ``2 (Nk - Nq) F E``. With weights, the weights themselves (a
+    difference and an exponential per weight) and the products with them.
+    """
+    if not causal:
+        return 2 * nk * f * e + 2 * nq * f * e + (nk * (f + 2) if weighted else 0)
+    c = max(1, min(chunk, nq))
+    n = math.ceil(nq / c)
+    flops = 2 * nq * c * (f + e) + 4 * nq * f * e + n * f * e + 2 * (nk - nq) * f * e
+    if weighted:
+        # (c, c) weights and their product, key weights and products, query weights, the carry's scale
+        flops += 3 * nq * c + nq * (f + 2) + nq * (f + 2) + n * f * e + (nk - nq) * (f + 2)
+    return flops
+
+
+class KernelizedAttention(AttentionVariant):
+    """What ``linear``, ``performer`` and ``retention`` share: the forward, the decoding state and
+    its size, the FLOPs, the refusals; each supplies its feature maps and log weights
+    (:meth:`_features`), its state's dimensions (:meth:`_state_dims`) and its feature maps' FLOPs.
+
+    ``normalize``: values get a column of ones, so (*) also sums the denominator, and the output is
+    the ratio (a row whose denominator is exactly 0, a query that sees no key, stays 0).
+    """
+
+    exact = False  # not softmax attention (performer approximates it)
+    supports_attn_mask = False  # refused with the reason by refuse_pairwise
+    native_scale = True  # the scale multiplies the features, not q before a feature map
+    supports_state = True
+    #: (*) has log weights (a decay, a stabiliser)
+    weighted: ClassVar[bool] = False
+    normalize: bool = False
+    chunk: int = 64
+
+    def check(self, w: Workload) -> None:
+        refuse_pairwise(self.name or type(self).__name__, w)
+        super().check(w)
+
+    def _features(
+        self,
+        q: torch.Tensor | None,
+        k: torch.Tensor,
+        scale: float,
+        valid: torch.Tensor | None,
+        start: int,
+        ref0: torch.Tensor | None,
+        causal: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(qf (B, H, Nq, F), kf (B, H, Nk, F), log_k (B|1, H, Nk), log_ref (B|1, H, Nk))`` of (*)
+        for ``q (B, H, Nq, D)`` (None: keys only) and ``k (B, H, Nk, D)`` in the work dtype; ``valid
+        (B, 1, Nk)`` marks real keys (None: all), whose ``kf`` must be 0 and ``log_k`` ``-inf``
+        otherwise; the keys are positions ``start ..``; ``ref0`` is the state's reference they follow;
+        ``log_ref`` is needed only when ``causal``. The log weights carry no gradient."""
+        raise NotImplementedError
+
+    def _state_dims(self, w: Workload) -> tuple[int, int, int]:
+        """``(F, E, ref bytes)`` of one head's state for ``w``."""
+        raise NotImplementedError
+
+    def _feature_flops(self, w: Workload) -> int:
+        """FLOPs of the feature maps (and what else the variant adds to the core) for ``w``."""
+        raise NotImplementedError
+
+    def _values(self, v: torch.Tensor) -> torch.Tensor:
+        """``v (B, H, N, Dv)`` with a column of ones when normalised: ``(B, H, N, E)``."""
+        if not self.normalize:
+            return v
+        return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)  # (B, H, N, Dv + 1)
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        """``(B, H, N, E)`` sums -> ``(B, H, N, Dv)`` output (the ratio when normalised)."""
+        if not self.normalize:
+            return out
+        num, den = out[..., :-1], out[..., -1:]  # (B, H, N, Dv), (B, H, N, 1)
+        return num / torch.where(den == 0, 1.0, den)
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None):
+        work = work_dtype(q.dtype)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, Nk)
+        qf, kf, log_k, log_ref = self._features(q.to(work), k.to(work), scale, valid, 0, None, causal)
+        vv = self._values(v.to(work))  # (B, H, Nk, E)
+        if causal:
+            out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref)
+        else:
+            out = global_attention(qf, kf, vv, log_k)
+        return self._finish(out).to(q.dtype)
+
+    # ------------------------------------------------------------------ the decoding state
+    def _decode_workload(
+        self, heads: int, k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, scale: float | None
+    ) -> Workload:
+        """The workload of a prefill of ``k``, ``v`` (any ``N``, 0 included), checked."""
+        if k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3] or heads % k.shape[1]:
+            raise ValueError(
+                f"prefill needs k (B, Hkv, N, D), v (B, Hkv, N, Dv) and heads a multiple of Hkv; got "
+                f"{tuple(k.shape)}, {tuple(v.shape)}, heads={heads}"
+            )
+        b, hkv, n, d = k.shape
+        if kpm is not None and (kpm.dtype != torch.bool or tuple(kpm.shape) != (b, n)):
+            raise ValueError(f"key_padding_mask must be boolean (B, N) = {(b, n)}")
+        w = Workload(
+            batch=b,
+            heads=heads,
+            nq=n,
+            nk=n,
+            head_dim=d,
+            v_head_dim=v.shape[3],
+            device=k.device.type,
+            dtype=k.dtype,
+            causal=True,
+            key_padding=kpm is not None,
+            kv_heads=hkv if hkv != heads else None,
+            scale=scale,
+        )
+        self.check(w)
+        return w
+
+    def prefill(self, k, v, *, key_padding_mask=None, scale=None, heads=None) -> KernelState:
+        """The state after the context (see :meth:`AttentionVariant.prefill`): one pass,
+        ``O(N F E)``; ``N = 0`` gives the empty state."""
+        heads = heads or k.shape[1]
+        w = self._decode_workload(heads, k, v, key_padding_mask, scale)
+        k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # (B, H, N, D|Dv)
+        work = work_dtype(k.dtype)
+        s = w.head_dim**-0.5 if scale is None else float(scale)
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, N)
+        _, kf, log_k, log_ref = self._features(None, k.to(work), s, valid, 0, None, True)
+        ref_end = None
+        if log_ref is not None:  # an empty context has no position yet: reference -inf, weight 0
+            ref_end = log_ref[..., -1] if w.nk else log_ref.new_full(log_ref.shape[:-1], NEG_INF)
+        kv, ref = absorb(kf, self._values(v.to(work)), log_k, ref_end, None, None)
+        return KernelState(kv, ref, w.nk, s)
+
+    def step(self, q, k_new, v_new, state) -> tuple[torch.Tensor, KernelState]:
+        """The causal output of the ``T`` new positions and the state after them (see
+        :meth:`AttentionVariant.step`): the chunked form started from the state, ``O(T (c + F) E)``."""
+        if state is None:
+            state = self.prefill(k_new[:, :, :0], v_new[:, :, :0], heads=q.shape[1])
+        w = Workload.of(q, k_new, v_new, causal=True, scale=state.scale)
+        if w.nq != w.nk:
+            raise ValueError(f"step takes as many new keys as queries; got {w.nq} queries, {w.nk} keys")
+        self.check(w)
+        if state.kv.shape[:2] != (w.batch, w.heads) or state.kv.dtype != work_dtype(w.dtype):
+            raise ValueError(
+                f"the state holds {tuple(state.kv.shape[:2])} (B, H) in {state.kv.dtype}; the step's "
+                f"q is ({w.batch}, {w.heads}) in {w.dtype}"
+            )
+        work = state.kv.dtype
+        k, v = repeat_kv(k_new, w.heads), repeat_kv(v_new, w.heads)  # (B, H, T, D|Dv)
+        qf, kf, log_k, log_ref = self._features(
+            q.to(work), k.to(work), state.scale, None, state.length, state.ref, True
+        )
+        out, kv, ref = causal_attention(
+            qf, kf, self._values(v.to(work)), self.chunk, log_k, log_ref, state.kv, state.ref
+        )
+        return self._finish(out).to(q.dtype), KernelState(kv, ref, state.length + w.nk, state.scale)
+
+    def state_bytes(self, w: Workload) -> int:
+        """``H`` heads of an ``F x E`` state (and its reference): independent of ``w.nk``."""
+        f, e, ref = self._state_dims(w)
+        return w.heads * (f * e * torch.empty((), dtype=work_dtype(w.dtype)).element_size() + ref)
+
+    def flops(self, w: Workload, mode: str = "fwd") -> int:
+        """The feature maps and the core's state updates and chunk products (:func:`core_flops`) for
+        every batch element and head, not pairs; backward counts 2.5x forward as elsewhere."""
+        f, e, _ = self._state_dims(w)
+        core = core_flops(w.nq, w.nk, f, e, self.chunk, w.causal, self.weighted)
+        fwd = w.batch * w.heads * core + self._feature_flops(w)
+        return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode])
