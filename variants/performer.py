@@ -35,13 +35,17 @@ from .registry import register
 
 
 def orthogonal_features(m: int, d: int, seed: int) -> torch.Tensor:
-    """FAVOR+'s ``W (m, D)`` float64: stacked ``D x D`` random orthogonal blocks (QR of Gaussian
+    """FAVOR+'s ``W (m, D)`` float64: stacked ``D x D`` Haar-random orthogonal blocks (QR of Gaussian
     matrices; the last block cut to ``m``), row ``r`` rescaled to the norm of a Gaussian vector in
     ``R^D`` (so each row is marginally Gaussian while the rows of a block stay orthogonal)."""
     g = torch.Generator().manual_seed(seed)
     blocks = []
     for _ in range(math.ceil(m / d)):
-        qr, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+        qr, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+        # LAPACK's Householder QR fixes the signs of R's diagonal, which biases Q's entries (its first
+        # column's first entry is always <= 0, and the kernel estimate with it: 0.46 for 0.41 at 10^5
+        # features); R's diagonal signs moved into Q make Q Haar-distributed (Mezzadri 2007)
+        qr = qr * torch.sign(torch.diagonal(r))  # (D, D), columns rescaled by +-1
         blocks.append(qr.T)  # (D, D): orthonormal rows
     norms = torch.randn(m, d, generator=g, dtype=torch.float64).norm(dim=1)  # (m,): chi(D) lengths
     return torch.cat(blocks)[:m] * norms[:, None]  # (m, D)
