@@ -116,6 +116,76 @@ def full_attention_reference(
     return reference_attention(q_rows, k, v, allowed=allowed, scale=scale, bias=bias)
 
 
+def nystrom_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    landmarks: int,
+    pinv_iters: int,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Float64 Nystromformer (Xiong et al. 2021, eq. 15), written densely for the ``nystrom`` tests.
+
+    ``softmax(Q K~^T) Z softmax(Q~ K^T) V`` with ``Q`` scaled by ``scale`` (default ``1/sqrt(D)``);
+    ``Q~``, ``K~`` are the means of the real tokens of each segment (``l = ceil(N / landmarks)``
+    tokens, counted from the end of the sequence, so the first segment is the short one), taken as an
+    averaging matrix; ``Z`` is the paper's iterative pseudo-inverse of ``A = softmax(Q~ K~^T)``
+    (``pinv_iters`` steps from ``A^T / (||A||_1 ||A||_inf)`` per batch element and head). Landmarks with
+    no real token and padded keys are left out of the softmaxes. ``q (B, H, N, D)``, ``k``/``v`` with
+    ``H`` or fewer heads; returns ``(B, H, N, Dv)`` float64. Memory ``O(B H N (N + m))``.
+    """
+    b, h, n, d = q.shape
+    k, v = repeat_kv(k, h).double(), repeat_kv(v, h).double()  # (B, H, N, D|Dv)
+    qs = q.double() * (d**-0.5 if scale is None else scale)
+    real = torch.ones(b, n, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.cpu()
+    seg = -(-n // landmarks)  # ceil
+    m = -(-n // seg)
+    segment_of = (torch.arange(n) + m * seg - n) // seg  # (N,): the first m*seg - n slots are empty
+    member = (segment_of[None, :] == torch.arange(m)[:, None])[None] & real[:, None, :]  # (B, m, N)
+    counts = member.sum(-1)  # (B, m)
+    average = (member.double() / counts.clamp_min(1)[:, :, None]).to(q.device)  # (B, m, N)
+    has = (counts > 0).to(q.device)  # (B, m)
+    real = real.to(q.device)
+    q_land = average[:, None] @ qs  # (B, H, m, D)
+    k_land = average[:, None] @ k  # (B, H, m, D)
+    f = safe_softmax(qs @ k_land.mT, has[:, None, None, :])  # (B, H, N, m)
+    a = safe_softmax(q_land @ k_land.mT, has[:, None, :, None] & has[:, None, None, :])  # (B, H, m, m)
+    bm = safe_softmax(q_land @ k.mT, has[:, None, :, None] & real[:, None, None, :])  # (B, H, m, N)
+    norm = a.sum(-2).max(-1).values * a.sum(-1).max(-1).values  # (B, H)
+    z = a.mT / torch.where(norm > 0, norm, 1.0)[..., None, None]
+    eye = torch.eye(m, dtype=torch.float64, device=q.device)
+    for _ in range(pinv_iters):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return ((f @ z) @ bm) @ v
+
+
+def linformer_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e: torch.Tensor,
+    f: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Float64 Linformer (Wang et al. 2020): ``softmax(Q (E K)^T * scale) (F V)`` with the length
+    projections ``E``, ``F (P, max_len)`` cut to their first ``Nk`` columns, padded keys and values
+    zeroed first. ``q (B, H, Nq, D)``, ``k``/``v`` with ``H`` or fewer heads; returns
+    ``(B, H, Nq, Dv)`` float64 (differentiable in ``e`` and ``f`` too)."""
+    h, nk = q.shape[1], k.shape[2]
+    k, v = repeat_kv(k, h).double(), repeat_kv(v, h).double()  # (B, H, Nk, D|Dv)
+    if key_padding_mask is not None:
+        real = key_padding_mask[:, None, :, None].to(q.device)  # (B, 1, Nk, 1)
+        k, v = k * real, v * real
+    k_proj = e[:, :nk].double() @ k  # (P, Nk) @ (B, H, Nk, D) -> (B, H, P, D)
+    v_proj = f[:, :nk].double() @ v  # (B, H, P, Dv)
+    return reference_attention(q, k_proj, v_proj, scale=scale)
+
+
 # ---------------------------------------------------------------- the kernelized family (issue 31)
 # linear, retention and performer written densely: the (B, H, Nq, Nk) weights, then their sum over
 # the visible keys. Nothing here is shared with variants/linear_core.py.
