@@ -21,6 +21,8 @@ BUILTIN_MODULES = (
     "sparse",
     "axial",
     "additive",
+    "nystrom",
+    "linformer",
     "flex",
     "xformers_attn",
     "linear",
