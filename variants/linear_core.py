@@ -169,7 +169,7 @@ def causal_attention(
         lk = log_k.view(*log_k.shape[:2], n, c)  # (B|1, H, n, c)
         lr = log_ref.view(*log_ref.shape[:2], n, c)  # (B|1, H, n, c)
         # relative to the chunk's first reference before any float32 rounding: retention's absolute
-        # log positions reach thousands, where float32 keeps only 3-4 digits of a difference
+        # log positions reach hundreds and more, where a float32 difference keeps ~4 significant digits
         base = lr[..., :1]
         base = torch.where(base.isfinite(), base, 0.0)  # (B|1, H, n, 1); -inf: no real key yet
         rel_k, rel_r = (lk - base).to(qf.dtype), (lr - base).to(qf.dtype)
