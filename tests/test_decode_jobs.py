@@ -159,3 +159,57 @@ def test_model_job_runs_a_transformers_model_and_reports_it():
     title, tab = sec.parts[0]
     assert "1 layers, width 64" in title and "prefill 24 tokens, then 3 decoded" in title
     assert tab.loc["local_window", "ms / decoded token"] == num(f["decode_ms_per_token"])
+
+
+def test_a_decode_job_times_the_step_of_a_variant_with_a_state_and_records_what_it_keeps():
+    # linear keeps H x D x (Dv + 1) numbers whatever the context; sdpa keeps the K/V cache
+    b, h, hkv, d = 1, 4, 2, 16
+    figs = {}
+    for variant in ("linear", "sdpa"):
+        for nk in (64, 256):
+            spec = job_spec(
+                variant=variant,
+                seq_len=1,
+                kv_len=nk,
+                batch=b,
+                heads=h,
+                kv_heads=hkv,
+                head_dim=d,
+                causal=True,
+                min_run_time=0.02,
+            )
+            res = measure(spec)
+            assert res["status"] == "ok" and res["figures"]["valid"], res
+            figs[variant, nk] = res["figures"]
+    assert figs["linear", 64]["state_bytes"] == figs["linear", 256]["state_bytes"] == h * d * (d + 1) * 4
+    assert figs["sdpa", 256]["state_bytes"] == 4 * figs["sdpa", 64]["state_bytes"] == hkv * 256 * 2 * d * 4
+    assert figs["linear", 256]["step_median_s"] > 0 and "step_median_s" not in figs["sdpa", 256]
+    # the report's decoding table: time per token from the step where there is one, and the state
+    df = pd.DataFrame(
+        [
+            {
+                "variant": v,
+                "variant_name": v,
+                "seq_len": 1,
+                "kv_len": nk,
+                "mode": "fwd",
+                "causal": True,
+                "device": "cpu",
+                "dtype": "float32",
+                "status": "ok",
+                "valid": True,
+                "reason": None,
+                "config_hash": f"{v}{nk}",
+                "started_at": "t",
+                "path": "p",
+                **f,
+            }
+            for (v, nk), f in figs.items()
+        ]
+    )
+    from experiments.report.kernel_tables import decode_table
+
+    sec = decode_table(df)
+    lin = sec.data[sec.data["variant"] == "linear"].sort_values("kv_len")
+    assert list(lin["s_per_token"]) == [figs["linear", nk]["step_median_s"] for nk in (64, 256)]
+    assert "MiB" in sec.parts[0][1].to_string()

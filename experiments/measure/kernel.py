@@ -12,6 +12,7 @@ from __future__ import annotations
 import resource
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -277,6 +278,10 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
     # the bytes a forward call cannot avoid moving: decoding is bound by them, not by FLOPs
     fig["min_bytes"] = min_bytes(w, inp)
     fig["bytes_per_s"] = fig["min_bytes"] / fig["fwd_median_s"]
+    # what one decoding sequence keeps per layer: the K/V cache, or a fixed-size state
+    fig["state_bytes"] = variant.state_bytes(w)
+    if _decodes_with_state(variant, w, spec):
+        fig.update(_timing_fields("step", time_call(_step_call(variant, inp, w), device, min_t)))
 
     # peak memory above the inputs (and the kept graph, for bwd) during one call of the mode
     out = grads = None  # free the kept graph and gradients: they are not part of the next call
@@ -290,6 +295,29 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         fig.update(_timing_fields("fwd_graph", graph_t))
         if why is not None:
             fig["fwd_graph_skipped"] = why
+
+
+def _decodes_with_state(variant: AttentionVariant, w: Workload, spec: JobSpec) -> bool:
+    """Whether the job decodes (causal, fewer queries than keys, forward) with a variant that carries
+    a fixed-size state: then the decoding step is timed too, which is what such a variant costs per
+    token (its forward over the cache re-reads the context, which decoding never does)."""
+    return variant.supports_state and w.causal and w.nq < w.nk and not w.backward and spec.padding == 0
+
+
+def _step_call(variant: AttentionVariant, inp: Inputs, w: Workload) -> Callable[[], object]:
+    """A no-argument call of one decoding step: the last ``Nq`` keys and values onto the state of the
+    ``Nk - Nq`` before them (prefilled once, outside the timing); the state is not advanced, so every
+    call does the same work. ``(B, H, Nq, Dv)`` out; O(state) time, independent of ``Nk``."""
+    q, k, v = inp.tensors()
+    ctx = w.nk - w.nq
+    with torch.no_grad():
+        state = variant.prefill(k[:, :, :ctx], v[:, :, :ctx], scale=w.scale, heads=w.heads)
+
+    def step() -> object:
+        with torch.no_grad():
+            return variant.step(q, k[:, :, ctx:], v[:, :, ctx:], state)
+
+    return step
 
 
 def kernel_summary(figures: dict[str, Any], config: dict[str, Any]) -> str:

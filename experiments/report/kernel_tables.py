@@ -238,6 +238,56 @@ def _gbps_text(row: pd.Series) -> str:
     return text if pd.isna(pct) else f"{text} ({pct:.0f}%)"
 
 
+def decode_table(df: pd.DataFrame) -> Section:
+    """Decoding (causal, fewer queries than keys, forward): time per new token and the bytes one
+    sequence keeps per layer, variant x context length, per group; only for records that carry
+    ``state_bytes`` (written since it was measured)."""
+    keys = group_keys(df)
+    sec = Section(
+        "decode",
+        "Decoding: time per token and the state it keeps",
+        "Time per new token: a variant with a fixed-size state (supports_state) is timed through its "
+        "decoding step on a state prefilled with the context (`step_median_s`); the others through "
+        "their forward over the K/V cache (`fwd_median_s`); both divided by the queries per call. "
+        "State: the bytes one sequence keeps per layer (`state_bytes`: the K/V cache, which grows with "
+        "the context, or the fixed-size state), MiB = 2^20 bytes.",
+    )
+    if "state_bytes" not in df:
+        return sec
+    nk, nq = _col(df, "kv_len"), _col(df, "seq_len")
+    dec = df[(nk > nq) & (df["mode"] == "fwd") & df["causal"].map(lambda c: c is True or c == "True")]
+    dec = dec[_col(dec, "state_bytes").notna() | (dec["status"] != "ok")]
+    if dec.empty:
+        return sec
+    per_token = _decode_s(dec) / _col(dec, "seq_len")
+
+    def cell(row: pd.Series) -> str:
+        t = per_token[row.name]
+        return f"{num(t * 1e3)} ms ({num(row['state_bytes'] / 2**20)} MiB)"
+
+    for title, sub in groups(dec, keys):
+        sec.parts.append((f"{title}: ms per token (state MiB)", pivot_cells(sub, _value_cell(cell))))
+    sec.data = _numbers(
+        dec,
+        keys,
+        {
+            "s_per_token": per_token,
+            "state_bytes": _col(dec, "state_bytes"),
+            "stepped": _col(dec, "step_median_s").notna(),
+        },
+    )
+    return sec
+
+
+def _decode_s(df: pd.DataFrame) -> pd.Series:
+    """Each decoding row's time per call: its step where it was timed, else its forward."""
+    return (
+        _col(df, "step_median_s").fillna(_col(df, "fwd_median_s"))
+        if "step_median_s" in df
+        else _col(df, "fwd_median_s")
+    )
+
+
 def memory_table(df: pd.DataFrame) -> Section:
     """Peak memory (MiB above the inputs) during one call of the mode, variant x N, per group."""
     keys = group_keys(df)

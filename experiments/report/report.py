@@ -152,7 +152,7 @@ def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | N
     df, shown = kernels, store.of_kind(shown, Kind.kernel)
     sections = [
         K.speed_table(shown),
-        *[sec for sec in [K.bandwidth_table(shown)] if sec.parts],  # only sweeps with decoding jobs
+        *[sec for sec in [K.bandwidth_table(shown), K.decode_table(shown)] if sec.parts],  # decoding jobs
         K.memory_table(shown),
         K.accuracy_table(shown),
         K.scaling_table(shown),
