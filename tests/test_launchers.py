@@ -187,3 +187,13 @@ def test_a_sweep_through_a_real_slurm_cluster(tmp_path, slurm_cluster):
     assert "[naive N=64 fwd float32 cpu] ok" in p.stdout
     assert (tmp_path / "sweep" / "report" / "tables.md").exists()
     assert list((tmp_path / "sweep" / ".submitit").glob("*/*_log.out")), "submitit keeps each job's log"
+
+
+def test_slurm_without_a_controller_is_one_line_before_launch():
+    # stand-ins for `scontrol ping`: the answers of a cluster that is up, down, absent, or failing
+    from experiments.sweep.preflight import slurm_problem
+
+    assert slurm_problem(["echo", "Slurmctld(primary) at vm is UP"]) is None
+    assert "(Slurmctld(primary) at vm is DOWN)" in slurm_problem(["echo", "Slurmctld(primary) at vm is DOWN"])
+    assert slurm_problem(["no-such-scontrol-here"]) == "Slurm is not installed here (no scontrol)"
+    assert slurm_problem(["false"]) == "no Slurm controller answers `scontrol ping` (exit 1)"

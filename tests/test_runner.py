@@ -886,3 +886,28 @@ def test_the_end_of_a_sweep_names_unreadable_files_in_its_records_folder(tmp_pat
     assert p.returncode == 0, p.stderr[-2000:]
     cut = tmp_path / "records" / "cut.json"
     assert f"warning: records_dir holds 1 unreadable file(s), left out of every report: {cut}" in p.stderr
+
+
+def test_a_sweep_interrupted_before_any_job_finished_is_not_called_empty(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from experiments.sweep.callbacks import SweepCallback
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text("{}")
+    config = OmegaConf.create(
+        {
+            "records_dir": str(tmp_path / "records"),
+            "report": True,
+            "hydra": {"sweep": {"dir": str(sweep)}, "overrides": {"task": ["variant=glob(*)"]}},
+        }
+    )
+    SweepCallback()._finish(config, interrupted=True)  # no SystemExit: the signal sets the status
+    out = capsys.readouterr()
+    assert "matched nothing" not in out.err and "sweep interrupted: 0 job(s)" in out.out
+    assert not sweep.exists()  # nothing measured: no empty folder left
+    sweep.mkdir()
+    with pytest.raises(SystemExit):  # the same state at the end of a sweep that ran: it matched nothing
+        SweepCallback()._finish(config)
+    assert "the sweep launched no job: 'variant=glob(*)' matched nothing" in capsys.readouterr().err

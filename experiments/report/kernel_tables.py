@@ -73,12 +73,14 @@ def _value_cell(fmt: Callable[[pd.Series], str]) -> Callable[[pd.Series], str]:
 
 def _numbers(df: pd.DataFrame, keys: list[str], cols: dict[str, pd.Series]) -> pd.DataFrame:
     """Long frame for CSV: identifying columns, status, and ``cols`` blanked where not usable."""
-    ident = _unique([*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid"])
+    # the key length tells decoding rows apart (their N is the queries per call)
+    nk = ["kv_len"] if length_axis(df) == "kv_len" else []
+    ident = _unique([*keys, "variant", *(["run"] if "run" in df else []), "seq_len", *nk, "status", "valid"])
     out = df[ident + ["reason", "config_hash", "started_at", "path"]].copy()
     ok = usable(df)
     for name, values in cols.items():
         out[name] = values.where(ok)
-    return out.sort_values(_unique([*keys, "variant", "seq_len"])).reset_index(drop=True)
+    return out.sort_values(_unique([*keys, "variant", "seq_len", *nk])).reset_index(drop=True)
 
 
 def speed_table(df: pd.DataFrame) -> Section:

@@ -134,7 +134,7 @@ class SweepCallback(Callback):
             flush=True,
         )
         try:
-            self._finish(config)
+            self._finish(config, interrupted=True)
         except SystemExit:
             pass
         os._exit(128 + signum)
@@ -142,7 +142,10 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._finish(config)
 
-    def _finish(self, config: DictConfig) -> None:
+    def _finish(self, config: DictConfig, interrupted: bool = False) -> None:
+        """Report the sweep's records, say what it measured in its last line and exit 1 when it
+        failed; ``interrupted``: stopped by a signal (whose exit status the caller gives), so a sweep
+        with no finished job is not said to have matched nothing."""
         if self.follower is not None:
             self.follower.stop()
         if self.bar is not None:
@@ -156,11 +159,14 @@ class SweepCallback(Callback):
             report_paths(records, out_dir=sweep_dir / "report")
         # nothing launched, or every job refused: the error lines say why, and no empty folder stays
         unmeasured = not records and all(e.get("status") == "invalid_config" for e in entries)
+        last = finished_line(entries)
+        if interrupted:
+            last = last.replace("sweep finished", "sweep interrupted", 1)
         if unmeasured and remove_unmeasured_sweep(sweep_dir):
-            if entries:
-                print(f"\n{finished_line(entries)}; nothing measured, sweep folder removed", flush=True)
+            if entries or interrupted:
+                print(f"\n{last}; nothing measured, sweep folder removed", flush=True)
         else:
-            print(f"\n{finished_line(entries)}; records listed in {sweep_dir / MANIFEST}", flush=True)
+            print(f"\n{last}; records listed in {sweep_dir / MANIFEST}", flush=True)
         from hydra.utils import to_absolute_path
 
         junk = unreadable_records(Path(to_absolute_path(config.records_dir)))
@@ -175,6 +181,8 @@ class SweepCallback(Callback):
             )
         globs = [o for o in config.hydra.overrides.task if "glob(" in o]
         why = failures(entries, empty=" or ".join(f"'{g}'" for g in globs) or None)
+        if interrupted and not entries:
+            why = []  # stopped before a job finished: not an empty sweep list
         if why:  # after every record and the report are written: a sweep with a broken job fails
             print(f"{'; '.join(why)}: exit code 1", file=sys.stderr, flush=True)
             raise SystemExit(1)

@@ -72,12 +72,35 @@ def _fail(msg: str) -> None:
     raise SystemExit(1)
 
 
+def slurm_problem(ping: list[str] | None = None) -> str | None:
+    """Why ``hydra/launcher=slurm`` cannot submit here (no Slurm, or no controller answers ``scontrol
+    ping``), or None. ``ping``: the command that asks (tests hand it a stand-in)."""
+    import subprocess
+
+    cmd = ping or ["scontrol", "ping"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
+    except FileNotFoundError:
+        return "Slurm is not installed here (no scontrol)"
+    except subprocess.TimeoutExpired:
+        return "the Slurm controller did not answer `scontrol ping` in 20 s"
+    said = " ".join((p.stdout + p.stderr).split())
+    if p.returncode or " is UP" not in said:
+        return f"no Slurm controller answers `scontrol ping` ({said or f'exit {p.returncode}'})"
+    return None
+
+
 def preflight(argv: list[str]) -> list[str]:
     """``argv`` with variant knobs made force-add overrides; exits with one line on a bad value."""
     out = [argv[0]]
     known_keys = known_settings()
     for arg in argv[1:]:
         key, eq, value = arg.partition("=")
+        if key == "hydra/launcher" and value == "slurm" and (why := slurm_problem()):
+            _fail(
+                f"hydra/launcher=slurm: {why}; start a one-machine cluster with "
+                "`sudo scripts/slurm_cluster.sh start`, or run without it"
+            )
         if not eq or key.startswith(("-", "~")) or key.startswith("hydra"):
             out.append(arg)
             continue
