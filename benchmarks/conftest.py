@@ -101,8 +101,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     keys = {c.key for c in gates.cases()}
     old = gates.load_baseline()
     same_config = old.get("config") == gates.config()
-    kept = {k: v for k, v in old.get("entries", {}).items() if k in keys and same_config}
-    kept.update(new)
+    # each entry says which CPU measured it: a -k refresh adds entries from this machine beside
+    # entries another one measured (time ratios to the BLAS-bound reference move with the CPU)
+    before = (old.get("machine") or {}).get("cpu_model")
+    kept = {
+        k: {"measured_on": before, **v}
+        for k, v in old.get("entries", {}).items()
+        if k in keys and same_config
+    }
+    kept.update({k: {**v, "measured_on": gates.machine_info()["cpu_model"]} for k, v in new.items()})
     gates.write_baseline(kept)
     if reporter is not None:
         reporter.write_line(

@@ -178,8 +178,15 @@ def make_inputs(mode: str) -> Inputs:
     return Inputs(q, k, v, go)
 
 
-def workload(mode: str) -> Workload:
-    """The workload every case runs (plain self-attention, no masks), as a sweep job would build it."""
+def causal_only(attn: AttentionVariant) -> bool:
+    """Whether ``attn`` runs only causally (retention): its cases, and their timing reference, are
+    causal; every other case is plain non-causal self-attention."""
+    return not type(attn).supports_noncausal
+
+
+def workload(mode: str, causal: bool = False) -> Workload:
+    """The workload every case runs (self-attention, no masks; ``causal`` for a causal-only variant),
+    as a sweep job would build it."""
     return JobSpec(
         variant={},
         batch=BATCH,
@@ -188,10 +195,13 @@ def workload(mode: str) -> Workload:
         head_dim=HEAD_DIM,
         dtype=DType(str(DTYPE)[6:]),
         mode=Mode(mode),
+        causal=causal,
     ).workload()
 
 
-def make_call(attn: AttentionVariant, mode: str, inputs: Inputs | None = None) -> Callable[[], Any]:
+def make_call(
+    attn: AttentionVariant, mode: str, inputs: Inputs | None = None, causal: bool = False
+) -> Callable[[], Any]:
     """A no-argument callable running one forward (no autograd) or forward+backward of ``attn``.
 
     Forward+backward returns the gradients of q, k, v and of the variant's parameters (a training step
@@ -202,7 +212,7 @@ def make_call(attn: AttentionVariant, mode: str, inputs: Inputs | None = None) -
 
         def fwd() -> torch.Tensor:
             with torch.no_grad():
-                return attn(x.q, x.k, x.v)
+                return attn(x.q, x.k, x.v, causal=causal)
 
         return fwd
     if mode != "fwd_bwd":
@@ -210,7 +220,7 @@ def make_call(attn: AttentionVariant, mode: str, inputs: Inputs | None = None) -
     params = [p for p in attn.parameters() if p.requires_grad]
 
     def fwd_bwd() -> tuple[torch.Tensor, ...]:
-        out = attn(x.q, x.k, x.v)
+        out = attn(x.q, x.k, x.v, causal=causal)
         return torch.autograd.grad(out, [x.q, x.k, x.v, *params], x.grad_out)
 
     return fwd_bwd
@@ -223,10 +233,11 @@ def rel_error(attn: AttentionVariant, mode: str) -> float:
     Forward: the output. Forward+backward: the output and the gradients of q, k, v.
     """
     x = make_inputs(mode)
+    causal = causal_only(attn)
     q64, k64, v64 = (t.detach().double().requires_grad_(mode == "fwd_bwd") for t in (x.q, x.k, x.v))
     with pinned_threads(), torch.set_grad_enabled(mode == "fwd_bwd"):
-        out = attn(x.q, x.k, x.v)
-        ref = variants.oracle(attn, q64, k64, v64)
+        out = attn(x.q, x.k, x.v, causal=causal)
+        ref = variants.oracle(attn, q64, k64, v64, causal=causal)
     pairs = [(out.detach(), ref.detach())]
     if mode == "fwd_bwd":
         with pinned_threads():
@@ -244,9 +255,10 @@ def measure_static(attn: AttentionVariant, mode: str) -> dict[str, Any]:
     the input). That first call also warms caches (block masks, dispatch choices) up, so the memory
     measured is the steady state of a call, not its one-time setup.
     """
-    fn = make_call(attn, mode)
+    causal = causal_only(attn)
+    fn = make_call(attn, mode, causal=causal)
     try:
-        attn.check(workload(mode))
+        attn.check(workload(mode, causal))
         with pinned_threads():
             fn()
     except Unsupported as exc:
@@ -258,7 +270,7 @@ def measure_static(attn: AttentionVariant, mode: str) -> dict[str, Any]:
     return {
         "status": "ok",
         "peak_bytes": peak,
-        "flops": attn.flops(workload(mode), mode),
+        "flops": attn.flops(workload(mode, causal), mode),
         "rel_err": rel_error(attn, mode),
     }
 
@@ -308,10 +320,16 @@ def summarize_times(fn_times: list[float], ref_times: list[float]) -> dict[str, 
     }
 
 
+def timed_calls(attn: AttentionVariant, mode: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The calls a case's timing alternates: ``attn`` and :func:`reference`, doing the same kind of
+    attention (both causal for a causal-only variant)."""
+    causal = causal_only(attn)
+    return make_call(attn, mode, causal=causal), make_call(reference(), mode, causal=causal)
+
+
 def measure_time(attn: AttentionVariant, mode: str, rounds: int | None = None) -> dict[str, Any]:
     """Time ratio of ``attn`` to :func:`reference` in ``mode``, interleaved (see :func:`summarize_times`)."""
-    fn = make_call(attn, mode)
-    ref = make_call(reference(), mode)
+    fn, ref = timed_calls(attn, mode)
     n = plan_rounds(fn, ref) if rounds is None else rounds
     return summarize_times(*interleaved_times(fn, ref, n))
 
@@ -448,7 +466,8 @@ def load_baseline(path: Path = BASELINE_PATH) -> dict[str, Any]:
 
 
 def write_baseline(entries: dict[str, dict[str, Any]], path: Path = BASELINE_PATH) -> None:
-    """Write a baseline for the current :func:`config` and machine, atomically, keys sorted."""
+    """Write a baseline for the current :func:`config`, atomically, keys sorted; ``machine`` is the
+    machine of this write, each entry's ``measured_on`` the CPU that measured it."""
     doc = {
         "refresh_command": REFRESH_COMMAND,
         "config": config(),

@@ -49,8 +49,7 @@ def test_regression(key: str, request: pytest.FixtureRequest, baseline, recorded
     if entry["status"] == "unavailable" and not updating:
         pytest.skip(f"{case.key}: {entry['reason']}")
     if entry["status"] == "ok":
-        fn = gates.make_call(attn, case.mode)
-        ref = gates.make_call(gates.reference(), case.mode)
+        fn, ref = gates.timed_calls(attn, case.mode)
         rounds = gates.plan_rounds(fn, ref)
         if updating:  # the baseline ratio is what later runs are held to: measure it longer
             rounds *= 2

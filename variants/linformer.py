@@ -54,8 +54,12 @@ class LinformerAttention(AttentionVariant):
     supports_attn_mask = False
     native_gqa = True
     native_scale = True
-    # fewer projected keys than keys, and more than keys (P = 32 > N = 24: rank still at most N)
-    example_knobs = ({"proj_len": 8, "max_len": 32}, {"proj_len": 32, "max_len": 24})
+    # fewer projected keys than keys, and more than keys (P = 32 > N = 24: rank still at most N); the
+    # first also fits the regression gates' N = 256
+    example_knobs = (
+        {"proj_len": 8, "max_len": 256},
+        {"proj_len": 32, "max_len": 24},
+    )
 
     def __init__(self, proj_len: int = 256, max_len: int = 16384) -> None:
         super().__init__()
