@@ -213,3 +213,19 @@ def test_a_decode_job_times_the_step_of_a_variant_with_a_state_and_records_what_
     lin = sec.data[sec.data["variant"] == "linear"].sort_values("kv_len")
     assert list(lin["s_per_token"]) == [figs["linear", nk]["step_median_s"] for nk in (64, 256)]
     assert "MiB" in sec.parts[0][1].to_string()
+
+
+def test_a_decoding_store_gets_the_decode_plots_and_others_do_not(tmp_path):
+    from pathlib import Path
+
+    from experiments.records import store
+    from experiments.report import plots
+
+    root = Path(__file__).resolve().parents[1] / "results" / "cpu"
+    dec = store.select(store.load([root / "decode_state" / "records"], verbose=False))
+    names = {p.name for p in plots.write_all(dec, tmp_path / "dec")}
+    assert {"decode_vs_nk.png", "state_vs_nk.png"} <= names
+    quick = store.select(store.load([root / "quick" / "records"], verbose=False))
+    assert not {"decode_vs_nk.png", "state_vs_nk.png"} & {
+        p.name for p in plots.write_all(quick, tmp_path / "q")
+    }

@@ -254,18 +254,13 @@ def decode_table(df: pd.DataFrame) -> Section:
         "State: the bytes one sequence keeps per layer (`state_bytes`: the K/V cache, which grows with "
         "the context, or the fixed-size state), MiB = 2^20 bytes.",
     )
-    if "state_bytes" not in df:
-        return sec
-    nk, nq = _col(df, "kv_len"), _col(df, "seq_len")
-    dec = df[(nk > nq) & (df["mode"] == "fwd") & df["causal"].map(lambda c: c is True or c == "True")]
-    dec = dec[_col(dec, "state_bytes").notna() | (dec["status"] != "ok")]
+    dec = decode_rows(df)
     if dec.empty:
         return sec
-    per_token = _decode_s(dec) / _col(dec, "seq_len")
+    per_token = dec["ms_per_token"] / 1e3
 
     def cell(row: pd.Series) -> str:
-        t = per_token[row.name]
-        return f"{num(t * 1e3)} ms ({num(row['state_bytes'] / 2**20)} MiB)"
+        return f"{num(row['ms_per_token'])} ms ({num(row['state_mib'])} MiB)"
 
     for title, sub in groups(dec, keys):
         sec.parts.append((f"{title}: ms per token (state MiB)", pivot_cells(sub, _value_cell(cell))))
@@ -281,12 +276,21 @@ def decode_table(df: pd.DataFrame) -> Section:
     return sec
 
 
-def _decode_s(df: pd.DataFrame) -> pd.Series:
-    """Each decoding row's time per call: its step where it was timed, else its forward."""
-    return (
-        _col(df, "step_median_s").fillna(_col(df, "fwd_median_s"))
-        if "step_median_s" in df
-        else _col(df, "fwd_median_s")
+def decode_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The decoding rows (causal, fewer queries than keys, forward) of records that carry
+    ``state_bytes``, with ``ms_per_token`` (the step where it was timed, else the forward over the
+    cache, over the queries per call) and ``state_mib``; empty for a sweep without them."""
+    if "state_bytes" not in df or "kv_len" not in df:
+        return df.iloc[:0]
+    nk, nq = _col(df, "kv_len"), _col(df, "seq_len")
+    causal = df["causal"].map(lambda c: c is True or c == "True")
+    dec = df[(nk > nq) & (df["mode"] == "fwd") & causal]
+    dec = dec[_col(dec, "state_bytes").notna() | (dec["status"] != "ok")]
+    call = _col(dec, "fwd_median_s")
+    if "step_median_s" in dec:
+        call = _col(dec, "step_median_s").fillna(call)
+    return dec.assign(
+        ms_per_token=call * 1e3 / _col(dec, "seq_len"), state_mib=_col(dec, "state_bytes") / 2**20
     )
 
 

@@ -36,7 +36,7 @@ from .grouping import (  # noqa: E402
     usable,
     value_text,
 )
-from .kernel_tables import scaling_fits  # noqa: E402
+from .kernel_tables import decode_rows, scaling_fits  # noqa: E402
 
 DPI = 110
 MODE_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
@@ -205,6 +205,33 @@ def plot_time(df: pd.DataFrame, out_dir: Path) -> Path | None:
         out_dir / "time_vs_n.png",
         band=("q1_ms", "q3_ms"),
         flag="flagged",
+    )
+
+
+def plot_decode(df: pd.DataFrame, out_dir: Path) -> Path | None:
+    """``decode_vs_nk.png``: time per decoded token against the context (log-log): the decoding step
+    of a variant with a fixed-size state, the forward over the K/V cache of the others."""
+    return _plot_vs_n(
+        decode_rows(_usable_rows(df)),
+        "ms_per_token",
+        "ms per token",
+        "Decoding: time per token vs context (a state variant's step; the others' forward over the cache)",
+        out_dir / "decode_vs_nk.png",
+        band=None,
+        flag="flagged",
+    )
+
+
+def plot_state(df: pd.DataFrame, out_dir: Path) -> Path | None:
+    """``state_vs_nk.png``: the bytes one decoding sequence keeps per layer against the context:
+    the K/V cache grows with it, a fixed-size state does not."""
+    return _plot_vs_n(
+        decode_rows(_usable_rows(df)),
+        "state_mib",
+        "state per sequence and layer (MiB)",
+        "Decoding: what a sequence keeps vs context (K/V cache or fixed-size state)",
+        out_dir / "state_vs_nk.png",
+        band=None,
     )
 
 
@@ -535,7 +562,10 @@ def write_all(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    jobs = [(fn, (df, out)) for fn in (plot_time, plot_memory, plot_gflops, plot_scaling, plot_accuracy)]
+    plots = [plot_time, plot_memory, plot_gflops, plot_scaling, plot_accuracy]
+    if len(df) and not decode_rows(df).empty:  # decoding sweeps only: no note for the others
+        plots += [plot_decode, plot_state]
+    jobs = [(fn, (df, out)) for fn in plots]
     jobs += [(plot_patterns, (out,)), (plot_weights, (df, out))]
     for fn, args in jobs:
         name = fn.__name__.removeprefix("plot_")
