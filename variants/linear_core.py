@@ -188,11 +188,13 @@ def causal_attention(
     if weighted:
         state, ref = kv0, ref0 if ref0 is not None else torch.full_like(ends[..., 0], NEG_INF)
         befores, refs = [], []
-        for t in range(n):  # the state before chunk t, then chunk t added: O(F E) a chunk
-            befores.append(state)
+        # unbind, not chunk_kv[:, :, t] in the loop: each indexing's backward would allocate the whole
+        # (B, H, n, F, E) gradient, O(n^2 F E) over the loop; unbind's backward is one stack
+        for kv_t, end_t in zip(chunk_kv.unbind(2), ends.unbind(-1), strict=True):
+            befores.append(state)  # the state before chunk t, then chunk t added: O(F E) a chunk
             refs.append(ref)
-            state = _weight(ref - ends[..., t], qf.dtype)[..., None, None] * state + chunk_kv[:, :, t]
-            ref = ends[..., t]
+            state = _weight(ref - end_t, qf.dtype)[..., None, None] * state + kv_t
+            ref = end_t
         before = torch.stack(befores, 2)  # (B, H, n, F, E)
         # each query reads the state at its own reference: exp(ref_before - r_i) <= 1
         qscale = _weight(torch.stack(refs, -1)[..., None] - lr, qf.dtype)  # (B|1, H, n, c)
