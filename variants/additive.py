@@ -266,6 +266,10 @@ class AdditiveAttention(AttentionVariant):
         floor = min(MIN_CHUNK_ELEMS // row_elems, nq // (2 * self.hidden)) if row_elems else 0
         return max(1, min(nq, max(nq // (4 * self.hidden), floor)))
 
+    def oracle_bytes_per_pair(self) -> int:
+        """Its reference scores hold ``tanh(W_q q + W_k k)``, ``hidden`` float64 values per pair."""
+        return 8 * self.hidden
+
     def flops(self, w: Workload, mode: str = "fwd") -> int:
         """Useful FLOPs: the additive score costs ``4 * hidden`` per pair, not ``2 * D``.
 

@@ -334,6 +334,12 @@ class AttentionVariant(nn.Module):
             "Nq < Nk), which grows with the context"
         )
 
+    def oracle_bytes_per_pair(self) -> int:
+        """float64 bytes the oracle's scores take per (query, key) pair: 8 for a plain score. A job
+        checks gradients against the oracle only below a memory budget, so a variant whose
+        ``reference_scores`` build more per pair (additive: a hidden layer) says so here."""
+        return 8
+
     def state_bytes(self, w: Workload) -> int:
         """Bytes one decoding sequence keeps per layer at context length ``w.nk`` (the batch multiplies
         it). Default: the K/V cache, ``Hkv * Nk * (D + Dv)`` elements of ``w.dtype``, linear in ``Nk``;
