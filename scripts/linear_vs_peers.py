@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from experiments.measure import machine_load
 from experiments.measure.accuracy import error_stats
 from experiments.measure.roofline import gemm_flops_per_s, gemm_n
 from experiments.measure.spec import JobSpec
+from experiments.sweep.allocator import JOB_ALLOCATOR_ENV
 
 B, H, D = 1, 8, 64
 IDENTITY = "linear(identity, normalize=false)"
@@ -337,6 +339,10 @@ def markdown(bench: Bench, args: argparse.Namespace, meta: dict) -> str:
         "",
         "Peers: " + ", ".join(f"{p} {v}" for p, v in meta["peers"].items()) + ".",
         "",
+        "Allocator (as in the suite's job processes, `experiments/sweep/allocator.py`): "
+        + ", ".join(f"`{k}={v}`" for k, v in meta["allocator"].items())
+        + ".",
+        "",
     ]
 
     def rate(row: dict) -> tuple[str, str]:
@@ -496,6 +502,11 @@ def main() -> None:
     ap.add_argument("--out", help="write the Markdown tables here")
     ap.add_argument("--json", help="write every cell here")
     args = ap.parse_args()
+    # the allocator of the suite's job processes (experiments/sweep/allocator.py: freed memory kept, in
+    # huge pages), for every contender alike; it must be set before the process starts, so re-exec
+    missing = {k: v for k, v in JOB_ALLOCATOR_ENV.items() if k not in os.environ}
+    if missing:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
     torch.set_num_threads(1)
     versions = {}
     for p in PEERS:
@@ -507,6 +518,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": platform.processor() or platform.machine(),
         "load_start": os.getloadavg()[0],
+        "allocator": {k: os.environ[k] for k in JOB_ALLOCATOR_ENV},
         "peers": versions,
     }
     try:
@@ -515,7 +527,8 @@ def main() -> None:
     except (OSError, StopIteration):
         pass
     print(
-        f"cpu ({meta['cpu']}), 1 thread, float32, B={B} H={H} D={D}, {args.rounds} rounds; peers {versions}"
+        f"cpu ({meta['cpu']}), 1 thread, float32, B={B} H={H} D={D}, {args.rounds} rounds; peers {versions};"
+        f" allocator {meta['allocator']}"
     )
     bench = Bench(args.rounds, args.gemm_min_run_time)
     if "causal" in args.parts:

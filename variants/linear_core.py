@@ -101,16 +101,26 @@ def absorb(
     return kv, ref_end
 
 
+def with_ones(v: torch.Tensor) -> torch.Tensor:
+    """``v (B, H, N, E)`` with a column of ones, ``(B, H, N, E + 1)``: (*) then also sums the
+    denominator of a normalised variant."""
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
+
+
 def global_attention(
-    qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, log_k: torch.Tensor | None
+    qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, log_k: torch.Tensor | None, den: bool = False
 ) -> torch.Tensor:
     """Non-causal (*): every query reads every key. ``qf (B, H, Nq, F)``, ``kf (B, H, Nk, F)``,
-    ``v (B, H, Nk, E)``, ``log_k (B|1, H, Nk)`` or None -> ``(B, H, Nq, E)``; one pass through the
-    ``(F, E)`` state, ``O((Nq + Nk) F E)``. The state is held relative to the largest ``l``, so each
-    weight is at most 1 and the common factor ``exp(-max l)`` is one a normalised variant divides out."""
-    ref = None if log_k is None else log_k.amax(-1)  # (B|1, H)
-    kv, _ = absorb(kf, v, log_k, ref, None, None)  # (B, H, F, E)
-    return qf @ kv
+    ``v (B, H, Nk, E)``, ``log_k (B|1, H, Nk)`` or None -> ``(B, H, Nq, E)`` (``E + 1`` with ``den``:
+    the denominator, summed as a vector beside the values); one pass through the ``(F, E)`` state,
+    ``O((Nq + Nk) F E)``. The state is held relative to the largest ``l``, so each weight is at most 1
+    and the common factor ``exp(-max l)`` is one a normalised variant divides out."""
+    if log_k is not None:
+        kf = kf * _weight(log_k - log_k.amax(-1, keepdim=True), kf.dtype)[..., None]  # (B, H, Nk, F)
+    out = qf @ (kf.transpose(-1, -2) @ v)  # (B, H, Nq, E)
+    if den:
+        out = torch.cat([out, qf @ kf.sum(-2)[..., None]], -1)  # (B, H, Nq, E + 1)
+    return out
 
 
 def causal_attention(
@@ -122,6 +132,7 @@ def causal_attention(
     log_ref: torch.Tensor | None = None,
     kv0: torch.Tensor | None = None,
     ref0: torch.Tensor | None = None,
+    den: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Causal (*) in chunks of ``chunk`` positions, bottom-right aligned.
 
@@ -131,6 +142,8 @@ def causal_attention(
     ``Nk - Nq`` keys go straight into the state (:func:`absorb`); then, per chunk, the intra-chunk
     ``(c, c)`` products masked to ``j <= i`` and the state from the chunks before, scaled to each
     query's reference. Returns ``(out (B, H, Nq, E), kv, ref)``: the state after all ``Nk`` keys.
+    ``den``: the output gets the denominator as column ``E + 1`` (and so does the state, except on
+    the unweighted path from an empty state, whose state is then the values' alone).
     Time ``O(Nq c (F + E) + Nk F E)``; memory ``O(Nq c + (Nq / c) F E)`` per batch and head (the
     state before each chunk is kept for the queries and for backward). With weights the state is
     carried chunk by chunk (a loop over ``Nq / c`` chunks of ``O(F E)`` work each); without, by a sum.
@@ -138,6 +151,9 @@ def causal_attention(
     b, h, nq, _ = qf.shape
     nk, e = kf.shape[2], v.shape[-1]
     weighted = log_k is not None
+    if den and (weighted or kv0 is not None or nk != nq):
+        v, den = with_ones(v), False  # the general path sums the denominator as a column of ones
+        e += 1
     off = nk - nq
     if off:  # keys before the first query: state only
         kv0, ref0 = absorb(
@@ -162,49 +178,110 @@ def causal_attention(
     qc = qf.view(b, h, n, c, -1)  # (B, H, n c, F) -> (B, H, n, c, F)
     kc = kf.view(b, h, n, c, -1)  # (B, H, n, c, F)
     vc = v.view(b, h, n, c, e)  # (B, H, n, c, E)
+    if not weighted:
+        out, state = _plain_chunks(qc, kc, vc, kv0, den)
+        return out[:, :, :nq], state, None
     lower = torch.ones(c, c, dtype=torch.bool, device=qf.device).tril()  # (c, c): key j <= query i
 
     scores = qc @ kc.transpose(-1, -2)  # (B, H, n, c, c)
-    if weighted:
-        lk = log_k.view(*log_k.shape[:2], n, c)  # (B|1, H, n, c)
-        lr = log_ref.view(*log_ref.shape[:2], n, c)  # (B|1, H, n, c)
-        # relative to the chunk's first reference before any float32 rounding: retention's absolute
-        # log positions reach hundreds and more, where a float32 difference keeps ~4 significant digits
-        base = lr[..., :1]
-        base = torch.where(base.isfinite(), base, 0.0)  # (B|1, H, n, 1); -inf: no real key yet
-        rel_k, rel_r = (lk - base).to(qf.dtype), (lr - base).to(qf.dtype)
-        diff = rel_k[..., None, :] - rel_r[..., :, None]  # (B|1, H, n, c, c): l_j - r_i
-        scores = scores * _weight(diff.masked_fill(~lower, NEG_INF), qf.dtype)
-        ends = lr[..., -1]  # (B|1, H, n): each chunk's state is held relative to its last reference
-        kw = kc * _weight(lk - ends[..., None], qf.dtype)[..., None]  # (B, H, n, c, F)
-    else:
-        scores = scores.masked_fill(~lower, 0.0)
-        kw = kc
+    lk = log_k.view(*log_k.shape[:2], n, c)  # (B|1, H, n, c)
+    lr = log_ref.view(*log_ref.shape[:2], n, c)  # (B|1, H, n, c)
+    # relative to the chunk's first reference before any float32 rounding: retention's absolute
+    # log positions reach hundreds and more, where a float32 difference keeps ~4 significant digits
+    base = lr[..., :1]
+    base = torch.where(base.isfinite(), base, 0.0)  # (B|1, H, n, 1); -inf: no real key yet
+    rel_k, rel_r = (lk - base).to(qf.dtype), (lr - base).to(qf.dtype)
+    diff = rel_k[..., None, :] - rel_r[..., :, None]  # (B|1, H, n, c, c): l_j - r_i
+    scores = scores * _weight(diff.masked_fill(~lower, NEG_INF), qf.dtype)
+    ends = lr[..., -1]  # (B|1, H, n): each chunk's state is held relative to its last reference
+    kw = kc * _weight(lk - ends[..., None], qf.dtype)[..., None]  # (B, H, n, c, F)
     out = scores @ vc  # (B, H, n, c, E): within each chunk
     chunk_kv = kw.transpose(-1, -2) @ vc  # (B, H, n, F, E): each chunk's own keys
     if kv0 is None:
         kv0 = qf.new_zeros(b, h, qf.shape[-1], e)  # (B, H, F, E)
-
-    if weighted:
-        state, ref = kv0, ref0 if ref0 is not None else torch.full_like(ends[..., 0], NEG_INF)
-        befores, refs = [], []
-        # unbind, not chunk_kv[:, :, t] in the loop: each indexing's backward would allocate the whole
-        # (B, H, n, F, E) gradient, O(n^2 F E) over the loop; unbind's backward is one stack
-        for kv_t, end_t in zip(chunk_kv.unbind(2), ends.unbind(-1), strict=True):
-            befores.append(state)  # the state before chunk t, then chunk t added: O(F E) a chunk
-            refs.append(ref)
-            state = _weight(ref - end_t, qf.dtype)[..., None, None] * state + kv_t
-            ref = end_t
-        before = torch.stack(befores, 2)  # (B, H, n, F, E)
-        # each query reads the state at its own reference: exp(ref_before - r_i) <= 1
-        qscale = _weight(torch.stack(refs, -1)[..., None] - lr, qf.dtype)  # (B|1, H, n, c)
-        out = out + (qc * qscale[..., None]) @ before
-    else:
-        total = chunk_kv.cumsum(2)  # (B, H, n, F, E): through chunk t
-        before = kv0[:, :, None] + torch.cat([torch.zeros_like(total[:, :, :1]), total[:, :, :-1]], 2)
-        state, ref = kv0 + total[:, :, -1], None
-        out = out + qc @ before
+    state, ref = kv0, ref0 if ref0 is not None else torch.full_like(ends[..., 0], NEG_INF)
+    befores, refs = [], []
+    # unbind, not chunk_kv[:, :, t] in the loop: each indexing's backward would allocate the whole
+    # (B, H, n, F, E) gradient, O(n^2 F E) over the loop; unbind's backward is one stack
+    for kv_t, end_t in zip(chunk_kv.unbind(2), ends.unbind(-1), strict=True):
+        befores.append(state)  # the state before chunk t, then chunk t added: O(F E) a chunk
+        refs.append(ref)
+        state = _weight(ref - end_t, qf.dtype)[..., None, None] * state + kv_t
+        ref = end_t
+    before = torch.stack(befores, 2)  # (B, H, n, F, E)
+    # each query reads the state at its own reference: exp(ref_before - r_i) <= 1
+    qscale = _weight(torch.stack(refs, -1)[..., None] - lr, qf.dtype)  # (B|1, H, n, c)
+    out = out + (qc * qscale[..., None]) @ before
     return out.reshape(b, h, n * c, e)[:, :, :nq], state, ref  # (B, H, n, c, E) -> (B, H, Nq, E)
+
+
+class _ExclusivePrefixSum(torch.autograd.Function):
+    """``out[:, t] = sum_{s < t} x[:, s]`` along dimension 1 of ``x (G, n, ...)``.
+
+    On the CPU a loop of ``n - 1`` adds into one buffer: ``torch.cumsum`` along a middle dimension
+    took 4x as long (14.6 against 3.7 ms for (8, 128, 64, 64), one thread), a quarter of the whole
+    causal forward. Elsewhere (one kernel launch per add would dominate) ``cumsum(x) - x``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return x.cumsum(1) - x
+        out = torch.empty_like(x)
+        out[:, 0] = 0
+        for t in range(1, x.shape[1]):
+            torch.add(out[:, t - 1], x[:, t - 1], out=out[:, t])
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        # out[:, t] holds x[:, s] for every s < t, so x[:, s]'s gradient is the sum of g[:, t > s]
+        if g.device.type != "cpu":
+            return g.flip(1).cumsum(1).flip(1) - g
+        gx = torch.empty_like(g)
+        gx[:, -1] = 0
+        for s in range(g.shape[1] - 2, -1, -1):
+            torch.add(gx[:, s + 1], g[:, s + 1], out=gx[:, s])
+        return gx
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` for ``acc (G, M, N)``, ``a (G, M, K)``, ``b (G, K, N)``: written into ``acc``
+    when no gradient is recorded (a copy of ``acc`` fewer, ~5% of a causal forward), else a new tensor.
+    ``out=`` rather than ``baddbmm_``: profilers and FLOP counters see the product either way."""
+    if torch.is_grad_enabled() and (acc.requires_grad or a.requires_grad or b.requires_grad):
+        return torch.baddbmm(acc, a, b)
+    return torch.baddbmm(acc, a, b, out=acc)
+
+
+def _plain_chunks(
+    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kv0: torch.Tensor | None, den: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unweighted chunked form of (*): ``qc, kc (B, H, n, c, F)``, ``vc (B, H, n, c, E)``, the state
+    ``kv0 (B, H, F, E)`` before (None: empty) -> ``(out (B, H, n c, E'), state (B, H, F, E))``; with
+    ``den`` (only without ``kv0``) the output gets the denominator column (E' = E + 1), summed as a
+    vector beside the values rather than as a column of ones inside every product: ``E = 64`` keeps
+    the batched matrix products at their fast sizes, where ``65`` cost a third more time.
+
+    Everything is a batched product over ``G = B H n`` chunks, the triangle masked in place; the
+    state before each chunk is one exclusive prefix sum over the chunks' own states."""
+    b, h, n, c, f = qc.shape
+    e = vc.shape[-1]
+    q2, k2 = qc.reshape(-1, c, f), kc.reshape(-1, c, f)  # (B, H, n, c, F) -> (G, c, F)
+    v2 = vc.reshape(-1, c, e)  # (G, c, E)
+    upper = torch.ones(c, c, dtype=torch.bool, device=qc.device).triu(1)  # (c, c): key j > query i
+    scores = torch.bmm(q2, k2.transpose(1, 2)).masked_fill_(upper, 0.0)  # (G, c, c)
+    chunk_kv = torch.bmm(k2.transpose(1, 2), v2).view(b * h, n, f, e)  # (G, F, E) -> (B H, n, F, E)
+    before = _ExclusivePrefixSum.apply(chunk_kv)  # (B H, n, F, E): the chunks before each
+    if kv0 is not None:
+        before = before + kv0.reshape(b * h, 1, f, e)
+    state = (before[:, -1] + chunk_kv[:, -1]).view(b, h, f, e)
+    out = _add_product(torch.bmm(scores, v2), q2, before.view(-1, f, e))  # (G, c, E): intra + inter
+    if den:
+        ksum = _ExclusivePrefixSum.apply(kc.sum(3).view(b * h, n, f, 1))  # (B H, n, F, 1)
+        d = _add_product(scores.sum(-1, keepdim=True), q2, ksum.view(-1, f, 1))  # (G, c, 1)
+        out = torch.cat([out, d], -1)  # (G, c, E + 1)
+    return out.view(b, h, n * c, -1), state  # (G, c, E') -> (B, H, n c, E')
 
 
 def core_flops(nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weighted: bool) -> int:
@@ -275,10 +352,9 @@ class KernelizedAttention(AttentionVariant):
         raise NotImplementedError
 
     def _values(self, v: torch.Tensor) -> torch.Tensor:
-        """``v (B, H, N, Dv)`` with a column of ones when normalised: ``(B, H, N, E)``."""
-        if not self.normalize:
-            return v
-        return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)  # (B, H, N, Dv + 1)
+        """``v (B, H, N, Dv)`` with a column of ones when normalised (the decoding state's layout):
+        ``(B, H, N, E)``."""
+        return with_ones(v) if self.normalize else v
 
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         """``(B, H, N, E)`` sums -> ``(B, H, N, Dv)`` output (the ratio when normalised)."""
@@ -292,11 +368,11 @@ class KernelizedAttention(AttentionVariant):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, Nk)
         qf, kf, log_k, log_ref = self._features(q.to(work), k.to(work), scale, valid, 0, None, causal)
-        vv = self._values(v.to(work))  # (B, H, Nk, E)
+        vv, den = v.to(work), self.normalize  # (B, H, Nk, Dv); the denominator is summed beside
         if causal:
-            out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref)
+            out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref, den=den)
         else:
-            out = global_attention(qf, kf, vv, log_k)
+            out = global_attention(qf, kf, vv, log_k, den)
         return self._finish(out).to(q.dtype)
 
     # ------------------------------------------------------------------ the decoding state

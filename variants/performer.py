@@ -98,10 +98,18 @@ class Performer(KernelizedAttention):
         w = self.projection(k.shape[-1]).to(device=k.device, dtype=k.dtype)  # (m, D)
         root = math.sqrt(scale)  # s q . k = (sqrt(s) q) . (sqrt(s) k)
         xk = k * root  # (B, H, Nk, D)
-        # log of phi(k) * sqrt(m): W x - |x|^2 / 2 (the 1/sqrt(m) cancels in the ratio)
-        a = xk @ w.T - 0.5 * xk.square().sum(-1, keepdim=True)  # (B, H, Nk, m)
-        log_k = a.detach().amax(-1)  # (B, H, Nk): each key's own largest feature, its log weight
-        kf = torch.exp(a - log_k[..., None])  # (B, H, Nk, m), each at most 1
+        # log of phi(k) * sqrt(m): W x - |x|^2 / 2 (the 1/sqrt(m) cancels in the ratio), the norm
+        # term added by the product itself (one pass over the (Nk, m) features fewer)
+        half_sq = xk.square().sum(-1, keepdim=True).mul_(-0.5)  # (B, H, Nk, 1)
+        a = torch.matmul(xk, w.T).add_(half_sq)  # (B, H, Nk, m)
+        if causal or valid is not None:
+            log_k = a.detach().amax(-1)  # (B, H, Nk): each key's own largest feature, its log weight
+        else:
+            # every key is read at once: one largest feature per head is the stabiliser (a key's
+            # weight exp(l_j - max l) folded into its features), so the core has no weights to apply
+            log_k = None
+            top = a.detach().amax((-2, -1), keepdim=True)  # (B, H, 1, 1)
+        kf = a.sub_(top if log_k is None else log_k[..., None]).exp_()  # (B, H, Nk, m), each <= 1
         if valid is not None:
             kf = torch.where(valid[..., None], kf, 0.0)  # padded keys: in no sum
             log_k = torch.where(valid, log_k, float("-inf"))
@@ -114,7 +122,7 @@ class Performer(KernelizedAttention):
         if q is not None:
             # phi(q) up to a factor per query (exp(-|x|^2/2), its largest feature): cancels in the ratio
             pq = (q * root) @ w.T  # (B, H, Nq, m)
-            qf = torch.exp(pq - pq.detach().amax(-1, keepdim=True))
+            qf = pq.sub_(pq.detach().amax(-1, keepdim=True)).exp_()
         return qf, kf, log_k, log_ref
 
     def _state_dims(self, w: Workload) -> tuple[int, int, int]:
