@@ -202,6 +202,7 @@ class AdditiveAttention(AttentionVariant):
     """Bahdanau attention ``w^T tanh(W_q q + W_k k)`` per head, chunked over queries."""
 
     has_params = True
+    size_knob = "hidden"
     supports_scale = False  # the score w^T tanh(...) has no 1/sqrt(D) to replace
     # several chunks (5 does not divide the test lengths) and one chunk; the automatic size (1 query
     # at test lengths) is tested on its own: per-chunk overhead would dominate the registry tests

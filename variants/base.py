@@ -198,6 +198,9 @@ class AttentionVariant(nn.Module):
     #: devices on which backward runs
     backward_devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     has_params: ClassVar[bool] = False
+    #: the constructor knob that sizes the learned parameters (additive's ``hidden``, linformer's
+    #: ``proj_len``): a task model shrinks it to hold the variant to the exact model's parameter budget
+    size_knob: ClassVar[str | None] = None
     #: True when the variant is compiled (its first call includes compile time).
     compiled: ClassVar[bool] = False
     #: Knob sets that give a non-trivial pattern at small sizes (N around 16-64), used by the

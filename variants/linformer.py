@@ -50,6 +50,7 @@ class LinformerAttention(AttentionVariant):
 
     exact = False  # a different operator from full attention: rank at most proj_len
     has_params = True
+    size_knob = "proj_len"
     supports_causal = False
     supports_attn_mask = False
     native_gqa = True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from ..measure.spec import Kind
+from ..measure.tasks.train import Settings
 from ..records.store import newest_mask, of_kind
 from .format import markdown as markdown_table
 from .format import obj
@@ -34,6 +36,10 @@ from .format import obj
 # task-config keys left out of a task's label even when they vary: they change how a run is done or
 # reported, not what is learned (a run the time cap stopped says so in its stopped_early figure)
 _TRAINING_KEYS = {"max_train_s", "eval_batch", "heatmap_size", "distance_bins"}
+# task settings a record written before they existed had at their default
+_SETTING_DEFAULTS = {f.name: f.default for f in fields(Settings)}
+# settings since removed (the variant's class now names the knob the budget shrinks: size_knob)
+_RETIRED_KEYS = {"budget_knob"}
 
 
 def _task_dict(v: Any) -> dict[str, Any] | None:
@@ -58,23 +64,27 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
 
     ``task_label`` is the task name plus the task-config values that differ between its records
     (e.g. ``recall(gap=32)`` or ``reverse(steps=450)``), except the time cap and reporting settings.
+    A causal model (``causal=true``) is told by its row, not its task: ``variant_label`` gets
+    `` (causal)``, so the exact variants' rows can sit beside a causal-only core's.
     """
     sub = of_kind(df, Kind.task).copy()
     if sub.empty:
         return sub.assign(task_name=[], task_label=[], variant_label=[])
-    tasks = sub["task"].map(_task_dict)
+    # a setting missing from an older record had its default; causal goes to the row's label
+    tasks = sub["task"].map(lambda v: {**_SETTING_DEFAULTS, **_task_dict(v)})
+    causal = tasks.map(lambda t: bool(t.pop("causal")))
     sub["task_name"] = tasks.map(lambda t: t["name"])
     sub["_task_json"] = tasks.map(lambda t: json.dumps(t, sort_keys=True, default=str))
     labels = pd.Series("", index=sub.index, dtype=object)
     for name, rows in sub.groupby("task_name"):
         dicts = [json.loads(j) for j in rows["_task_json"]]
-        keys = {k for d in dicts for k in d if k != "name" and k not in _TRAINING_KEYS}
+        keys = {k for d in dicts for k in d if k != "name" and k not in _TRAINING_KEYS | _RETIRED_KEYS}
         varying = sorted(k for k in keys if len({json.dumps(d.get(k)) for d in dicts}) > 1)
         for idx, d in zip(rows.index, dicts, strict=True):
             extra = ", ".join(f"{k}={d.get(k)}" for k in varying)
             labels[idx] = f"{name}({extra})" if extra else name
     sub["task_label"] = labels
-    sub["variant_label"] = _variant_col(sub)
+    sub["variant_label"] = _variant_col(sub).where(~causal, _variant_col(sub) + " (causal)")
     return sub
 
 
@@ -91,7 +101,9 @@ def _speed_beside(df: pd.DataFrame) -> pd.DataFrame:
         timing = timing[timing["valid"].astype(object) != False]  # noqa: E712 (None = not checked)
     if not len(timing):
         return pd.DataFrame(columns=cols)
-    timing["variant_label"] = _variant_col(timing)
+    # a causal kernel record times the call of a causal model's rows (see task_rows)
+    causal = timing["causal"].astype(bool) if "causal" in timing else pd.Series(False, index=timing.index)
+    timing["variant_label"] = _variant_col(timing).where(~causal, _variant_col(timing) + " (causal)")
     out = []
     for (v, n), g in timing.groupby(["variant_label", "seq_len"]):
         row = {"variant_label": v, "seq_len": n}

@@ -86,7 +86,8 @@ def attention_layer(
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward network: ``(B, N, E) -> (B, N, E)``."""
+    """Self-attention (``causal``: position t sees positions <= t only) then feed-forward network:
+    ``(B, N, E) -> (B, N, E)``."""
 
     def __init__(
         self,
@@ -96,15 +97,17 @@ class EncoderLayer(nn.Module):
         variant: VariantSpec,
         knobs: dict[str, Any],
         norm_first: bool,
+        causal: bool = False,
     ) -> None:
         super().__init__()
         self.self_attn = attention_layer(d_model, heads, variant, knobs)
         self.ffn = FeedForward(d_model, ffn)
         self.res_attn = _Residual(d_model, norm_first)
         self.res_ffn = _Residual(d_model, norm_first)
+        self.causal = causal
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.res_attn(x, lambda h: self.self_attn(h))
+        x = self.res_attn(x, lambda h: self.self_attn(h, causal=self.causal))
         return self.res_ffn(x, self.ffn)
 
 
@@ -153,7 +156,8 @@ class TaskTransformer(nn.Module):
     """Encoder (and, with ``decoder_layers > 0``, decoder) over one shared token vocabulary.
 
     ``forward(src)`` returns encoder logits ``(B, N, vocab)`` (one prediction per input position);
-    ``forward(src, dec_in)`` returns decoder logits ``(B, T, vocab)``.
+    ``forward(src, dec_in)`` returns decoder logits ``(B, T, vocab)``. ``causal``: the encoder's
+    self-attention is causal (a decoder-only model, each position predicted from the ones before).
     """
 
     def __init__(
@@ -168,6 +172,7 @@ class TaskTransformer(nn.Module):
         knobs: dict[str, Any] | None = None,
         decoder_layers: int = 0,
         norm_first: bool = True,
+        causal: bool = False,
     ) -> None:
         super().__init__()
         if d_model % heads:
@@ -184,7 +189,7 @@ class TaskTransformer(nn.Module):
         # the residual updates negligible (training then stalls)
         nn.init.normal_(self.embed.weight, std=d_model**-0.5)
         self.encoder = nn.ModuleList(
-            EncoderLayer(d_model, heads, ffn, variant, knobs, norm_first) for _ in range(layers)
+            EncoderLayer(d_model, heads, ffn, variant, knobs, norm_first, causal) for _ in range(layers)
         )
         self.decoder = nn.ModuleList(
             DecoderLayer(d_model, heads, ffn, variant, knobs, norm_first) for _ in range(decoder_layers)

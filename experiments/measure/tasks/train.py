@@ -14,8 +14,8 @@ examples (``N + 1`` decoder passes for sequence-to-sequence tasks, which decode 
 Parameter budget (as LRA does): a variant with learned parameters in its core (``has_params``, e.g.
 additive) may have at most ``1 + param_budget`` times the parameters of the same model with a
 parameter-free exact core; the FFN width is shrunk until it fits (down to ``d_model``), then the
-core's own size knob (``budget_knob``, additive's ``hidden``). Both counts, the FFN width and the
-core's knobs used are recorded.
+core's own size knob (its class's ``size_knob``: additive's ``hidden``, linformer's ``proj_len``).
+Both counts, the FFN width and the core's knobs used are recorded.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class Settings:
     norm_first: bool = True  # pre-LN trains small models without a long warm-up; false: the paper's post-LN
     param_budget: float = 0.10  # learned cores (additive) may add at most this share of the exact model's
     # parameters
-    budget_knob: str | None = "hidden"  # core knob shrunk (after the FFN, down to d_model) to meet the
-    # budget; None: the FFN only
+    causal: bool = False  # the encoder's self-attention causal (a decoder-only model, as a language
+    # model reads): copy and recall can be solved so, and causal-only cores (retention) need it
     # --- testing
     test_size: int = 512  # held-out test examples (disjoint from training by a hash of the example)
     eval_batch: int = 128  # examples per evaluation pass
@@ -88,7 +88,7 @@ class Settings:
 
 
 def variant_for_training(
-    cfg_variant: dict[str, Any], device: str, seq2seq: bool
+    cfg_variant: dict[str, Any], device: str, seq2seq: bool, causal: bool = False
 ) -> tuple[str, VariantSpec, dict[str, Any]]:
     """``(name, spec, knobs)`` to build per-layer cores, or :class:`Unsupported` before any work.
 
@@ -107,6 +107,11 @@ def variant_for_training(
         raise Unsupported(f"{name} has no backward pass on device '{device}': it cannot be trained there")
     if seq2seq and not cls.supports_cross:
         raise Unsupported(f"{name} does not support cross-attention, which the decoder needs")
+    if not cls.supports_noncausal and not causal:
+        raise Unsupported(
+            f"{name} is causal only and the task's encoder reads both ways (task.causal=false): "
+            "set task.causal=true for a decoder-only model"
+        )
     knobs = config_knobs(cfg_variant)
     if name in variants.available() and variants.get(name) is cls:
         return name, name, knobs
@@ -127,7 +132,7 @@ class Built:
     params: int
     params_baseline: int
     ffn: int  # the FFN width used (the configured one unless shrunk)
-    knobs: dict[str, Any]  # the core's knobs used (``budget_knob`` shrunk if needed)
+    knobs: dict[str, Any]  # the core's knobs used (its ``size_knob`` shrunk if needed)
 
 
 def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
@@ -146,7 +151,7 @@ def build_model(task: Task, s: Settings, spec: VariantSpec, knobs: dict[str, Any
     The baseline is the same architecture at the configured FFN width with a parameter-free core
     (what every exact variant trains). A variant whose cores have parameters may have at most
     ``(1 + param_budget) * baseline`` in all: first the FFN width is shrunk (down to ``d_model`` at
-    least, so the network keeps its shape), then the core's ``budget_knob`` (additive: ``hidden``).
+    least, so the network keeps its shape), then the core's ``size_knob`` (additive: ``hidden``).
     Each is the largest value that fits, found by bisection (parameters grow with both). The
     initial weights depend only on ``seed``.
     """
@@ -163,6 +168,7 @@ def build_model(task: Task, s: Settings, spec: VariantSpec, knobs: dict[str, Any
             knobs=kn,
             decoder_layers=s.decoder_layers if task.seq2seq else 0,
             norm_first=s.norm_first,
+            causal=s.causal,
         )
 
     model = make(s.ffn, knobs)
@@ -173,18 +179,17 @@ def build_model(task: Task, s: Settings, spec: VariantSpec, knobs: dict[str, Any
     floor = min(s.ffn, s.d_model)
     ffn = _largest(floor, s.ffn, lambda w: count_params(make(w, knobs)) <= limit)
     kn = dict(knobs)
-    if ffn is None and isinstance(spec, str) and s.budget_knob:
-        size = knobs.get(s.budget_knob, _default_knob(spec, s.budget_knob))
+    key = variants.get(spec).size_knob if isinstance(spec, str) else None
+    if ffn is None and key:
+        size = knobs.get(key, _default_knob(spec, key))
         if isinstance(size, int):
-            key = s.budget_knob
             best = _largest(1, size, lambda h: count_params(make(floor, {**knobs, key: h})) <= limit)
             if best is not None:
                 ffn, kn = floor, {**knobs, key: best}
     if ffn is None:
         raise Unsupported(
             f"the attention cores' parameters exceed the budget of {s.param_budget:.0%} over the exact "
-            f"model's {baseline} even with FFN width {floor}"
-            + (f" and {s.budget_knob}=1" if s.budget_knob and isinstance(spec, str) else "")
+            f"model's {baseline} even with FFN width {floor}" + (f" and {key}=1" if key else "")
         )
     model = make(ffn, kn)
     return Built(model, count_params(model), baseline, ffn, kn)
@@ -302,7 +307,7 @@ def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
     seed = int(spec.seed)
     task_name, s, task_knobs = Settings.split(spec.task)
     task = make_task(task_name, int(spec.seq_len), **task_knobs)
-    name, cores, knobs = variant_for_training(spec.variant, device, task.seq2seq)
+    name, cores, knobs = variant_for_training(spec.variant, device, task.seq2seq, s.causal)
 
     built = build_model(task, s, cores, knobs, seed)
     model = built.model.to(device=device, dtype=dtype)
