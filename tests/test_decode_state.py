@@ -36,7 +36,12 @@ def _left_padded(case: Case, device: str) -> torch.Tensor:
 
 def _state_tensors(state: object) -> list[torch.Tensor]:
     """The tensors a state holds (a dataclass's fields or a tuple's items)."""
-    items = dataclasses.astuple(state) if dataclasses.is_dataclass(state) else tuple(state)
+    # fields read as they are: astuple deep-copies, which a state carrying autograd history (a learned
+    # gate's) refuses
+    if dataclasses.is_dataclass(state):
+        items = tuple(getattr(state, f.name) for f in dataclasses.fields(state))
+    else:
+        items = tuple(state)
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 

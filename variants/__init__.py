@@ -28,6 +28,10 @@ BUILTIN_MODULES = (
     "linear",
     "retention",
     "performer",
+    "ssd",
+    "gla",
+    "deltanet",
+    "gated_deltanet",
 )
 for _m in BUILTIN_MODULES:
     import_module(f"{__name__}.{_m}")

@@ -284,6 +284,42 @@ def _plain_chunks(
     return out.view(b, h, n * c, -1), state  # (G, c, E') -> (B, H, n c, E')
 
 
+def decode_workload(
+    variant: AttentionVariant,
+    heads: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kpm: torch.Tensor | None,
+    scale: float | None,
+) -> Workload:
+    """The causal workload of a prefill of ``k (B, Hkv, N, D)``, ``v (B, Hkv, N, Dv)`` (any ``N``, 0
+    included) for ``heads`` query heads, checked by ``variant``; a malformed input is one ``ValueError``."""
+    if k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3] or heads % k.shape[1]:
+        raise ValueError(
+            f"prefill needs k (B, Hkv, N, D), v (B, Hkv, N, Dv) and heads a multiple of Hkv; got "
+            f"{tuple(k.shape)}, {tuple(v.shape)}, heads={heads}"
+        )
+    b, hkv, n, d = k.shape
+    if kpm is not None and (kpm.dtype != torch.bool or tuple(kpm.shape) != (b, n)):
+        raise ValueError(f"key_padding_mask must be boolean (B, N) = {(b, n)}")
+    w = Workload(
+        batch=b,
+        heads=heads,
+        nq=n,
+        nk=n,
+        head_dim=d,
+        v_head_dim=v.shape[3],
+        device=k.device.type,
+        dtype=k.dtype,
+        causal=True,
+        key_padding=kpm is not None,
+        kv_heads=hkv if hkv != heads else None,
+        scale=scale,
+    )
+    variant.check(w)
+    return w
+
+
 def core_flops(nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weighted: bool) -> int:
     """FLOPs of (*) for one batch element and head, as the functions above compute it.
 
@@ -376,40 +412,11 @@ class KernelizedAttention(AttentionVariant):
         return self._finish(out).to(q.dtype)
 
     # ------------------------------------------------------------------ the decoding state
-    def _decode_workload(
-        self, heads: int, k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, scale: float | None
-    ) -> Workload:
-        """The workload of a prefill of ``k``, ``v`` (any ``N``, 0 included), checked."""
-        if k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3] or heads % k.shape[1]:
-            raise ValueError(
-                f"prefill needs k (B, Hkv, N, D), v (B, Hkv, N, Dv) and heads a multiple of Hkv; got "
-                f"{tuple(k.shape)}, {tuple(v.shape)}, heads={heads}"
-            )
-        b, hkv, n, d = k.shape
-        if kpm is not None and (kpm.dtype != torch.bool or tuple(kpm.shape) != (b, n)):
-            raise ValueError(f"key_padding_mask must be boolean (B, N) = {(b, n)}")
-        w = Workload(
-            batch=b,
-            heads=heads,
-            nq=n,
-            nk=n,
-            head_dim=d,
-            v_head_dim=v.shape[3],
-            device=k.device.type,
-            dtype=k.dtype,
-            causal=True,
-            key_padding=kpm is not None,
-            kv_heads=hkv if hkv != heads else None,
-            scale=scale,
-        )
-        self.check(w)
-        return w
-
     def prefill(self, k, v, *, key_padding_mask=None, scale=None, heads=None) -> KernelState:
         """The state after the context (see :meth:`AttentionVariant.prefill`): one pass,
         ``O(N F E)``; ``N = 0`` gives the empty state."""
         heads = heads or k.shape[1]
-        w = self._decode_workload(heads, k, v, key_padding_mask, scale)
+        w = decode_workload(self, heads, k, v, key_padding_mask, scale)
         k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # (B, H, N, D|Dv)
         work = work_dtype(k.dtype)
         s = w.head_dim**-0.5 if scale is None else float(scale)

@@ -287,3 +287,61 @@ def performer_reference(
 
     weights = (phi(q) @ phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
     return _kernel_sum(weights, v, True)
+
+
+# ------------------------------------------------------------------ gated and delta-rule recurrences
+def softplus_reference(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + e^x)`` in float64, written out (stable for large ``x``)."""
+    x = x.double()
+    return torch.where(x > 30, x, torch.log1p(torch.exp(torch.clamp(x, max=30))))
+
+
+def gated_recurrence_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    normalize_keys: bool = False,
+) -> torch.Tensor:
+    """Float64 gated / delta-rule recurrence, token by token (Yang et al. 2024, 2025), causal with
+    the ``Nq`` queries as the last positions of the ``Nk`` keys' sequence.
+
+    ``log_decay`` ``(B, H, Nk)`` or ``(B, H, Nk, D)`` (``g_t``, None: none) and ``beta (B, H, Nk)``
+    (None: the gated form) are per query head. With ``a_t = exp(g_t)``, a state ``S (D, Dv)``:
+    ``S = a_t S``; then ``S = S + k_t v_t^T`` (gated) or ``S = S + beta_t k_t (v_t - S^T k_t)^T``
+    (delta rule, keys L2-normalised when ``normalize_keys``); ``o_t = S^T (s q_t)``. A padded key is
+    skipped (no write, no decay). ``(B, H, Nq, Dv)``; ``O(Nk D Dv)`` per head in a Python loop.
+    """
+    h = q.shape[1]
+    q, k, v = q.double(), repeat_kv(k, h).double(), repeat_kv(v, h).double()
+    b, _, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[-1]
+    s = d**-0.5 if scale is None else scale
+    if normalize_keys:
+        k = k / k.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+    state = q.new_zeros(b, h, d, dv)
+    outs = []
+    for t in range(nk):
+        real = (
+            torch.ones(b, dtype=torch.bool, device=q.device)
+            if key_padding_mask is None
+            else key_padding_mask[:, t].to(q.device)
+        )[:, None, None, None]  # (B, 1, 1, 1)
+        new = state
+        if log_decay is not None:
+            a = log_decay[:, :, t].double().exp()
+            new = new * (a[..., None] if a.dim() == 3 else a[..., None, None])
+        kt, vt = k[:, :, t], v[:, :, t]  # (B, H, D), (B, H, Dv)
+        if beta is None:
+            u = vt
+        else:
+            u = beta[:, :, t].double()[..., None] * (vt - (new * kt[..., None]).sum(-2))  # (B, H, Dv)
+        new = new + kt[..., :, None] * u[..., None, :]
+        state = torch.where(real, new, state)
+        if t >= nk - nq:
+            outs.append((state * (s * q[:, :, t - (nk - nq)])[..., :, None]).sum(-2))  # (B, H, Dv)
+    return torch.stack(outs, 2)

@@ -1,0 +1,166 @@
+"""The gated and delta-rule recurrences against dense SDPA and flash-linear-attention's pure-PyTorch
+references (issue 32's speed goals), on the CPU.
+
+Causal forward at each ``--sizes`` N (B=1, H=8, D=64, fp32, one thread), timed interleaved round by
+round in one process as ``scripts/linear_vs_peers.py`` does (its timing, GEMM ceiling, load and
+allocator machinery): dense ``sdpa``, our ``ssd``, ``gla``, ``deltanet``, ``gated_deltanet`` (default
+knobs, chunk 64), and, up to ``--fla-max``, fla's references fed our own gates (so the outputs must
+agree): ``naive_chunk_simple_gla`` beside ``ssd``, ``naive_recurrent_gla`` beside ``gla`` (fla has no
+pure-PyTorch chunked GLA), ``delta_rule_chunkwise`` beside ``deltanet`` (its chunk of 32, its ``q``
+scaling: ours is ``1/sqrt(D)`` too) and ``naive_chunk_gated_delta_rule`` beside ``gated_deltanet``.
+
+    python scripts/gated_vs_peers.py --out results/cpu/gated_peers/RESULTS.md --json /tmp/gated.json
+    python scripts/gated_vs_peers.py --sizes 256 512 --rounds 2    # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as fn
+from linear_vs_peers import GEMM_N, B, Bench, Contender, D, H, cell, fmt_ratio, qkv, ratio, record, rel_diff
+
+import variants
+from experiments.sweep.allocator import JOB_ALLOCATOR_ENV
+
+OURS = ("ssd", "gla", "deltanet", "gated_deltanet")
+
+
+def _bthd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).contiguous()  # (B, H, N, D) -> fla's (B, N, H, D)
+
+
+def contenders(n: int, fla_max: int) -> tuple[list[Contender], dict[str, str]]:
+    """The contenders at ``n`` and, for each of ours, the fla reference beside it."""
+    q, k, v = qkv(n)
+    sdpa = variants.build("sdpa")
+    cs = [Contender("sdpa (dense)", lambda: sdpa(q, k, v, causal=True), sdpa, causal=True)]
+    ours = {}
+    for name in OURS:
+        torch.manual_seed(0)
+        ours[name] = variants.build(name, heads=H, head_dim=D)
+        cs.append(Contender(name, lambda m=ours[name]: m(q, k, v, causal=True), ours[name], causal=True))
+    peers: dict[str, str] = {}
+    if n > fla_max:
+        return cs, peers
+    from fla.ops.delta_rule.naive import delta_rule_chunkwise
+    from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+    from fla.ops.gla.naive import naive_recurrent_gla
+    from fla.ops.simple_gla.naive import naive_chunk_simple_gla
+
+    with torch.no_grad():  # our gates, outside the timed calls, in each reference's layout
+        g_ssd = ours["ssd"]._gates(k)[0].transpose(1, 2).contiguous()  # (B, N, H)
+        g_gla = _bthd(ours["gla"]._gates(k)[0])  # (B, N, H, D)
+        beta_dn = ours["deltanet"]._gates(k)[1]  # (B, H, N)
+        g_gd, beta_gd = (x.transpose(1, 2).contiguous() for x in ours["gated_deltanet"]._gates(k))
+    kn = fn.normalize(k, dim=-1, eps=1e-6)  # the delta rules' unit keys
+    qt, kt, vt, knt = (_bthd(x) for x in (q, k, v, kn))
+    fla = [
+        ("ssd", "fla naive_chunk_simple_gla", lambda: naive_chunk_simple_gla(qt, kt, vt, g_ssd)[0]),
+        ("gla", "fla naive_recurrent_gla", lambda: naive_recurrent_gla(qt, kt, vt, g_gla)[0]),
+        ("deltanet", "fla delta_rule_chunkwise", lambda: delta_rule_chunkwise(q, kn, v, beta_dn)[0]),
+        (
+            "gated_deltanet",
+            "fla naive_chunk_gated_delta_rule",
+            lambda: naive_chunk_gated_delta_rule(qt, knt, vt, g_gd, beta_gd)[0],
+        ),
+    ]
+    for ours_name, peer, run in fla:
+        cs.append(Contender(peer, run, causal=True))
+        peers[ours_name] = peer
+    return cs, peers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--fla-max", type=int, default=8192, help="largest N for fla's references")
+    ap.add_argument("--gemm-min-run-time", type=float, default=0.5)
+    ap.add_argument("--out", help="write the Markdown tables here")
+    ap.add_argument("--json", help="write every cell here")
+    args = ap.parse_args()
+    missing = {k: v for k, v in JOB_ALLOCATOR_ENV.items() if k not in os.environ}
+    if missing:  # the suite's job allocator, for every contender alike (see linear_vs_peers.py)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
+    torch.set_num_threads(1)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load_start = os.getloadavg()[0]
+    bench = Bench(args.rounds, args.gemm_min_run_time)
+    for n in args.sizes:
+        cs, peers = contenders(n, args.fla_max)
+        print(f"causal forward, N={n}:", flush=True)
+        outs = bench.time("gated", cs)
+        by = {c.name: c for c in cs}
+        for c in cs:
+            extra: dict = {"dense_over_this": ratio(by["sdpa (dense)"], c)}
+            if c.name in peers:
+                peer = peers[c.name]
+                theirs = outs[peer] if outs[peer].shape == outs[c.name].shape else outs[peer].transpose(1, 2)
+                diff, bad = rel_diff(outs[c.name], theirs)
+                extra.update(
+                    peer=peer, peer_over_this=ratio(by[peer], c), max_rel_diff=diff, peer_nonfinite=bad
+                )
+                print(
+                    f"  {peer} / {c.name}: {extra['peer_over_this']['ratio']:.2f}x; max rel diff {diff:.2e}"
+                )
+            bench.rows.append(record("gated", n, c, **extra))
+    gemm = statistics.median(bench.gemm) / 1e9
+    lines = [
+        "# Gated and delta-rule recurrences against dense SDPA and fla's references (issue 32)",
+        "",
+        f"Written by `scripts/gated_vs_peers.py` ({when}); torch {torch.__version__}, 1 thread, fp32, "
+        f"B={B} H={H} D={D}, causal, {args.rounds} interleaved rounds; each time the median over the rounds "
+        "[min-max], ms; a ratio `x / this` of the medians [range of the per-round ratios]. fla's references "
+        "get our gates, so their outputs must equal ours.",
+        "",
+        f"GEMM ceiling (fp32 {GEMM_N}x{GEMM_N}, one thread, once per round): median {gemm:.1f} GFLOP/s "
+        f"[{min(bench.gemm) / 1e9:.1f}-{max(bench.gemm) / 1e9:.1f}]. Load: cores other processes kept busy "
+        f"per N: {', '.join(f'{x:.2f}' for x in bench.load.get('gated', []))}; 1-minute load average "
+        f"{load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. Allocator: "
+        + ", ".join(f"`{k}={v}`" for k, v in JOB_ALLOCATOR_ENV.items())
+        + ".",
+        "",
+        "| N | contender | ms | GFLOP/s | % GEMM | dense sdpa / this | fla / this | max rel diff vs fla |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in bench.rows:
+        g = f"{r['gflops']:.2f}" if r["gflops"] is not None else ""
+        p = f"{100 * r['gflops'] / gemm:.1f}%" if r["gflops"] is not None else ""
+        diff = f"{r['max_rel_diff']:.1e}" if "max_rel_diff" in r else ""
+        lines.append(
+            f"| {r['N']} | {r['name']} | {cell(r)} | {g} | {p} | {fmt_ratio(r['dense_over_this'])} "
+            f"| {fmt_ratio(r.get('peer_over_this'))} | {diff} |"
+        )
+    lines += ["", "## Goals", ""]
+    big, mid = max(args.sizes), 8192
+    for name in OURS:
+        at = {r["N"]: r for r in bench.rows if r["name"] == name}
+        if big in at:
+            x = at[big]["dense_over_this"]
+            lines.append(f"- `{name}` faster than dense sdpa at N={big}: {fmt_ratio(x)}: {x['ratio'] > 1}")
+        if mid in at and "peer_over_this" in at[mid]:
+            x, diff = at[mid]["peer_over_this"], at[mid]["max_rel_diff"]
+            lines.append(
+                f"- `{name}` >= 2x faster than `{at[mid]['peer']}` at N={mid}: {fmt_ratio(x)}: "
+                f"{x['ratio'] >= 2}; equal within 1e-4 relative: {diff:.1e}: {diff <= 1e-4}"
+            )
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "gemm_flops_per_s": bench.gemm, "rows": bench.rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The gated and delta-rule recurrences (ssd, gla, deltanet, gated_deltanet) beyond the registry-wide
+tests (which check every form, chunk 1, 5 and 64, against the float64 token-by-token reference,
+gradients included, and the decoding state): flash-linear-attention's pure-PyTorch references as a
+second oracle (skipped with the reason where fla-core is not installed), what a padded key means,
+and the numerics of strong decays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import variants
+
+GATED = ("ssd", "gla", "deltanet", "gated_deltanet")
+
+
+def _qkv(b=2, h=3, n=40, d=8, dv=6, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, e, generator=g, dtype=dtype) for e in (d, d, dv))
+
+
+def _build(name, h=3, d=8, **knobs):
+    torch.manual_seed(0)
+    return variants.build(name, heads=h, head_dim=d, **knobs)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_a_padded_key_is_a_token_that_is_not_there(name):
+    attn = _build(name, chunk=4)
+    q, k, v = _qkv(b=1, n=20)
+    drop = 9
+    keep = [i for i in range(20) if i != drop]
+    kpm = torch.ones(1, 20, dtype=torch.bool)
+    kpm[0, drop] = False
+    padded = attn(q, k, v, causal=True, key_padding_mask=kpm)
+    without = attn(q[:, :, keep], k[:, :, keep], v[:, :, keep], causal=True)
+    # the other positions' outputs are those of the sequence without it: no write, no decay
+    assert _rel(padded[:, :, keep], without) < 1e-5
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_strong_decays_and_long_chunks_stay_finite(name):
+    attn = _build(name, chunk=64)
+    with torch.no_grad():
+        for p in attn.parameters():  # gates at their extremes: decays of e^-1 (gla's floor) and far below
+            p.mul_(20.0)
+    q, k, v = (10 * x for x in _qkv(b=1, n=300))
+    out = attn(q, k, v, causal=True)
+    assert torch.isfinite(out).all()
+    ref = variants.oracle(attn, q[:, :, -50:], k, v, causal=True)
+    assert _rel(out[:, :, -50:], ref) < 1e-4
+
+
+def test_gla_refuses_a_chunk_its_split_cannot_hold():
+    with pytest.raises(ValueError, match="chunk in 1..64"):
+        variants.build("gla", chunk=128)
+
+
+def test_each_has_the_parameters_its_docstring_counts():
+    h, d = 3, 8
+    counts = {
+        "ssd": h * (d + 2),
+        "gla": h * (2 * d * 16 + d),
+        "deltanet": h * (d + 1),
+        "gated_deltanet": h * (2 * d + 3),
+    }
+    for name, want in counts.items():
+        assert sum(p.numel() for p in _build(name, h, d).parameters()) == want, name
+
+
+# ---------------------------------------------------------------------------------- fla as a second oracle
+fla = pytest.importorskip("fla", reason="fla-core is not installed (pip install -e '.[dev]')")
+
+
+def _bthd(x):
+    return x.transpose(1, 2).contiguous()  # (B, H, N, D) -> fla's (B, N, H, D)
+
+
+def test_ssd_is_flas_simple_gla():
+    from fla.ops.simple_gla.naive import naive_chunk_simple_gla, naive_recurrent_simple_gla
+
+    attn = _build("ssd", chunk=8)
+    q, k, v = _qkv(n=50)
+    with torch.no_grad():
+        ours = attn(q, k, v, causal=True)
+        g = attn._gates(k)[0]  # (B, H, N)
+        for f in (naive_chunk_simple_gla, naive_recurrent_simple_gla):
+            theirs = f(_bthd(q), _bthd(k), _bthd(v), g.transpose(1, 2).contiguous())[0].transpose(1, 2)
+            assert _rel(ours, theirs) < 1e-5, f.__name__
+
+
+def test_gla_is_flas_recurrent_gla():
+    from fla.ops.gla.naive import naive_recurrent_gla
+
+    attn = _build("gla", chunk=8)
+    q, k, v = _qkv(n=50)
+    with torch.no_grad():
+        ours = attn(q, k, v, causal=True)
+        g = attn._gates(k)[0]  # (B, H, N, D)
+        theirs = naive_recurrent_gla(_bthd(q), _bthd(k), _bthd(v), _bthd(g))[0].transpose(1, 2)
+    assert _rel(ours, theirs) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_the_delta_rules_are_flas(name):
+    from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+
+    attn = _build(name, chunk=8)
+    q, k, v = _qkv(n=64)
+    with torch.no_grad():
+        ours = attn(q, k, v, causal=True)
+        g, beta = attn._gates(k)
+        g = torch.zeros_like(beta) if g is None else g
+        kn = torch.nn.functional.normalize(k, dim=-1, eps=1e-6)
+        args = (_bthd(q), _bthd(kn), _bthd(v))
+        rec = naive_recurrent_gated_delta_rule(*args, beta.transpose(1, 2), g.transpose(1, 2))[0]
+        chunk = naive_chunk_gated_delta_rule(*args, g.transpose(1, 2), beta.transpose(1, 2), chunk_size=16)[0]
+    assert _rel(ours, rec.transpose(1, 2)) < 1e-5
+    assert _rel(ours, chunk.transpose(1, 2)) < 1e-5

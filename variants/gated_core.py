@@ -1,0 +1,313 @@
+"""The gated and delta-rule recurrences that ``ssd``, ``gla``, ``deltanet`` and ``gated_deltanet`` share.
+
+Per head, a state ``S (Dk, Dv)`` runs over the positions ``t``; with log decay ``g_t <= 0`` (a scalar,
+or a vector over ``Dk``), write strength ``beta_t`` in (0, 1) (delta rule only) and the scaled query
+``s q_t``:
+
+    gated:       S_t = diag(a_t) S_{t-1} + k_t v_t^T,                          a_t = exp(g_t)
+    delta rule:  S_t = (I - beta_t k_t k_t^T) (a_t S_{t-1}) + beta_t k_t v_t^T
+    output:      o_t = S_t^T (s q_t)
+
+(the delta rule's state in the issue's orientation is ``S^T``). Both are one recurrence
+``S_t = a_t S_{t-1} + k_t u_t^T`` with values ``u_t = v_t`` (gated) or ``u_t = beta_t (v_t - (a_t
+S_{t-1})^T k_t)`` (delta rule). A padded key is a token that is not there: no write, no decay.
+
+:func:`chunked_recurrence` is the chunked parallel form (the published one: GLA's for the gates,
+DeltaNet's WY representation for the delta rule). In a chunk of ``c`` positions, with ``G`` the
+chunk-local cumulative log decay (through position ``i``, inclusive):
+
+- every output is ``o_i = (q_i * e^{G_i}) . S_0 + sum_{j <= i} (q_i . k_j) e^{G_i - G_j} u_j`` (``S_0``
+  the state before the chunk; a vector decay multiplies feature by feature);
+- delta rule: the chunk's values solve a unit lower-triangular system, ``(I + L) U = diag(beta) (V -
+  e^G K S_0)`` with ``L_ij = beta_i e^{G_i - G_j} (k_i . k_j)`` for ``j < i``, so ``U = U_0 - W S_0`` with
+  ``U_0``, ``W`` computed for every chunk at once (one batched triangular solve); only ``W S_0`` waits
+  for the state;
+- the state after the chunk is ``e^{G_c} S_0 + sum_j (k_j e^{G_c - G_j}) u_j^T``.
+
+Everything but the state's carry is batched over all chunks; the carry is a loop over the ``N / c``
+chunks of ``O(Dk Dv)`` work each (``O(c Dk Dv)`` with the delta rule's ``W S_0``). Time ``O(N c (Dk +
+Dv) + N Dk Dv)`` (``+ O(N c (Dk + Dv))`` for the solve), memory ``O(N c + (N / c) Dk Dv)``, never an
+``N x N`` tensor. ``chunk=1`` is the recurrent form, ``chunk >= N`` the parallel form.
+
+A vector decay is split as ``q e^{G}`` and ``k e^{-G}`` inside a chunk (GLA's form): ``e^{-G}`` grows
+with the chunk, so a variant with vector gates bounds ``g`` from below (``gla``: ``g >= -1``, and
+``chunk <= 64``: ``e^{64}`` is far inside float32).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as fn
+
+from .base import AttentionVariant, Unsupported, Workload, repeat_kv
+from .linear_core import KernelState, decode_workload, refuse_pairwise, work_dtype
+
+NEG_INF = float("-inf")
+
+
+def chunked_recurrence(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    chunk: int,
+    s0: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The recurrence above over ``N`` positions, in chunks of ``chunk``.
+
+    ``q (B, H, N, Dk)`` already scaled, or None (a prefill: the state only); ``k (B, H, N, Dk)``;
+    ``v (B, H, N, Dv)``; ``g`` the log decay ``(B, H, N)`` (scalar) or ``(B, H, N, Dk)`` (vector), or
+    None (no decay); ``beta (B, H, N)`` for the delta rule, or None; ``s0 (B, H, Dk, Dv)`` the state
+    before the first position, or None (zeros). Returns ``(o (B, H, N, Dv) or None, S_N (B, H, Dk,
+    Dv))``. The delta rule takes a scalar decay only.
+    """
+    b, h, n, dk = k.shape
+    dv = v.shape[-1]
+    vector = g is not None and g.dim() == 4
+    if vector and beta is not None:
+        raise ValueError("the delta rule's chunked form here takes a scalar decay per position")
+    c = max(1, min(chunk, n))
+    m = -(-n // c)
+    pad = m * c - n
+    if pad:  # positions after the end: no key, no value, no decay, no write
+        k, v = fn.pad(k, (0, 0, 0, pad)), fn.pad(v, (0, 0, 0, pad))  # (B, H, m c, Dk|Dv)
+        q = None if q is None else fn.pad(q, (0, 0, 0, pad))
+        if g is not None:
+            g = fn.pad(g, (0, 0, 0, pad)) if vector else fn.pad(g, (0, pad))
+        if beta is not None:
+            beta = fn.pad(beta, (0, pad))
+    kc = k.view(b, h, m, c, dk)  # (B, H, m c, Dk) -> (B, H, m, c, Dk)
+    vc = v.view(b, h, m, c, dv)  # (B, H, m, c, Dv)
+    qc = None if q is None else q.view(b, h, m, c, dk)  # (B, H, m, c, Dk)
+    lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()  # (c, c): j <= i
+
+    # --- decay factors within each chunk
+    if g is None:
+        decay_end, q_in, k_out, gam = None, qc, kc, None
+    elif vector:
+        big = g.view(b, h, m, c, dk).cumsum(3)  # (B, H, m, c, Dk): G_i, chunk-local
+        end = big[:, :, :, -1:]  # (B, H, m, 1, Dk)
+        decay_end = end.squeeze(3).exp()  # (B, H, m, Dk)
+        k_out = kc * (end - big).exp()  # (B, H, m, c, Dk): k_j e^{G_c - G_j} <= k_j
+        q_in = None if qc is None else qc * big.exp()  # q_i e^{G_i}
+        gam = None
+    else:
+        # in float64: a chunk's G reaches thousands under strong decays, where a float32 difference
+        # G_i - G_j of two neighbours would keep ~3 digits (vector gates are bounded instead),
+        # and each g at least -1e4 (e^-1e4 is 0 in every float type, so nothing changes): decays of
+        # 1e20 beside decays of 1 would leave no digit of G_i - G_j even in float64
+        big = g.view(b, h, m, c).double().clamp(min=-1e4).cumsum(3)  # (B, H, m, c): G_i, chunk-local
+        end = big[..., -1:]  # (B, H, m, 1)
+        decay_end = end.squeeze(3).exp().to(k.dtype)  # (B, H, m)
+        k_out = kc * (end - big).exp().to(k.dtype)[..., None]  # (B, H, m, c, Dk)
+        q_in = None if qc is None else qc * big.exp().to(k.dtype)[..., None]
+        diff = big[..., :, None] - big[..., None, :]  # (B, H, m, c, c): G_i - G_j
+        gam = diff.masked_fill(~lower, NEG_INF).exp().to(k.dtype)  # e^{G_i - G_j} for j <= i, else 0
+
+    # --- the values each chunk writes: v (gated), or U_0 - W S_0 (delta rule)
+    if beta is not None:
+        bc = beta.view(b, h, m, c, 1)  # (B, H, m, c, 1)
+        kk = kc @ kc.transpose(-1, -2)  # (B, H, m, c, c)
+        strict = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)
+        lmat = bc * (kk if gam is None else kk * gam)
+        lmat = lmat.masked_fill(~strict, 0.0) + torch.eye(c, dtype=k.dtype, device=k.device)  # I + L
+        ke = kc if g is None else kc * big.exp().to(k.dtype)[..., None]  # (B, H, m, c, Dk): e^{G_i} k_i
+        rhs = bc * torch.cat([vc, ke], -1)  # (B, H, m, c, Dv + Dk)
+        x = torch.linalg.solve_triangular(lmat, rhs, upper=False, unitriangular=True)
+        u0, w = x[..., :dv], x[..., dv:]  # (B, H, m, c, Dv), (B, H, m, c, Dk)
+
+    # --- the state across chunks
+    state = s0 if s0 is not None else k.new_zeros(b, h, dk, dv)  # (B, H, Dk, Dv)
+    befores, writes = [], []
+    if beta is None:
+        chunk_kv = k_out.transpose(-1, -2) @ vc  # (B, H, m, Dk, Dv): each chunk's own writes
+        # unbind, not indexing in the loop: each index's backward would allocate the whole gradient
+        steps = zip(chunk_kv.unbind(2), _unbind(decay_end, m), strict=True)
+        for kv_t, a_t in steps:
+            befores.append(state)
+            state = kv_t + (state if a_t is None else _decayed(state, a_t))
+    else:
+        steps = zip(u0.unbind(2), w.unbind(2), k_out.unbind(2), _unbind(decay_end, m), strict=True)
+        for u0_t, w_t, ko_t, a_t in steps:
+            befores.append(state)
+            u_t = u0_t - w_t @ state  # (B, H, c, Dv)
+            writes.append(u_t)
+            state = ko_t.transpose(-1, -2) @ u_t + (state if a_t is None else _decayed(state, a_t))
+    if qc is None:
+        return None, state
+    before = torch.stack(befores, 2)  # (B, H, m, Dk, Dv): the state before each chunk
+    u = vc if beta is None else torch.stack(writes, 2)  # (B, H, m, c, Dv)
+    if vector:
+        k_in = kc * (-big).exp()  # (B, H, m, c, Dk): e^{-G_j} <= e^{c |g_min|}
+        scores = (q_in @ k_in.transpose(-1, -2)).masked_fill(~lower, 0.0)  # (B, H, m, c, c)
+    else:
+        scores = qc @ kc.transpose(-1, -2)  # (B, H, m, c, c)
+        scores = scores.masked_fill(~lower, 0.0) if gam is None else scores * gam
+    out = q_in @ before + scores @ u  # (B, H, m, c, Dv)
+    return out.reshape(b, h, m * c, dv)[:, :, :n], state  # (B, H, m, c, Dv) -> (B, H, N, Dv)
+
+
+def _unbind(x: torch.Tensor | None, m: int) -> list[torch.Tensor | None] | tuple[torch.Tensor, ...]:
+    """``x (B, H, m[, Dk])`` split along its chunk dimension, or ``m`` Nones."""
+    return [None] * m if x is None else x.unbind(2)
+
+
+def _decayed(state: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``diag(a) S`` for ``S (B, H, Dk, Dv)`` and ``a (B, H)`` (scalar) or ``(B, H, Dk)`` (vector)."""
+    return state * (a[..., None] if a.dim() == 3 else a[..., None, None])
+
+
+def recurrence_flops(n: int, dk: int, dv: int, chunk: int, delta: bool) -> int:
+    """FLOPs of :func:`chunked_recurrence` over ``n`` positions of one batch element and head, as it
+    computes them: the intra-chunk scores ``2 N c Dk`` and their product with the values ``2 N c Dv``,
+    the reading of the state ``2 N Dk Dv``, the chunks' writes ``2 N Dk Dv``; the delta rule adds ``K
+    K^T`` (``2 N c Dk``), the triangular solve (``N c (Dv + Dk)``) and ``W S_0`` (``2 N Dk Dv``)."""
+    c = max(1, min(chunk, n))
+    flops = 2 * n * c * (dk + dv) + 4 * n * dk * dv
+    if delta:
+        flops += 2 * n * c * dk + n * c * (dv + dk) + 2 * n * dk * dv
+    return flops
+
+
+class GatedRecurrence(AttentionVariant):
+    """What the gated and delta-rule variants share: the forward (causal, bottom-right), the decoding
+    state and its size, the FLOPs and the refusals. Each supplies its gates from the keys
+    (:meth:`_gates`) and its gate FLOPs (:meth:`_gate_flops`); ``delta`` says whether it is a delta rule
+    (its keys are L2-normalised).
+
+    The gates are projections of the key (the core is handed ``q, k, v``, not the token: a key is a
+    linear map of its token, so a projection of it is one of the token too), per query head.
+    """
+
+    exact = False  # a recurrence, not softmax attention
+    supports_noncausal = False  # a recurrence runs over the past (refused in check with the reason)
+    supports_cross = False  # the queries are positions of the keys' sequence (Nq <= Nk)
+    supports_attn_mask = False  # refused with the reason by refuse_pairwise
+    supports_state = True
+    native_scale = True  # the scale multiplies q
+    has_params = True
+    #: the delta rule (keys L2-normalised, the write strength beta)
+    delta: ClassVar[bool] = False
+    chunk: int = 64
+
+    def check(self, w: Workload) -> None:
+        who = self.name or type(self).__name__
+        refuse_pairwise(who, w)
+        if not w.causal:
+            raise Unsupported(f"{who} is a recurrence over the past: causal only (pass causal=True)")
+        if w.head_dim != self.head_dim or w.heads != self.heads:
+            raise Unsupported(
+                f"{who} was built for heads={self.heads}, head_dim={self.head_dim} (its gate "
+                f"projections); got heads={w.heads}, head_dim={w.head_dim}"
+            )
+        super().check(w)
+
+    def _gates(self, k: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(g, beta)`` for keys ``k (B, H, N, D)`` in the work dtype: the log decay ``(B, H, N)`` or
+        ``(B, H, N, D)`` (None: none) and the delta rule's write strength ``(B, H, N)`` (None)."""
+        raise NotImplementedError
+
+    def _gate_flops(self, w: Workload) -> int:
+        """FLOPs of the gates for every key of ``w``."""
+        raise NotImplementedError
+
+    def _inputs(
+        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(k, v, g, beta)`` for the core from keys and values ``(B, H, N, D|Dv)`` in the work dtype;
+        ``valid (B, 1, N)`` marks real keys: a padded one writes nothing and decays nothing."""
+        g, beta = self._gates(k)
+        if self.delta:
+            k = fn.normalize(k, dim=-1, eps=1e-6)  # (B, H, N, D): unit keys
+        if valid is not None:
+            k = torch.where(valid[..., None], k, 0.0)
+            v = torch.where(valid[..., None], v, 0.0)
+            if g is not None:
+                g = torch.where(valid[..., None] if g.dim() == 4 else valid, g, 0.0)
+            if beta is not None:
+                beta = torch.where(valid, beta, 0.0)
+        return k, v, g, beta
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None):
+        work = work_dtype(q.dtype)
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, Nk)
+        kk, vv, g, beta = self._inputs(k.to(work), v.to(work), valid)
+        nq, nk = q.shape[2], k.shape[2]
+        qq = q.to(work) * s
+        if nq < nk:  # the queries are the last Nq positions: the earlier ones read nothing
+            qq = torch.cat([qq.new_zeros(*qq.shape[:2], nk - nq, qq.shape[3]), qq], 2)  # (B, H, Nk, D)
+        out, _ = chunked_recurrence(qq, kk, vv, g, beta, self.chunk)
+        return out[:, :, nk - nq :].to(q.dtype)
+
+    # ------------------------------------------------------------------ the decoding state
+    def prefill(self, k, v, *, key_padding_mask=None, scale=None, heads=None) -> KernelState:
+        """The state after the context (see :meth:`AttentionVariant.prefill`): the chunked form
+        without queries, ``O(N (c + Dk) Dv)``; ``N = 0`` gives the empty state."""
+        heads = heads or k.shape[1]
+        w = decode_workload(self, heads, k, v, key_padding_mask, scale)
+        k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # (B, H, N, D|Dv)
+        work = work_dtype(k.dtype)
+        s = w.head_dim**-0.5 if scale is None else float(scale)
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, N)
+        kk, vv, g, beta = self._inputs(k.to(work), v.to(work), valid)
+        _, state = chunked_recurrence(None, kk, vv, g, beta, self.chunk)
+        return KernelState(state, None, w.nk, s)
+
+    def step(self, q, k_new, v_new, state) -> tuple[torch.Tensor, KernelState]:
+        """The causal output of the ``T`` new positions and the state after them (see
+        :meth:`AttentionVariant.step`): the chunked form started from the state."""
+        if state is None:
+            state = self.prefill(k_new[:, :, :0], v_new[:, :, :0], heads=q.shape[1])
+        w = Workload.of(q, k_new, v_new, causal=True, scale=state.scale)
+        if w.nq != w.nk:
+            raise ValueError(f"step takes as many new keys as queries; got {w.nq} queries, {w.nk} keys")
+        self.check(w)
+        if state.kv.shape[:2] != (w.batch, w.heads) or state.kv.dtype != work_dtype(w.dtype):
+            raise ValueError(
+                f"the state holds {tuple(state.kv.shape[:2])} (B, H) in {state.kv.dtype}; the step's "
+                f"q is ({w.batch}, {w.heads}) in {w.dtype}"
+            )
+        work = state.kv.dtype
+        k, v = repeat_kv(k_new, w.heads), repeat_kv(v_new, w.heads)  # (B, H, T, D|Dv)
+        kk, vv, g, beta = self._inputs(k.to(work), v.to(work), None)
+        out, s = chunked_recurrence(q.to(work) * state.scale, kk, vv, g, beta, self.chunk, state.kv)
+        return out.to(q.dtype), KernelState(s, None, state.length + w.nk, state.scale)
+
+    def state_bytes(self, w: Workload) -> int:
+        """``H`` heads of a ``Dk x Dv`` state: independent of ``w.nk``."""
+        elem = torch.empty((), dtype=work_dtype(w.dtype)).element_size()
+        return w.heads * w.head_dim * w.v_head_dim * elem
+
+    def flops(self, w: Workload, mode: str = "fwd") -> int:
+        """The gates, the keys' normalisation (delta rule) and the chunked recurrence over the ``Nk``
+        positions (:func:`recurrence_flops`), for every batch element and head; not pairs. Backward
+        counts 2.5x forward as elsewhere."""
+        core = recurrence_flops(w.nk, w.head_dim, w.v_head_dim, self.chunk, self.delta)
+        norm = 3 * w.nk * w.head_dim if self.delta else 0
+        fwd = w.batch * w.heads * (core + norm + w.nq * w.head_dim) + self._gate_flops(w)
+        return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode])
+
+    def knobs(self) -> dict[str, object]:
+        return {"chunk": self.chunk}
+
+
+def init_uniform_(p: torch.Tensor, bound: float) -> None:
+    """``p`` uniform in ``[-bound, bound]`` (deterministic given torch's global seed)."""
+    with torch.no_grad():
+        p.uniform_(-bound, bound)
+
+
+def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``softplus(x) = y`` (``y > 0``): ``y + log(-expm1(-y))``."""
+    return y + torch.log(-torch.expm1(-y))
+
+
+def dt_init(heads: int, lo: float = 1e-3, hi: float = 1e-1) -> torch.Tensor:
+    """Mamba's time-step bias: ``softplus(bias)`` log-uniform in ``[lo, hi]`` per head, ``(H,)``."""
+    u = torch.rand(heads)
+    return inverse_softplus(torch.exp(u * (math.log(hi) - math.log(lo)) + math.log(lo)))
