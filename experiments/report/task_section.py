@@ -72,13 +72,14 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
         return sub.assign(task_name=[], task_label=[], variant_label=[])
     # a setting missing from an older record had its default; causal goes to the row's label
     tasks = sub["task"].map(lambda v: {**_SETTING_DEFAULTS, **_task_dict(v)})
-    causal = tasks.map(lambda t: bool(t.pop("causal")))
+    causal = tasks.map(lambda t: bool(t["causal"]))
     sub["task_name"] = tasks.map(lambda t: t["name"])
     sub["_task_json"] = tasks.map(lambda t: json.dumps(t, sort_keys=True, default=str))
     labels = pd.Series("", index=sub.index, dtype=object)
     for name, rows in sub.groupby("task_name"):
         dicts = [json.loads(j) for j in rows["_task_json"]]
-        keys = {k for d in dicts for k in d if k != "name" and k not in _TRAINING_KEYS | _RETIRED_KEYS}
+        skip = _TRAINING_KEYS | _RETIRED_KEYS | {"name", "causal"}
+        keys = {k for d in dicts for k in d if k not in skip}
         varying = sorted(k for k in keys if len({json.dumps(d.get(k)) for d in dicts}) > 1)
         for idx, d in zip(rows.index, dicts, strict=True):
             extra = ", ".join(f"{k}={d.get(k)}" for k in varying)
@@ -303,6 +304,9 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     drawn = 0
+    # more lines than one colour cycle: 20 colours and a marker each, so no two lines look alike
+    colours = plt.get_cmap("tab20").colors
+    markers = "osD^v<>pPX*h"
     for (v, t, n), g in sub.groupby(["variant_label", "task_label", "seq_len"], sort=True):
         hits: dict[int, float] = {}
         counts: dict[int, float] = {}
@@ -319,7 +323,8 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
         ys = [100 * hits[x] / counts[x] for x in xs]
         multi = sub["seq_len"].nunique() > 1 or sub["task_label"].nunique() > 1
         label = f"{v} {t} N={n}" if multi else str(v)
-        (line,) = ax.plot(xs, ys, marker="o", label=label)
+        style = {"color": colours[drawn % len(colours)], "marker": markers[drawn % len(markers)]}
+        (line,) = ax.plot(xs, ys, label=label, markersize=5, **style)
         window = _window_size(g.iloc[0])
         if window is not None and window < n:  # a window past the sequence blinds nothing
             ax.axvline(window, color=line.get_color(), linestyle=":", linewidth=1)
