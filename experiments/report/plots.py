@@ -463,12 +463,16 @@ def plot_patterns(out_dir: Path, n: int = 48) -> Path:
         try:
             if isinstance(var, Exception):
                 raise var
-            pat = var.pattern(n, n).numpy()
+            # a causal-only variant (a recurrence) has no two-way pattern: its causal one is drawn
+            causal_only = not getattr(var, "supports_noncausal", True)
+            pat = var.pattern(n, n, causal_only).numpy()
             ax.imshow(pat, cmap="Greys", vmin=0, vmax=1.25, interpolation="nearest")
             grid = getattr(var, "grid", None)  # axial: the rows x cols grid it chose for this N
             title += (
-                f", {'x'.join(map(str, grid(n)))} grid" if callable(grid) else ""
-            ) + f"\n{pat.mean():.0%} of pairs"
+                (f", {'x'.join(map(str, grid(n)))} grid" if callable(grid) else "")
+                + f"\n{pat.mean():.0%} of pairs"
+                + (", causal only" if causal_only else "")
+            )
         except Exception as exc:
             ax.text(0.5, 0.5, textwrap.fill(f"no pattern: {exc}", 30), ha="center", va="center", fontsize=7)
         _matrix_axes(ax, title, n)
@@ -501,7 +505,8 @@ def attention_weights(variant: object, x: object) -> np.ndarray:
     """``(n, n)`` effective attention weights of ``variant`` on q = k = ``x`` by the float64 oracle.
 
     The oracle is linear in v, so with v = identity its output *is* the weight matrix; this also
-    covers variants that define ``oracle_forward`` (axial: the two stages compose).
+    covers variants that define ``oracle_forward`` (axial: the two stages compose; the recurrences,
+    causal only, drawn causal: their state is linear in the values, the delta rule's included).
     """
     import torch
 
@@ -509,8 +514,9 @@ def attention_weights(variant: object, x: object) -> np.ndarray:
 
     n = x.shape[2]
     eye = torch.eye(n, dtype=torch.float64)[None, None]  # (1, 1, N, N): value j = one-hot j
+    causal_only = not getattr(variant, "supports_noncausal", True)  # a recurrence: its causal weights
     with torch.no_grad():
-        return variants.oracle(variant, x, x, eye)[0, 0].numpy()
+        return variants.oracle(variant, x, x, eye, causal=causal_only)[0, 0].numpy()
 
 
 def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
