@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as fn
 
 from .base import AttentionVariant, Unsupported, Workload, repeat_kv
-from .linear_core import KernelState, decode_workload, refuse_pairwise, work_dtype
+from .linear_core import KernelState, decode_workload, refuse_pairwise, step_workload, work_dtype
 
 NEG_INF = float("-inf")
 
@@ -263,15 +263,7 @@ class GatedRecurrence(AttentionVariant):
         :meth:`AttentionVariant.step`): the chunked form started from the state."""
         if state is None:
             state = self.prefill(k_new[:, :, :0], v_new[:, :, :0], heads=q.shape[1])
-        w = Workload.of(q, k_new, v_new, causal=True, scale=state.scale)
-        if w.nq != w.nk:
-            raise ValueError(f"step takes as many new keys as queries; got {w.nq} queries, {w.nk} keys")
-        self.check(w)
-        if state.kv.shape[:2] != (w.batch, w.heads) or state.kv.dtype != work_dtype(w.dtype):
-            raise ValueError(
-                f"the state holds {tuple(state.kv.shape[:2])} (B, H) in {state.kv.dtype}; the step's "
-                f"q is ({w.batch}, {w.heads}) in {w.dtype}"
-            )
+        w = step_workload(self, q, k_new, v_new, state)
         work = state.kv.dtype
         k, v = repeat_kv(k_new, w.heads), repeat_kv(v_new, w.heads)  # (B, H, T, D|Dv)
         kk, vv, g, beta = self._inputs(k.to(work), v.to(work), None)

@@ -320,6 +320,24 @@ def decode_workload(
     return w
 
 
+def step_workload(
+    variant: AttentionVariant, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, state: KernelState
+) -> Workload:
+    """The workload of a decoding step of ``q (B, H, T, D)``, ``k_new``, ``v_new (B, Hkv, T, D|Dv)`` after
+    ``state``, checked by ``variant``; as many new keys as queries, and a state of the same batch,
+    heads and work dtype, or one ``ValueError``."""
+    w = Workload.of(q, k_new, v_new, causal=True, scale=state.scale)
+    if w.nq != w.nk:
+        raise ValueError(f"step takes as many new keys as queries; got {w.nq} queries, {w.nk} keys")
+    variant.check(w)
+    if state.kv.shape[:2] != (w.batch, w.heads) or state.kv.dtype != work_dtype(w.dtype):
+        raise ValueError(
+            f"the state holds {tuple(state.kv.shape[:2])} (B, H) in {state.kv.dtype}; the step's "
+            f"q is ({w.batch}, {w.heads}) in {w.dtype}"
+        )
+    return w
+
+
 def core_flops(nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weighted: bool) -> int:
     """FLOPs of (*) for one batch element and head, as the functions above compute it.
 
@@ -433,15 +451,7 @@ class KernelizedAttention(AttentionVariant):
         :meth:`AttentionVariant.step`): the chunked form started from the state, ``O(T (c + F) E)``."""
         if state is None:
             state = self.prefill(k_new[:, :, :0], v_new[:, :, :0], heads=q.shape[1])
-        w = Workload.of(q, k_new, v_new, causal=True, scale=state.scale)
-        if w.nq != w.nk:
-            raise ValueError(f"step takes as many new keys as queries; got {w.nq} queries, {w.nk} keys")
-        self.check(w)
-        if state.kv.shape[:2] != (w.batch, w.heads) or state.kv.dtype != work_dtype(w.dtype):
-            raise ValueError(
-                f"the state holds {tuple(state.kv.shape[:2])} (B, H) in {state.kv.dtype}; the step's "
-                f"q is ({w.batch}, {w.heads}) in {w.dtype}"
-            )
+        w = step_workload(self, q, k_new, v_new, state)
         work = state.kv.dtype
         k, v = repeat_kv(k_new, w.heads), repeat_kv(v_new, w.heads)  # (B, H, T, D|Dv)
         qf, kf, log_k, log_ref = self._features(
