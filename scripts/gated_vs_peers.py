@@ -19,12 +19,25 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as fn
-from linear_vs_peers import GEMM_N, B, Bench, Contender, D, H, cell, fmt_ratio, qkv, ratio, record, rel_diff
+from linear_vs_peers import (
+    GEMM_N,
+    B,
+    Bench,
+    Contender,
+    D,
+    H,
+    cell,
+    fmt_ratio,
+    qkv,
+    ratio,
+    record,
+    rel_diff,
+    run_under_job_allocator,
+)
 
 import variants
 from experiments.sweep.allocator import JOB_ALLOCATOR_ENV
@@ -86,9 +99,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the Markdown tables here")
     ap.add_argument("--json", help="write every cell here")
     args = ap.parse_args()
-    missing = {k: v for k, v in JOB_ALLOCATOR_ENV.items() if k not in os.environ}
-    if missing:  # the suite's job allocator, for every contender alike (see linear_vs_peers.py)
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
+    run_under_job_allocator()
     torch.set_num_threads(1)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load_start = os.getloadavg()[0]

@@ -489,6 +489,15 @@ def goals(bench: Bench, args: argparse.Namespace) -> list[str]:
     return out
 
 
+def run_under_job_allocator() -> None:
+    """Re-execute this script with the allocator of the suite's job processes
+    (experiments/sweep/allocator.py: freed memory kept, in huge pages) where it is not set yet, so
+    every contender runs as a sweep job would; it must be in place when the process starts."""
+    missing = {k: v for k, v in JOB_ALLOCATOR_ENV.items() if k not in os.environ}
+    if missing:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384], help="causal part's N")
@@ -502,11 +511,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the Markdown tables here")
     ap.add_argument("--json", help="write every cell here")
     args = ap.parse_args()
-    # the allocator of the suite's job processes (experiments/sweep/allocator.py: freed memory kept, in
-    # huge pages), for every contender alike; it must be set before the process starts, so re-exec
-    missing = {k: v for k, v in JOB_ALLOCATOR_ENV.items() if k not in os.environ}
-    if missing:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
+    run_under_job_allocator()
     torch.set_num_threads(1)
     versions = {}
     for p in PEERS:

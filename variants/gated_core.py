@@ -206,6 +206,12 @@ class GatedRecurrence(AttentionVariant):
             )
         super().check(w)
 
+    def _keep_sizes(self, heads: int, head_dim: int, chunk: int) -> None:
+        """Check and keep the sizes every gated variant is built with (one ``ValueError`` line)."""
+        if heads < 1 or head_dim < 1 or chunk < 1:
+            raise ValueError(f"heads, head_dim and chunk must be >= 1; got {heads}, {head_dim}, {chunk}")
+        self.heads, self.head_dim, self.chunk = heads, head_dim, chunk
+
     def _gates(self, k: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(g, beta)`` for keys ``k (B, H, N, D)`` in the work dtype: the log decay ``(B, H, N)`` or
         ``(B, H, N, D)`` (None: none) and the delta rule's write strength ``(B, H, N)`` (None)."""

@@ -39,9 +39,7 @@ class GatedDeltaNet(GatedRecurrence):
 
     def __init__(self, heads: int = 8, head_dim: int = 64, chunk: int = 64) -> None:
         super().__init__()
-        if heads < 1 or head_dim < 1 or chunk < 1:
-            raise ValueError(f"heads, head_dim and chunk must be >= 1; got {heads}, {head_dim}, {chunk}")
-        self.heads, self.head_dim, self.chunk = heads, head_dim, chunk
+        self._keep_sizes(heads, head_dim, chunk)
         self.w = nn.Parameter(torch.empty(heads, head_dim))  # the decay's time step
         self.b = nn.Parameter(torch.empty(heads))
         self.a_log = nn.Parameter(torch.empty(heads))
