@@ -124,6 +124,29 @@ def test_without_the_fact_prefill_and_step_refuse_and_the_cache_grows(vp):
         attn.prefill(k, v, heads=CASE.h)
     with pytest.raises(Unsupported, match="K/V cache"):
         attn.step(k[:, :, :1], k[:, :, :1], v[:, :, :1], None)
-    # Hkv * Nk * (D + Dv) elements of fp32
-    assert attn.state_bytes(_workload(1024)) == 2 * 1024 * 128 * 4
-    assert attn.state_bytes(_workload(131072)) == 128 * attn.state_bytes(_workload(1024))
+    # Hkv * (the cached keys a step reads) * (D + Dv) elements of fp32: every key, unless the reach
+    # is bounded (then test_a_bounded_reach_keeps_only_what_decoding_reads checks the bound)
+    for n in (1024, 131072):
+        assert 1 <= attn.cache_len(n) <= n
+        assert attn.state_bytes(_workload(n)) == 2 * attn.cache_len(n) * 128 * 4
+    if type(attn).cache_len is variants.AttentionVariant.cache_len:
+        assert attn.state_bytes(_workload(131072)) == 128 * attn.state_bytes(_workload(1024))
+
+
+@pytest.mark.parametrize(
+    "vp",
+    [p for p in STATELESS if variants.get(p[0]).cache_len is not variants.AttentionVariant.cache_len],
+    ids=param_id,
+)
+def test_a_bounded_reach_keeps_only_what_decoding_reads(vp):
+    """A variant that says a step reads only the last ``cache_len`` keys gives the same decoding rows
+    from that much of the cache as from all of it (against the float64 oracle on the whole cache)."""
+    name, knobs = vp
+    attn = _build(name, knobs, "cpu")
+    q, k, v, _ = make_inputs(CASE)
+    nq = 3  # the last three positions, decoded against the cache before them
+    keep = attn.cache_len(CASE.nk - nq) + nq
+    assert keep < CASE.nk, "the case must be long enough for the bound to cut the cache"
+    want = oracle(attn, q[:, :, -nq:], k, v, causal=True)
+    got = attn(q[:, :, -nq:], k[:, :, -keep:], v[:, :, -keep:], causal=True)
+    assert rel_err(got, want) <= 1e-5, oracle_hint(name, rel_err(got, want), 1e-5)

@@ -32,6 +32,7 @@ BUILTIN_MODULES = (
     "gla",
     "deltanet",
     "gated_deltanet",
+    "window_linear",
 )
 for _m in BUILTIN_MODULES:
     import_module(f"{__name__}.{_m}")

@@ -343,12 +343,18 @@ class AttentionVariant(nn.Module):
         ``reference_scores`` build more per pair (additive: a hidden layer) says so here."""
         return 8
 
+    def cache_len(self, nk: int) -> int:
+        """Cached keys a decoding step reads after a context of ``nk`` positions: all of them, unless
+        the variant's reach is bounded (local_window: the last ``window``)."""
+        return nk
+
     def state_bytes(self, w: Workload) -> int:
         """Bytes one decoding sequence keeps per layer at context length ``w.nk`` (the batch multiplies
-        it). Default: the K/V cache, ``Hkv * Nk * (D + Dv)`` elements of ``w.dtype``, linear in ``Nk``;
-        a variant with ``supports_state`` returns its state's size, constant in ``Nk``."""
+        it). Default: the K/V cache, ``Hkv * cache_len(Nk) * (D + Dv)`` elements of ``w.dtype``,
+        linear in ``Nk`` unless the reach is bounded; a variant with ``supports_state`` returns its
+        state's size, constant in ``Nk``."""
         elem = torch.empty((), dtype=w.dtype).element_size()
-        return w.hkv * w.nk * (w.head_dim + w.v_head_dim) * elem
+        return w.hkv * self.cache_len(w.nk) * (w.head_dim + w.v_head_dim) * elem
 
     # ------------------------------------------------------------------ structure and work
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:

@@ -234,6 +234,10 @@ class LocalWindowAttention(AttentionVariant):
         out = out.reshape(bsz, h, n_pad, v.shape[-1])  # (B, H, Np, Dv)
         return out[:, :, :n].to(q.dtype)  # padded queries dropped
 
+    def cache_len(self, nk: int) -> int:
+        """Decoding reads the last ``window`` cached keys (and the new one): older keys can go."""
+        return min(nk, self.window)
+
     def _band(self, nq: int, nk: int, causal: bool, device: torch.device) -> MaskMod:
         """The band of a call as FlexAttention's predicate (:data:`variants.flex_kernel.Pattern`)."""
         return band_mask_mod(nq, nk, self.window, causal)

@@ -228,15 +228,50 @@ def linear_attention_reference(
     """Float64 linear attention (Katharopoulos et al. 2020): weights ``s phi(q_i) . phi(k_j)`` over
     the visible keys, ``sum_j w_ij v_j`` (divided by ``sum_j w_ij`` when ``normalize``); ``phi`` is
     ``elu1`` (x + 1 for x > 0, e^x otherwise), ``relu`` or ``identity``. ``(B, H, Nq, Dv)``."""
-    phi = {
-        "elu1": lambda x: torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0))),
-        "relu": lambda x: torch.clamp(x, min=0),
-        "identity": lambda x: x,
-    }[feature_map]
+    phi = _FEATURE_MAPS[feature_map]
     q, k, v = q.double(), repeat_kv(k, q.shape[1]).double(), repeat_kv(v, q.shape[1]).double()
     s = q.shape[-1] ** -0.5 if scale is None else scale
     weights = s * (phi(q) @ phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
     return _kernel_sum(weights, v, normalize)
+
+
+_FEATURE_MAPS = {
+    "elu1": lambda x: torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0))),
+    "relu": lambda x: torch.clamp(x, min=0),
+    "identity": lambda x: x,
+}
+
+
+def window_linear_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    feature_map: str,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Float64 window + linear attention (Based's composition), causal: for the query at position
+    ``p`` (bottom-right), the softmax of ``s q_p . k_j`` over the keys ``p - window <= j <= p``, plus
+    the normalised linear attention ``s phi(q_p) . phi(k_j)`` over the keys ``j < p - window`` (0 where
+    there is none); padded keys in neither. ``(B, H, Nq, Dv)``."""
+    nq, nk = q.shape[2], k.shape[2]
+    p = torch.arange(nq, device=q.device)[:, None] + (nk - nq)  # (Nq, 1): positions of the queries
+    j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
+    real = (
+        torch.ones(1, nk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    )
+    real = real.to(q.device)[:, None, None, :]  # (B|1, 1, 1, Nk)
+    near = ((j <= p) & (j >= p - window))[None, None] & real  # (B|1, 1, Nq, Nk)
+    far = (j < p - window)[None, None] & real
+    phi = _FEATURE_MAPS[feature_map]
+    qd, kd = q.double(), repeat_kv(k, q.shape[1]).double()
+    vd = repeat_kv(v, q.shape[1]).double()
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    soft = reference_attention(q, k, v, allowed=near, scale=s)
+    weights = s * (phi(qd) @ phi(kd).transpose(-2, -1)) * far.double()
+    return soft + _kernel_sum(weights, vd, True)
 
 
 def retention_reference(
