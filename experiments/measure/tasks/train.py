@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import variants
-from variants import AttentionVariant, Unsupported
+from variants import AttentionVariant, Unsupported, Workload
 from variants.registry import config_knobs
 
 from ..common import build_variant, check_device, job_threads
@@ -229,7 +229,9 @@ def evaluate(model: TaskTransformer, task: Task, test: Batch, s: Settings) -> di
     """Exact-match accuracy on ``test``: per answer token, per example, and (recall) per distance."""
     model.eval()
     parts = [test.rows(slice(i, i + s.eval_batch)) for i in range(0, len(test), s.eval_batch)]
+    t0 = time.perf_counter()
     preds = torch.cat([predict(model, task, p) for p in parts])  # (B, T)
+    predict_s = time.perf_counter() - t0
     with torch.no_grad():  # teacher-forced loss, weighted by each part's size
         test_loss = sum(float(loss_of(model, p)) * len(p) for p in parts) / len(test)
     model.train()
@@ -241,6 +243,9 @@ def evaluate(model: TaskTransformer, task: Task, test: Batch, s: Settings) -> di
         "test_loss": test_loss,
         "test_size": len(test),
         "answers_per_example": float(scored.sum(dim=1).float().mean()),
+        # the trained model's inference over the test set, per input token (greedy decoding included
+        # for sequence-to-sequence tasks)
+        "infer_us_per_token": 1e6 * predict_s / test.src.numel(),
     }
     if test.distance is not None:
         # equal-width bins up to seq_len, keyed by their upper edge; empty bins are left out
@@ -311,9 +316,11 @@ def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
 
     built = build_model(task, s, cores, knobs, seed)
     model = built.model.to(device=device, dtype=dtype)
-    result["variant"] = next(iter(attention_cores(model).values())).describe()
+    core = next(iter(attention_cores(model).values()))
+    result["variant"] = core.describe()
     fig = result["figures"]
     fig.update(
+        state_bytes=layer_state_bytes(core, s, task.seq_len, dtype),
         seed=seed,
         task_knobs=task.knobs(),
         params=built.params,
@@ -391,6 +398,17 @@ def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
     if heat is not None:
         fig["attention"] = heat
     fig["settings"] = asdict(s)
+
+
+def layer_state_bytes(core: AttentionVariant, s: Settings, seq_len: int, dtype: torch.dtype) -> int:
+    """Bytes one sequence keeps per attention layer to decode after ``seq_len`` tokens with this
+    model's heads and head size (``core.state_bytes``: the K/V cache, the window a bounded reach
+    reads, or a fixed-size state): the x axis of the recall frontier."""
+    d = s.d_model // s.heads
+    w = Workload(
+        batch=1, heads=s.heads, nq=1, nk=seq_len, head_dim=d, v_head_dim=d, dtype=dtype, causal=s.causal
+    )
+    return core.state_bytes(w)
 
 
 def _chunks(xs: list[float], k: int) -> list[list[float]]:
