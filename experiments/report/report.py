@@ -12,7 +12,9 @@ Each kind of job has its section (the store's ``kind`` column says which rows ar
 - kernel: ``tables.md`` (:mod:`.kernel_tables`), one CSV per table, the plots (:mod:`.plots`) and,
   with ``--baseline``, the comparison (:mod:`.compare`);
 - model: its table in ``tables.md`` (:mod:`.model_section`);
-- task: ``task_table.md``/``.csv`` and two plots (:mod:`.task_section`);
+- task: ``task_table.md``/``.csv`` and two plots (:mod:`.task_section`); recall records with their
+  state: ``recall_frontier.md``/``.csv``/``.png`` (:mod:`.frontier_section`); task records with a
+  step's peak memory: ``lra_efficiency.md``/``.csv`` (:mod:`.efficiency_section`);
 - pretrained: ``pretrained.md``/``.csv`` and two plots per comparable set (:mod:`.pretrained_section`).
 """
 
@@ -29,8 +31,8 @@ import pandas as pd
 from ..measure.canary import SLOW_RATIO, job_canaries, machine_keys
 from ..measure.spec import Kind
 from ..records import store
+from . import efficiency_section, frontier_section, pretrained_section, task_section
 from . import kernel_tables as K
-from . import pretrained_section, task_section
 from .compare import baseline_table
 from .format import Section, render
 from .grouping import workload_line
@@ -198,6 +200,18 @@ def report_paths(
             written += section.write_report(df, out, plots=plots)
             if echo:
                 print("\n" + (out / table).read_text())
+    # recall records that say what state they keep make a frontier (experiment=recall_frontier)
+    if not store.of_kind(df, Kind.task).empty and (
+        front := frontier_section.write_report(df, out, plots=plots)
+    ):
+        written += front
+        if echo:
+            print("\n" + (out / "recall_frontier.md").read_text())
+    # task records that measured a step's memory make the training-cost table (experiment=lra_efficiency)
+    if not store.of_kind(df, Kind.task).empty and (cost := efficiency_section.write_report(df, out)):
+        written += cost
+        if echo:
+            print("\n" + (out / "lra_efficiency.md").read_text())
     df = store.of_kind(df, Kind.kernel, Kind.model)
     if df.empty:
         print(f"report written to {out}: {', '.join(p.name for p in written)}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from variants import AttentionVariant, Unsupported, Workload
 from variants.registry import config_knobs
 
 from ..common import build_variant, check_device, job_threads
+from ..memory import peak_bytes
 from ..spec import DType, JobSpec
 from .data import IGNORE, Batch, Task, draw, make_task
 from .model import TaskTransformer, VariantSpec, attention_cores, count_params, recorded_attention
@@ -74,6 +76,8 @@ class Settings:
     heatmap_size: int = 64  # side of the attention map stored in the record (0: none)
     max_train_s: float | None = None  # wall-clock cap on training (None: none), so one slow variant
     # cannot hold up a sweep; a capped run records stopped_early and the steps it did
+    peak_memory: bool = False  # after training, measure one more training step's peak memory
+    # (step_peak_mib: the allocator's bytes above those held before it; experiment=lra_efficiency)
 
     @classmethod
     def split(cls, task_cfg: dict[str, Any]) -> tuple[str, Settings, dict[str, Any]]:
@@ -351,10 +355,12 @@ def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
     label = f"{task_name} {name} N={task.seq_len} seed={seed}"
     bar = tqdm(total=s.steps, desc=label, unit="step", leave=False, disable=not sys.stderr.isatty())
     losses: list[float] = []
+    step_s: list[float] = []  # each step's time, data drawing included
     t0 = time.perf_counter()
     step = 0
     try:
         for step in range(s.steps):
+            t_step = time.perf_counter()
             b = draw(task, s.batch_size, g_train, "train").to(device)
             loss = loss_of(model, b)
             if not torch.isfinite(loss):
@@ -369,6 +375,7 @@ def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
             opt.step()
             sched.step()
             losses.append(float(loss.detach()))
+            step_s.append(time.perf_counter() - t_step)
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
             bar.update(1)
@@ -384,12 +391,19 @@ def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
         steps=done,
         stopped_early=done < s.steps,
         step_ms=1e3 * train_s / max(1, done),
+        # the median step after the first (which allocates the buffers the others reuse)
+        step_ms_median=1e3 * statistics.median(step_s[1:] or step_s) if step_s else math.nan,
         first_loss=sum(losses[:tail]) / tail,
         final_loss=sum(losses[-tail:]) / tail,
         loss_curve=[round(sum(c) / len(c), 4) for c in _chunks(losses, 20)],
         threads=torch.get_num_threads(),
     )
 
+    if s.peak_memory:
+        b = draw(task, s.batch_size, g_train, "train").to(device)
+        opt.zero_grad(set_to_none=True)
+        fig["step_peak_mib"] = peak_bytes(lambda: loss_of(model, b).backward(), device) / 2**20
+        opt.zero_grad(set_to_none=True)
     t1 = time.perf_counter()
     fig.update(evaluate(model, task, test, s))
     fig["eval_s"] = time.perf_counter() - t1

@@ -1,0 +1,201 @@
+"""The recall-versus-state frontier (``experiment=recall_frontier``): what a layer keeps to decode
+against what the model recalls, after Zoology (Arora et al. 2023) and Based (2024).
+
+Every recall task record carries ``state_bytes``, the bytes one sequence keeps per attention layer
+to decode after ``N`` tokens (exact attention's K/V cache, a window's cache, a recurrence's fixed
+state; :func:`experiments.measure.tasks.train.layer_state_bytes`). One point of the frontier is a
+model configuration (variant and its knobs, width and heads) at one number of key-value pairs:
+
+- :func:`frontier_table`: one row per configuration and number of pairs: state, test accuracy (mean
+  and std over seeds), training step time and inference time per token (medians over seeds).
+- :func:`frontier_markdown`: the same with the pair counts side by side.
+- :func:`plot_frontier`: accuracy against state, one panel per number of pairs, one line per variant
+  through its configurations in order of state, error bars one std over seeds.
+
+Drawn when the store's recall records with ``state_bytes`` cover at least two variants.
+``O(records)``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..records.store import newest_mask
+from .format import markdown as markdown_table
+from .format import obj
+from .task_section import _plt, task_rows
+
+COLS = [
+    "variant",
+    "variant_name",
+    "pairs",
+    "d_model",
+    "heads",
+    "state_bytes",
+    "seeds",
+    "acc_mean",
+    "acc_std",
+    "step_ms",
+    "infer_us_per_token",
+    "status",
+]
+
+
+def _recall_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The newest recall record per (variant, task config, N, seed) with ``pairs``, ``d_model`` and
+    ``heads`` columns, only those that carry ``state_bytes`` (or failed before measuring it)."""
+    sub = task_rows(df)
+    if not len(sub) or "state_bytes" not in sub:
+        return sub.iloc[0:0]
+    sub = sub[sub["task_name"] == "recall"]
+    key = "variant_key" if "variant_key" in sub else "variant_label"
+    sub = sub[newest_mask(sub, [key, "_task_json", "seq_len", "seed"])].copy()
+    task = sub["_task_json"].map(obj)
+    sub["pairs"] = task.map(lambda t: t.get("num_pairs", 16))  # Recall's default when unset
+    sub["d_model"] = task.map(lambda t: t["d_model"])
+    sub["heads"] = task.map(lambda t: t["heads"])
+    measured = pd.to_numeric(sub["state_bytes"], errors="coerce").notna()
+    return sub[measured | (sub["status"] != "ok")]
+
+
+def frontier_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (variant, pairs, d_model, heads, N) of the recall records (see module doc)."""
+    sub = _recall_rows(df)
+    if not len(sub) or sub["variant_name"].nunique() < 2:
+        return pd.DataFrame(columns=COLS)
+    rows = []
+    for (v, p, d, h, _), g in sub.groupby(["variant_label", "pairs", "d_model", "heads", "seq_len"]):
+        ok = g[g["status"] == "ok"]
+
+        def num(col: str, ok: pd.DataFrame = ok) -> pd.Series:
+            return pd.to_numeric(ok[col], errors="coerce") if col in ok else pd.Series(dtype=float)
+
+        acc = num("test_accuracy")
+        rows.append(
+            {
+                "variant": v,
+                "variant_name": g["variant_name"].iloc[0],
+                "pairs": int(p),
+                "d_model": int(d),
+                "heads": int(h),
+                "state_bytes": num("state_bytes").median() if len(ok) else math.nan,
+                "seeds": len(ok),
+                "acc_mean": acc.mean() if len(ok) else math.nan,
+                "acc_std": acc.std(ddof=1) if len(ok) > 1 else math.nan,
+                "step_ms": num("step_ms").median() if len(ok) else math.nan,
+                "infer_us_per_token": num("infer_us_per_token").median() if len(ok) else math.nan,
+                "status": "ok"
+                if len(ok) == len(g)
+                else f"{len(g) - len(ok)} of {len(g)} {g['status'].iloc[-1]}",
+            }
+        )
+    out = pd.DataFrame(rows, columns=COLS)
+    return out.sort_values(["variant", "state_bytes", "d_model", "heads", "pairs"]).reset_index(drop=True)
+
+
+def frontier_markdown(table: pd.DataFrame) -> str:
+    """``table`` as Markdown: one row per configuration, test accuracy per number of pairs side by
+    side (mean ± std over seeds, %), the state per layer, and the times (medians over every run of
+    the configuration)."""
+    if not len(table):
+        return ""
+    pairs = sorted(table["pairs"].unique())
+    out = []
+    for (v, d, h), g in table.groupby(["variant", "d_model", "heads"], sort=False):
+        row: dict[str, Any] = {"variant": v, "model": f"{d} = {h} x {d // h}"}
+        row["state KiB / layer"] = f"{g['state_bytes'].median() / 1024:.3g}"
+        for p in pairs:
+            r = g[g["pairs"] == p]
+            if not len(r):
+                row[f"{p} pairs"] = ""
+                continue
+            r = r.iloc[0]
+            if not r["seeds"]:
+                row[f"{p} pairs"] = str(r["status"])
+                continue
+            std = "" if pd.isna(r["acc_std"]) else f" ± {100 * r['acc_std']:.1f}"
+            row[f"{p} pairs"] = f"{100 * r['acc_mean']:.1f}{std}"
+        row["train step ms"] = f"{g['step_ms'].median():.3g}"
+        row["inference µs / token"] = f"{g['infer_us_per_token'].median():.3g}"
+        out.append(row)
+    return markdown_table(pd.DataFrame(out).set_index("variant"))
+
+
+def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
+    """Test accuracy against state bytes per layer (log scale), a panel per number of pairs, a line
+    per variant (its configurations in order of state, error bars one std over seeds); None when the
+    table is empty."""
+    table = table[table["seeds"] > 0]
+    if not len(table):
+        return None
+    plt = _plt()
+    pairs = sorted(table["pairs"].unique())
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 4.0), sharey=True, squeeze=False)
+    colours = plt.get_cmap("tab10").colors
+    markers = "osD^v<>pPX*h"
+    names = sorted(table["variant_name"].unique())
+    for ax, p in zip(axes[0], pairs, strict=True):
+        for i, name in enumerate(names):
+            g = table[(table["pairs"] == p) & (table["variant_name"] == name)].sort_values(
+                ["state_bytes", "acc_mean"]
+            )
+            if not len(g):
+                continue
+            ax.errorbar(
+                g["state_bytes"] / 1024,
+                100 * g["acc_mean"],
+                yerr=100 * g["acc_std"].fillna(0.0),
+                label=name,
+                color=colours[i % len(colours)],
+                marker=markers[i % len(markers)],
+                markersize=5,
+                capsize=2,
+                linewidth=1.2,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{p} key-value pairs")
+        ax.set_xlabel("state per layer (KiB, log scale)")
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy (%)")
+    n = int(table["seeds"].max())
+    seq = ", ".join(str(x) for x in sorted({int(d) for d in table["d_model"]}))
+    fig.suptitle(
+        f"Associative recall against decoding state (width {seq}; mean ± std over up to {n} seeds)",
+        fontsize=10,
+    )
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -> list[Path]:
+    """``recall_frontier.md``/``.csv`` and (``plots``) ``recall_frontier.png`` in ``out_dir`` when the
+    store has a frontier; the files written."""
+    table = frontier_table(df)
+    if not len(table):
+        return []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "recall_frontier.csv", index=False)
+    note = (
+        "Multi-query associative recall: test accuracy (mean ± std over seeds, %) per number of "
+        "key-value pairs, beside the bytes one sequence keeps per attention layer to decode after N "
+        "tokens (`state_bytes`: the K/V cache of exact attention, the cache a window reads, the fixed "
+        "state of a recurrence), the training step time and the trained model's inference time per "
+        "token (medians over the configuration's runs; timings depend on the machine's load)."
+    )
+    (out / "recall_frontier.md").write_text(
+        f"## Recall against state\n\n{note}\n\n{frontier_markdown(table)}\n"
+    )
+    written = [out / "recall_frontier.csv", out / "recall_frontier.md"]
+    if plots and (p := plot_frontier(table, out / "recall_frontier.png")) is not None:
+        written.append(p)
+    return written
