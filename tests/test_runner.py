@@ -321,7 +321,8 @@ def test_killing_the_sweep_ends_its_job_and_fork_server(tmp_path, sig):
         assert len(_tagged_pids(tag)) >= 3, "the job never started"
         proc.send_signal(sig)
         proc.wait(30)
-        assert _wait_gone(tag, 15) == [], "processes outlived the sweep"
+        # generous: on a loaded machine (another sweep beside the tests) exiting takes seconds
+        assert _wait_gone(tag, 60) == [], "processes outlived the sweep"
         assert not list((tmp_path / "records").glob("*.json")), "an interrupted job left a record"
     finally:
         for pid in _tagged_pids(tag):

@@ -10,7 +10,7 @@ model configuration (variant and its knobs, width and heads) at one number of ke
   and std over seeds), training step time and inference time per token (medians over seeds).
 - :func:`frontier_markdown`: the same with the pair counts side by side.
 - :func:`plot_frontier`: accuracy against state, one panel per number of pairs, one line per variant
-  through its configurations in order of state, error bars one std over seeds.
+  through its configurations in order of state, error bars one std over seeds, each seed a faint dot.
 
 Drawn when the store's recall records with ``state_bytes`` cover at least two variants.
 ``O(records)``.
@@ -39,6 +39,7 @@ COLS = [
     "seeds",
     "acc_mean",
     "acc_std",
+    "accs",
     "step_ms",
     "infer_us_per_token",
     "status",
@@ -86,6 +87,7 @@ def frontier_table(df: pd.DataFrame) -> pd.DataFrame:
                 "seeds": len(ok),
                 "acc_mean": acc.mean() if len(ok) else math.nan,
                 "acc_std": acc.std(ddof=1) if len(ok) > 1 else math.nan,
+                "accs": [float(a) for a in acc],  # each seed's, for the plot
                 "step_ms": num("step_ms").median() if len(ok) else math.nan,
                 "infer_us_per_token": num("infer_us_per_token").median() if len(ok) else math.nan,
                 "status": "ok"
@@ -156,6 +158,17 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
                 capsize=2,
                 linewidth=1.2,
             )
+            # every seed as a faint dot: a spread can be one seed that learned and two that did not
+            seeds = g.explode("accs").dropna(subset=["accs"])
+            ax.scatter(
+                seeds["state_bytes"] / 1024,
+                100 * seeds["accs"].astype(float),
+                color=colours[i % len(colours)],
+                marker=markers[i % len(markers)],
+                s=20,
+                alpha=0.5,
+                linewidths=0,
+            )
         ax.set_xscale("log", base=2)
         ax.set_title(f"{p} key-value pairs")
         ax.set_xlabel("state per layer (KiB, log scale)")
@@ -168,7 +181,19 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
         f"Associative recall against decoding state (width {seq}; mean ± std over up to {n} seeds)",
         fontsize=10,
     )
-    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+    # one legend for the figure: a variant missing from one panel is still named
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+    axes[0][-1].legend(
+        [handles[k] for k in sorted(handles)],
+        sorted(handles),
+        fontsize=8,
+        loc="center left",
+        bbox_to_anchor=(1.02, 0.5),
+        frameon=False,
+    )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
