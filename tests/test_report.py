@@ -152,7 +152,8 @@ def test_table_numbers_equal_record_figures(sweep):
         assert float(gflops) == pytest.approx(f["gflops_per_s"], rel=5e-3)
         # beside it: the share of the GEMM rate the same sweep measured on this device and dtype
         gemm = rec["roofline"]["gemm_flops_per_s"]
-        assert float(pct.strip("(%)")) == pytest.approx(100 * f["gflops_per_s"] * 1e9 / gemm, rel=0.05)
+        # (a share above 100% is marked "!": a GEMM rate measured beside another sweep is low)
+        assert float(pct.strip("(%)!")) == pytest.approx(100 * f["gflops_per_s"] * 1e9 / gemm, rel=0.05)
         assert float(cell(memory, "peak MiB", label(rec), n)) == pytest.approx(f["peak_mib"], rel=5e-3)
         assert float(cell(acc, "vs oracle", label(rec), n)) == pytest.approx(f["out_rel_err"], rel=0.05)
         if "dev_full_rel_err" in f:
