@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..records.store import newest_mask
+from ..records.store import newest_mask, variant_labels
 from .format import markdown as markdown_table
 from .task_section import task_rows
 
@@ -51,7 +51,9 @@ def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
     if not len(sub):
         return pd.DataFrame(columns=COLS)
     key = "variant_key" if "variant_key" in sub else "variant_label"
-    sub = sub[newest_mask(sub, [key, "_task_json", "seq_len", "seed"])]
+    sub = sub[newest_mask(sub, [key, "_task_json", "seq_len", "seed"])].copy()
+    if "knobs" in sub and "variant_target" in sub:
+        sub["variant_label"] = _labels_without_length(sub)
     rows = []
     for (v, n), g in sub.groupby(["variant_label", "seq_len"], sort=True):
         ok = g[g["status"] == "ok"]
@@ -82,6 +84,20 @@ def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
     out["speedup"] = out["steps_per_s"] / pd.Series(ref_speed, index=out.index)
     out["memory_ratio"] = out["peak_mib"] / pd.Series(ref_peak, index=out.index)
     return out[COLS]
+
+
+def _labels_without_length(sub: pd.DataFrame) -> pd.Series:
+    """Variant labels with the knobs that equal the row's N left out (linformer's ``max_len`` follows
+    the length in experiment=lra_efficiency: it is the length, not a setting), a causal model's rows
+    marked as :func:`task_rows` marks them."""
+
+    def knobs(row: pd.Series) -> str:
+        kn = json.loads(row["knobs"]) if isinstance(row["knobs"], str) else {}
+        return json.dumps({k: v for k, v in kn.items() if v != row["seq_len"]}, sort_keys=True)
+
+    labels = variant_labels(sub.assign(knobs=sub.apply(knobs, axis=1)))
+    causal = sub["variant_label"].str.endswith(" (causal)")
+    return labels.where(~causal, labels + " (causal)")
 
 
 def efficiency_markdown(table: pd.DataFrame) -> str:
