@@ -505,7 +505,7 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         (
             ["variant=nosuch"],
             f"error: unknown variant 'nosuch'; known variants: {', '.join(variants.available())}; "
-            "knob presets: pretrained/",
+            "knob presets: frontier/local_window_w16, ",  # the presets in conf/variant/*/, sorted
         ),
         (["dtype=fp8"], "error: dtype=fp8: expected one of float32, float64, bfloat16, float16"),
         (
