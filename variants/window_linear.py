@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as fn
 
 from .base import AttentionVariant, Unsupported, Workload, repeat_kv
-from .linear import LinearAttention
+from .linear import FEATURE_MAPS, LinearAttention
 from .linear_core import absorb, decode_workload, refuse_pairwise, work_dtype
 from .local_window import LocalWindowAttention
 from .reference import window_linear_reference
@@ -188,7 +188,7 @@ class WindowLinear(AttentionVariant):
             scores = (qt @ repeat_kv(kb, w.heads).to(work).transpose(-1, -2)) * state.scale  # (B, H, 1, w+1)
             scores = scores.masked_fill(~vb_valid[:, None, None, :], float("-inf"))
             near = scores.softmax(-1) @ repeat_kv(vb, w.heads).to(work)  # (B, H, 1, Dv)
-            qf, _, _, _ = self.far._features(qt, qt, state.scale, None, 0, None, True)  # (B, H, 1, D)
+            qf = FEATURE_MAPS[self.far.feature_map][0](qt) * state.scale  # (B, H, 1, D), as linear's
             far = self.far._finish(qf @ far_kv)  # (B, H, 1, Dv)
             outs.append(near + far)
             # the oldest slot leaves the window and joins the linear state (if it holds a real key)

@@ -27,7 +27,7 @@ import pandas as pd
 from ..records.store import newest_mask
 from .format import markdown as markdown_table
 from .format import obj
-from .task_section import _plt, task_rows
+from .task_section import _plt, save_figure, task_rows
 
 COLS = [
     "variant",
@@ -194,11 +194,7 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
         bbox_to_anchor=(1.02, 0.5),
         frameon=False,
     )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -> list[Path]:

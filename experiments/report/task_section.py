@@ -276,6 +276,15 @@ def _plt() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` (folders made as needed) and close it; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    _plt().close(fig)
+    return path
+
+
 def _window_size(row: pd.Series) -> float | None:
     """The window of a local_window record (tokens), else None."""
     knobs = obj(row.get("knobs")) if "knobs" in row else None
@@ -337,11 +346,7 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     ax.set_ylim(-2, 102)
     ax.set_title("Associative recall: accuracy vs distance (dotted: local window size)")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _distinct_maps(one: pd.DataFrame, min_corr: float = 0.98) -> pd.DataFrame:
@@ -417,11 +422,7 @@ def plot_trained_attention(
         ax.set_ylabel("query position", fontsize=7)
         ax.tick_params(labelsize=7)
     fig.suptitle("Trained attention weights (mean over heads, first test example)", fontsize=9)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------- files
