@@ -121,3 +121,26 @@ def test_the_delta_rules_are_flas(name):
         chunk = naive_chunk_gated_delta_rule(*args, g.transpose(1, 2), beta.transpose(1, 2), chunk_size=16)[0]
     assert _rel(ours, rec.transpose(1, 2)) < 1e-5
     assert _rel(ours, chunk.transpose(1, 2)) < 1e-5
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_the_oracles_closed_form_is_its_recurrence(vector):
+    """The float64 oracle answers few queries in closed form (decoding against a long context): the
+    same numbers as its token-by-token recurrence, with padded keys, bottom-right queries and decays
+    strong enough that a float32 difference of cumulative decays would show."""
+    from variants.reference import gated_dense_reference, gated_loop_reference
+
+    q, k, v = _qkv(b=2, h=3, n=70, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    shape = (2, 3, 70, 8) if vector else (2, 3, 70)
+    per_head = torch.tensor([0.01, 3.0, 30.0], dtype=torch.float64)  # weak, strong, very strong decays
+    g = -torch.rand(shape, generator=gen, dtype=torch.float64) * per_head.view(1, 3, *[1] * (len(shape) - 2))
+    kpm = torch.rand(2, 70, generator=gen) > 0.2
+    for nq in (1, 5, 70):
+        loop = gated_loop_reference(q[:, :, -nq:], k, v, g, None, kpm, 0.3, False)
+        dense = gated_dense_reference(q[:, :, -nq:], k, v, log_decay=g, key_padding_mask=kpm, scale=0.3)
+        small = gated_dense_reference(
+            q[:, :, -nq:], k, v, log_decay=g, key_padding_mask=kpm, scale=0.3, block_bytes=1
+        )  # one key per block: the blocking changes nothing
+        assert _rel(dense, loop) < 1e-12, nq
+        assert _rel(small, loop) < 1e-12, nq

@@ -105,8 +105,12 @@ def chunked_recurrence(
         decay_end = end.squeeze(3).exp().to(k.dtype)  # (B, H, m)
         k_out = kc * (end - big).exp().to(k.dtype)[..., None]  # (B, H, m, c, Dk)
         q_in = None if qc is None else qc * big.exp().to(k.dtype)[..., None]
-        diff = big[..., :, None] - big[..., None, :]  # (B, H, m, c, c): G_i - G_j
-        gam = diff.masked_fill(~lower, NEG_INF).exp().to(k.dtype)  # e^{G_i - G_j} for j <= i, else 0
+        gam = None
+        if qc is not None or beta is not None:  # a prefill of the gated form needs no pairs
+            # the difference in float64, the exponential in the work dtype (in place: a (c, c)
+            # matrix per chunk and head is the largest tensor here, and fresh pages cost more than exp)
+            diff = (big[..., :, None] - big[..., None, :]).to(k.dtype)  # (B, H, m, c, c): G_i - G_j
+            gam = diff.masked_fill_(~lower, NEG_INF).exp_()  # e^{G_i - G_j} for j <= i, else 0
 
     # --- the values each chunk writes: v (gated), or U_0 - W S_0 (delta rule)
     if beta is not None:
@@ -122,20 +126,28 @@ def chunked_recurrence(
 
     # --- the state across chunks
     state = s0 if s0 is not None else k.new_zeros(b, h, dk, dv)  # (B, H, Dk, Dv)
-    befores, writes = [], []
+    # the states before each chunk and the delta rule's values, kept only for the outputs (a prefill
+    # keeping them would hold m states)
+    keep = qc is not None
+    befores: list[torch.Tensor] = []
+    writes: list[torch.Tensor] = []
     if beta is None:
-        chunk_kv = k_out.transpose(-1, -2) @ vc  # (B, H, m, Dk, Dv): each chunk's own writes
-        # unbind, not indexing in the loop: each index's backward would allocate the whole gradient
-        steps = zip(chunk_kv.unbind(2), _unbind(decay_end, m), strict=True)
-        for kv_t, a_t in steps:
-            befores.append(state)
-            state = kv_t + (state if a_t is None else _decayed(state, a_t))
+        # each chunk's writes in the loop, not batched: all chunks' (Dk, Dv) writes at once would be
+        # another (B, H, m, Dk, Dv) tensor, as large as the states before them (4 GiB at 128k keys, 32
+        # heads of 128), for no time saved. unbind, not indexing in the loop: each index's backward
+        # would allocate the whole gradient
+        steps = zip(k_out.unbind(2), vc.unbind(2), _unbind(decay_end, m), strict=True)
+        for ko_t, v_t, a_t in steps:
+            if keep:
+                befores.append(state)
+            state = ko_t.transpose(-1, -2) @ v_t + (state if a_t is None else _decayed(state, a_t))
     else:
         steps = zip(u0.unbind(2), w.unbind(2), k_out.unbind(2), _unbind(decay_end, m), strict=True)
         for u0_t, w_t, ko_t, a_t in steps:
-            befores.append(state)
             u_t = u0_t - w_t @ state  # (B, H, c, Dv)
-            writes.append(u_t)
+            if keep:
+                befores.append(state)
+                writes.append(u_t)
             state = ko_t.transpose(-1, -2) @ u_t + (state if a_t is None else _decayed(state, a_t))
     if qc is None:
         return None, state
@@ -147,8 +159,13 @@ def chunked_recurrence(
     else:
         scores = qc @ kc.transpose(-1, -2)  # (B, H, m, c, c)
         scores = scores.masked_fill(~lower, 0.0) if gam is None else scores * gam
-    out = q_in @ before + scores @ u  # (B, H, m, c, Dv)
+    out = (q_in @ before).add_(scores @ u)  # (B, H, m, c, Dv); in place: matmul keeps no output
     return out.reshape(b, h, m * c, dv)[:, :, :n], state  # (B, H, m, c, Dv) -> (B, H, N, Dv)
+
+
+def _first(n: int, *xs: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The first ``n`` positions of each ``(B, H, N, ...)`` tensor (None stays None)."""
+    return [x if x is None else x[:, :, :n] for x in xs]
 
 
 def _unbind(x: torch.Tensor | None, m: int) -> list[torch.Tensor | None] | tuple[torch.Tensor, ...]:
@@ -243,12 +260,13 @@ class GatedRecurrence(AttentionVariant):
         s = q.shape[-1] ** -0.5 if scale is None else scale
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, Nk)
         kk, vv, g, beta = self._inputs(k.to(work), v.to(work), valid)
-        nq, nk = q.shape[2], k.shape[2]
-        qq = q.to(work) * s
-        if nq < nk:  # the queries are the last Nq positions: the earlier ones read nothing
-            qq = torch.cat([qq.new_zeros(*qq.shape[:2], nk - nq, qq.shape[3]), qq], 2)  # (B, H, Nk, D)
-        out, _ = chunked_recurrence(qq, kk, vv, g, beta, self.chunk)
-        return out[:, :, nk - nq :].to(q.dtype)
+        ctx = k.shape[2] - q.shape[2]  # the queries are the last Nq positions: the earlier ones are
+        s0 = None  # only the state they leave (a prefill: no pairs, no outputs)
+        if ctx > 0:
+            _, s0 = chunked_recurrence(None, *_first(ctx, kk, vv, g, beta), self.chunk)
+        rest = (x if x is None else x[:, :, ctx:] for x in (kk, vv, g, beta))  # (B, H, Nq, ...)
+        out, _ = chunked_recurrence(q.to(work) * s, *rest, self.chunk, s0)
+        return out.to(q.dtype)
 
     # ------------------------------------------------------------------ the decoding state
     def prefill(self, k, v, *, key_padding_mask=None, scale=None, heads=None) -> KernelState:

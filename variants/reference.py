@@ -342,15 +342,38 @@ def gated_recurrence_reference(
     scale: float | None = None,
     normalize_keys: bool = False,
 ) -> torch.Tensor:
-    """Float64 gated / delta-rule recurrence, token by token (Yang et al. 2024, 2025), causal with
-    the ``Nq`` queries as the last positions of the ``Nk`` keys' sequence.
+    """Float64 gated / delta-rule recurrence (Yang et al. 2024, 2025), causal with the ``Nq`` queries
+    as the last positions of the ``Nk`` keys' sequence.
 
     ``log_decay`` ``(B, H, Nk)`` or ``(B, H, Nk, D)`` (``g_t``, None: none) and ``beta (B, H, Nk)``
     (None: the gated form) are per query head. With ``a_t = exp(g_t)``, a state ``S (D, Dv)``:
     ``S = a_t S``; then ``S = S + k_t v_t^T`` (gated) or ``S = S + beta_t k_t (v_t - S^T k_t)^T``
     (delta rule, keys L2-normalised when ``normalize_keys``); ``o_t = S^T (s q_t)``. A padded key is
-    skipped (no write, no decay). ``(B, H, Nq, Dv)``; ``O(Nk D Dv)`` per head in a Python loop.
+    skipped (no write, no decay). ``(B, H, Nq, Dv)``; ``O(Nk D Dv)`` per head, token by token in a
+    Python loop.
+
+    The gated form with few queries (``Nq <= DENSE_MAX_QUERIES``: decoding against a long context, a
+    check of a few rows) is computed in its closed form instead (:func:`gated_dense_reference`, the same
+    numbers without a step per key); a test holds the two forms equal.
     """
+    if beta is None and q.shape[2] <= DENSE_MAX_QUERIES:
+        return gated_dense_reference(
+            q, k, v, log_decay=log_decay, key_padding_mask=key_padding_mask, scale=scale
+        )
+    return gated_loop_reference(q, k, v, log_decay, beta, key_padding_mask, scale, normalize_keys)
+
+
+def gated_loop_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    scale: float | None,
+    normalize_keys: bool,
+) -> torch.Tensor:
+    """:func:`gated_recurrence_reference`'s recurrence, one key at a time, whatever ``Nq``."""
     h = q.shape[1]
     q, k, v = q.double(), repeat_kv(k, h).double(), repeat_kv(v, h).double()
     b, _, nq, d = q.shape
@@ -380,3 +403,57 @@ def gated_recurrence_reference(
         if t >= nk - nq:
             outs.append((state * (s * q[:, :, t - (nk - nq)])[..., :, None]).sum(-2))  # (B, H, Dv)
     return torch.stack(outs, 2)
+
+
+# a few queries: the closed form's O(Nq Nk D) beats the recurrence's O(Nk D Dv) step per key
+DENSE_MAX_QUERIES = 64
+
+
+def gated_dense_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_bytes: int = 2**28,
+) -> torch.Tensor:
+    """Float64 gated recurrence (no delta rule) in its closed form: for the query at position ``i``
+    (the ``Nq`` queries are the last positions of the ``Nk`` keys' sequence),
+
+        o_i = sum_{j <= i} ((s q_i) * e^{G_i - G_j}) . k_j  v_j,    G_t = sum_{u <= t} g_u
+
+    over real keys (a padded key adds nothing to ``G`` and is in no sum); a scalar ``g (B, H, Nk)``
+    multiplies the whole product, a vector ``g (B, H, Nk, D)`` feature by feature. Computed in blocks
+    of keys of at most ``block_bytes`` of float64 per block. ``(B, H, Nq, Dv)``; ``O(Nq Nk D)`` time.
+    """
+    h = q.shape[1]
+    q, k, v = q.double(), repeat_kv(k, h).double(), repeat_kv(v, h).double()
+    b, _, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[-1]
+    s = d**-0.5 if scale is None else scale
+    # each g at least -1000: e^-1000 is 0 in float64 as e^g was, and G then never grows so large
+    # that its differences lose their digits (a decay of -1e24 beside ones of -0.01 would leave none)
+    g = q.new_zeros(b, h, nk) if log_decay is None else log_decay.double().clamp(min=-1000.0)
+    if key_padding_mask is not None:
+        real = key_padding_mask.to(q.device)[:, None, :]  # (B, 1, Nk)
+        g = torch.where(real[..., None] if g.dim() == 4 else real, g, 0.0)
+        k = torch.where(real[..., None], k, 0.0)
+    big = g.cumsum(2)  # (B, H, Nk[, D]): G_t
+    big = big if big.dim() == 4 else big[..., None]  # (B, H, Nk, D|1)
+    pos = torch.arange(nq, device=q.device) + (nk - nq)  # (Nq,): the queries' positions
+    qs = s * q  # (B, H, Nq, D)
+    out = q.new_zeros(b, h, nq, dv)
+    width = max(1, block_bytes // (8 * b * h * nq * big.shape[-1]))
+    for j0 in range(0, nk, width):
+        j1 = min(nk, j0 + width)
+        seen = pos[:, None] >= torch.arange(j0, j1, device=q.device)[None, :]  # (Nq, kb)
+        diff = big[:, :, pos, None, :] - big[:, :, None, j0:j1, :]  # (B, H, Nq, kb, D|1): G_i - G_j
+        decay = diff.masked_fill(~seen[..., None], float("-inf")).exp()  # 0 for a key after the query
+        if decay.shape[-1] == 1:  # scalar: (s q_i . k_j) e^{G_i - G_j}
+            weights = (qs @ k[:, :, j0:j1].transpose(-1, -2)) * decay[..., 0]  # (B, H, Nq, kb)
+        else:
+            weights = (qs[:, :, :, None, :] * decay * k[:, :, None, j0:j1, :]).sum(-1)  # (B, H, Nq, kb)
+        out = out + weights @ v[:, :, j0:j1]
+    return out
