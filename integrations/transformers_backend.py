@@ -217,11 +217,30 @@ def _mask_args(
     )
 
 
+def is_cross_attention(module: nn.Module, causal: bool, nq: int, nk: int) -> bool:
+    """Whether a layer's call attends to another sequence (an encoder-decoder's cross-attention)
+    rather than to its own: the module's ``is_cross_attention`` where it has one (BERT-style
+    decoders); else a class named ``*Cross*``; else a call that is not causal and either has a
+    different number of queries and keys (transformers' encoders keep no cache) or comes from a
+    decoder's non-causal module (BART, T5, Whisper: ``is_decoder`` and not ``is_causal``). A causal call
+    is never cross-attention."""
+    if causal:
+        return False
+    flag = getattr(module, "is_cross_attention", None)
+    if isinstance(flag, bool):
+        return flag
+    if "Cross" in type(module).__name__:
+        return True
+    return nq != nk or (bool(getattr(module, "is_decoder", False)) and not getattr(module, "is_causal", True))
+
+
 def _describe_call(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -> str:
     """One line with the shapes and masks of a call, for error messages."""
     parts = [f"q {tuple(query.shape)}", f"k/v {tuple(key.shape)}"]
     if kw.get("causal"):
         parts.append("causal")
+    if kw.get("cross"):
+        parts.append("cross-attention")
     for k in ("key_padding_mask", "attn_mask", "bias"):
         if kw.get(k) is not None:
             parts.append(f"{k} {tuple(kw[k].shape)}")
@@ -259,6 +278,8 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
                 raise Unsupported(f"{_where(name, module)}: attnbench variants do not take {unsupported}")
         variant = _variant_for(module, name)
         kw = _mask_args(module, attention_mask, query.shape[2], key.shape[2], kwargs.get("is_causal"))
+        if is_cross_attention(module, kw["causal"], query.shape[2], key.shape[2]):
+            kw["cross"] = True  # the keys are the encoder's: no decoder position stands among them
         position_bias = kwargs.get("position_bias")
         if position_bias is not None:
             kw["bias"] = position_bias if kw.get("bias") is None else kw["bias"] + position_bias

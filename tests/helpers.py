@@ -28,6 +28,7 @@ class Case:
     hkv: int | None = None  # key/value heads (None: = h)
     scale: float | None = None
     bias: bool = False  # a random float bias of shape (H, Nq, Nk)
+    cross: bool = False  # the queries are another sequence (cross-attention)
 
 
 CASES = [
@@ -36,9 +37,10 @@ CASES = [
     Case("padding", padding=True),
     Case("causal_padding", causal=True, padding=True),
     Case("attn_mask", mask=True),
-    Case("short_q", nq=16, nk=24, dv=6),  # cross-attention, or the last 16 positions (pattern variants)
+    Case("short_q", nq=16, nk=24, dv=6),  # the last 16 positions of the keys' sequence, both ways
     Case("short_q_padding", nq=12, nk=24, padding=True),
-    Case("cross", nq=24, nk=16),  # more queries than keys: cross-attention only
+    Case("cross", nq=24, nk=16, cross=True),  # more queries than keys: cross-attention only
+    Case("cross_short", nq=16, nk=24, dv=6, padding=True, cross=True),  # an encoder longer than the decoder
     Case("gqa", h=4, hkv=2, causal=True),
     Case("mqa_padding", h=4, hkv=1, padding=True),
     Case("decode", nq=1, nk=24, causal=True, padding=True),
@@ -106,6 +108,8 @@ def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0, de
     kw = dict(causal=case.causal, key_padding_mask=kpm, attn_mask=am)
     if case.scale is not None:
         kw["scale"] = case.scale
+    if case.cross:
+        kw["cross"] = True
     if case.bias:  # an ALiBi-sized spread of values, per head, query and key
         kw["bias"] = (2 * torch.randn(case.h, case.nq, case.nk, generator=g)).to(device=device, dtype=dtype)
     return q, k, v, kw
@@ -133,6 +137,7 @@ def workload(case: Case, dtype=torch.float32, backward=False, device="cpu") -> W
         kv_heads=case.hkv,
         scale=case.scale,
         bias=case.bias,
+        cross=case.cross,
     )
 
 
@@ -146,6 +151,7 @@ def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
         and (not w.key_padding or cls.supports_key_padding)
         and (not w.attn_mask or cls.supports_attn_mask)
         and (w.nq <= w.nk or cls.supports_cross)
+        and (not w.cross or cls.supports_cross)
         and (w.nq >= w.nk or cls.supports_cross or cls.supports_decode)
         and (w.scale is None or cls.supports_scale)
         and (not w.bias or cls.supports_bias)

@@ -351,3 +351,27 @@ def test_every_knob_of_a_built_in_variant_is_documented():
         f"{n}.{k}" for n in built_in for k in knob_defaults(variants.get(n)) if (n, k) not in documented
     ]
     assert built_in and not missing, f"knobs missing from docs/variants.md's Knobs table: {missing}"
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_cross_attention_is_one_query_against_another_sequence(vp):
+    """``cross=True``: a variant that claims it gives each query the same output whatever queries
+    share the call (no query stands at a position of the keys' sequence); one that does not refuses
+    it in one line with the reason, never computing a pattern over misaligned positions."""
+    name, knobs = vp
+    case = CASE["cross_short"]
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case)
+    if not type(attn).supports_cross:
+        with pytest.raises(Unsupported):  # the base check's reason, or the variant's own (axial's)
+            attn(q, k, v, **kw)
+        return
+    try:
+        whole = attn(q, k, v, **kw)
+    except (Unsupported, variants.Unavailable) as exc:  # for another reason, which the message says
+        assert "cross" not in str(exc), exc
+        pytest.skip(str(exc))
+    first = attn(q[:, :, :5], k, v, **kw)  # the first 5 decoder positions alone
+    assert rel_err(first, whole[:, :, :5]) < 1e-5
+    with pytest.raises(ValueError, match="cross=True with causal=True"):
+        attn(q, k, v, **{**kw, "causal": True})

@@ -4,7 +4,10 @@ Conventions (see DESIGN.md): tensors are ``(B, H, N, D)``; boolean masks mean Tr
 ``key_padding_mask`` is ``(B, Nk)``; ``attn_mask`` broadcasts to ``(B, H, Nq, Nk)``; ``k``/``v`` may have
 ``Hkv`` heads with ``H % Hkv == 0`` (grouped-query attention: query head ``h`` reads key/value head
 ``h // (H / Hkv)``); ``causal`` with ``Nq <= Nk`` is aligned bottom-right (the queries are the last ``Nq``
-positions: key ``j`` is visible to query ``i`` iff ``j <= i + Nk - Nq``); ``scale`` defaults to
+positions: key ``j`` is visible to query ``i`` iff ``j <= i + Nk - Nq``); without ``cross`` the queries
+are positions of the keys' sequence (``Nq < Nk``: its last ``Nq``, as when decoding against a cache),
+with ``cross=True`` they are another sequence (an encoder-decoder's cross-attention: no position of
+one relates to a position of the other, never causal, any ``Nq`` and ``Nk``); ``scale`` defaults to
 ``1/sqrt(D)``; ``bias`` is an additive float tensor broadcastable to ``(B, H, Nq, Nk)``; a query that can
 see no key outputs zeros with zero gradients.
 """
@@ -49,6 +52,7 @@ class Workload:
     scale: float | None = None  # None: 1/sqrt(head_dim)
     bias: bool = False
     bias_grad: bool = False  # the bias requires a gradient
+    cross: bool = False  # the queries are another sequence than the keys' (cross-attention)
 
     @property
     def hkv(self) -> int:
@@ -67,6 +71,7 @@ class Workload:
         attn_mask: torch.Tensor | None = None,
         scale: float | None = None,
         bias: torch.Tensor | None = None,
+        cross: bool = False,
     ) -> Workload:
         """Describe the call ``variant(q, k, v, ...)``; checks the shapes agree."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -103,6 +108,11 @@ class Workload:
             raise ValueError(
                 "attn_mask must be boolean (True = may attend); pass a float additive mask as bias="
             )
+        if cross and causal:
+            raise ValueError(
+                "cross=True with causal=True: the queries of cross-attention are another sequence than "
+                "the keys', so no key comes after a query (pass causal=False)"
+            )
         if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"scale must be a positive number or None, got {scale!r}")
         if bias is not None:
@@ -132,6 +142,7 @@ class Workload:
             scale=None if scale is None else float(scale),
             bias=bias is not None,
             bias_grad=bias is not None and torch.is_grad_enabled() and bias.requires_grad,
+            cross=bool(cross),
         )
 
 
@@ -174,6 +185,9 @@ class AttentionVariant(nn.Module):
     supports_causal: ClassVar[bool] = True
     supports_key_padding: ClassVar[bool] = True
     supports_attn_mask: ClassVar[bool] = True
+    #: cross-attention (``cross=True``, and ``Nq > Nk``): the queries are another sequence than the
+    #: keys', so the output may not depend on how query and key positions line up (False for a
+    #: variant whose pattern or recurrence is defined over the positions of one sequence)
     supports_cross: ClassVar[bool] = True
     #: ``Nq < Nk`` with the queries as the last ``Nq`` positions of the keys' sequence (decoding
     #: against a cache, prefill onto a cache); implied by ``supports_cross``
@@ -231,6 +245,11 @@ class AttentionVariant(nn.Module):
             raise Unsupported(f"{who} does not support a key padding mask")
         if w.attn_mask and not self.supports_attn_mask:
             raise Unsupported(f"{who} does not support an arbitrary attn_mask")
+        if w.cross and not self.supports_cross:
+            raise Unsupported(
+                f"{who} relates each query to key positions of its own sequence (its pattern or its "
+                "recurrence): it has no cross-attention form (cross=True)"
+            )
         if w.nq > w.nk and not self.supports_cross:
             raise Unsupported(f"{who} does not support cross-attention (Nq={w.nq} > Nk={w.nk})")
         if w.nq < w.nk and not (self.supports_cross or self.supports_decode):
@@ -260,11 +279,15 @@ class AttentionVariant(nn.Module):
         attn_mask: torch.Tensor | None = None,
         scale: float | None = None,
         bias: torch.Tensor | None = None,
+        cross: bool = False,
     ) -> torch.Tensor:
         """Attend ``q (B,H,Nq,D)`` to ``k (B,Hkv,Nk,D)``, ``v (B,Hkv,Nk,Dv)``; returns ``(B,H,Nq,Dv)``.
 
         ``scale`` multiplies the scores (default ``1/sqrt(D)``); ``bias`` (float, broadcastable to
-        ``(B, H, Nq, Nk)``) is added to them before the softmax.
+        ``(B, H, Nq, Nk)``) is added to them before the softmax. ``cross=True`` says the queries are
+        another sequence than the keys' (cross-attention): a variant that could only read them as the
+        last ``Nq`` positions of the keys' sequence refuses it (``supports_cross``); the others compute
+        what they compute without it (their output never depended on that alignment).
         """
         w = Workload.of(
             q,
@@ -275,6 +298,7 @@ class AttentionVariant(nn.Module):
             attn_mask=attn_mask,
             scale=scale,
             bias=bias,
+            cross=cross,
         )
         self.check(w)
         kw: dict[str, object] = {

@@ -58,13 +58,19 @@ def oracle(
     scale: float | None = None,
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    cross: bool = False,
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
+
+    ``cross`` (cross-attention) changes nothing for a variant that supports it: its output does not
+    depend on how query and key positions line up; it is refused for one that does not.
 
     ``rows`` (1-D indices) limits the result to those query rows, ``(B, H, len(rows), Dv)``, so long
     sequences can be checked in ``O(rows * Nk)``. A variant that is not a restricted softmax
     (``axial``: rows then columns) defines ``oracle_forward`` built from :func:`reference_attention`.
     """
+    if cross and not variant.supports_cross:
+        raise ValueError(f"{variant.name or type(variant).__name__} has no cross-attention form to check")
     custom = getattr(variant, "oracle_forward", None)
     if custom is not None:
         extra = {k_: x for k_, x in (("scale", scale), ("bias", bias)) if x is not None}

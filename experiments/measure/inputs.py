@@ -25,9 +25,11 @@ class Inputs:
     scale: float | None = None
     bias: torch.Tensor | None = None  # (1, H, Nq, Nk)
 
-    def kwargs(self, causal: bool) -> dict[str, object]:
-        """The keyword arguments of the variant's call (scale and bias only when set)."""
+    def kwargs(self, causal: bool, cross: bool = False) -> dict[str, object]:
+        """The keyword arguments of the variant's call (scale, bias and cross only when set)."""
         kw: dict[str, object] = {"causal": causal, "key_padding_mask": self.key_padding_mask}
+        if cross:
+            kw["cross"] = True
         if self.scale is not None:
             kw["scale"] = self.scale
         if self.bias is not None:

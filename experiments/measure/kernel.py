@@ -199,7 +199,7 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         causal=spec.causal,
     )
     q, k, v = inp.tensors()
-    kw = inp.kwargs(spec.causal)
+    kw = inp.kwargs(spec.causal, spec.cross)
     fig = result["figures"]
     # only outside timed windows: the CUDA timers enqueue every repetition without waiting
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

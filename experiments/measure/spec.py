@@ -84,6 +84,8 @@ class JobSpec:
     head_dim: int = 64
     v_head_dim: int | None = None  # None: = head_dim
     causal: bool = False
+    cross: bool = False  # the queries are another sequence than the keys' (an encoder-decoder's
+    # cross-attention): never causal; variants whose pattern relates positions refuse it
     padding: float = 0.0  # fraction of keys that are padding, in [0, 1)
     scale: float | None = None  # the softmax scale (None: 1/sqrt(head_dim))
     bias: str | None = None  # an additive bias on the scores: None or "alibi" (ALiBi's per-head slopes)
@@ -129,6 +131,7 @@ class JobSpec:
             kv_heads=self.kv_heads if self.kv_heads != self.heads else None,
             scale=self.scale,
             bias=self.bias is not None,
+            cross=self.cross,
         )
 
     @classmethod

@@ -68,6 +68,11 @@ def validate(conf: BenchConfig) -> None:
             f"causal=true needs kv_len >= seq_len (or null): the queries are the last seq_len positions; "
             f"got seq_len={conf.seq_len}, kv_len={conf.kv_len}"
         )
+    if conf.cross and conf.causal:
+        raise ValueError(
+            "cross=true with causal=true: cross-attention's queries are another sequence than the keys', "
+            "so no key comes after a query (set causal=false)"
+        )
     if conf.kv_heads is not None and conf.heads % conf.kv_heads:
         raise ValueError(f"kv_heads must divide heads, got heads={conf.heads}, kv_heads={conf.kv_heads}")
     if conf.settle_s < 0:
@@ -90,10 +95,10 @@ def _validate_pretrained(conf: BenchConfig) -> None:
     from ..measure.pretrained.job import DEFAULTS, TOP_K
 
     p = {**DEFAULTS, **dict(conf.pretrained)}
-    if conf.causal or conf.padding or conf.kv_len or conf.kv_heads or conf.bias or conf.scale:
+    if conf.causal or conf.cross or conf.padding or conf.kv_len or conf.kv_heads or conf.bias or conf.scale:
         raise ValueError(
             "pretrained jobs run the encoder as it is (bidirectional, whole texts, its own heads): "
-            "causal, padding, kv_len, kv_heads, bias and scale do not apply"
+            "causal, cross, padding, kv_len, kv_heads, bias and scale do not apply"
         )
     if not isinstance(p["texts"], int) or p["texts"] < TOP_K:
         raise ValueError(f"pretrained.texts must be an integer >= {TOP_K} (the retrieval task's neighbours)")
