@@ -41,6 +41,11 @@ What transformers calls, and what this module does with it:
     ``attn_mask`` (pattern variants take no ``attn_mask``: they raise :class:`variants.Unsupported`
     with the reason).
 
+  A layer's call that is not causal and reads another sequence's keys (an encoder-decoder's
+  cross-attention: :func:`is_cross_attention` tells it from the module and the call) reaches the
+  variant with ``cross=True``: variants whose pattern or recurrence relates query and key positions
+  refuse it with the reason instead of reading the decoder's queries as the last encoder positions.
+
   Left padding is key padding: a padded key is masked for every query, and the rows of padded
   queries (which see no key) come out as zeros (transformers' eager gives them a uniform average:
   compare non-pad positions only). A 4-D tensor mask the caller built itself is passed on as
@@ -51,8 +56,11 @@ What transformers calls, and what this module does with it:
 Learned variants (``has_params``, e.g. additive) need one instance per layer: :func:`attach` adds it
 to every attention module as the submodule ``attnbench_attention`` (so it is in ``state_dict()``, moves
 with ``.to()`` and trains with the model) and switches the model to ``attnbench_<name>``. Stateless
-variants share one instance per name, built by :func:`register` with that name's knobs; ``attach``
-also works for them (per-model knobs). flex compiles per shape by default, so decoding (a new key
+variants share one instance per registered name, built by :func:`register` with that name's knobs;
+``attach`` also works for them (per-model knobs). A registered name keeps its knobs for good (a model
+already built on it must not change): other knobs get a name of their own, ``register_as("w64",
+"local_window", window=64)`` -> ``attnbench_w64``, or ``implementation_for("local_window", {"window":
+64})`` -> ``attnbench_local_window@window=64``. flex compiles per shape by default, so decoding (a new key
 length every token) recompiles: pass ``{"flex": {"compile": False}}`` on the CPU.
 """
 
@@ -72,8 +80,11 @@ PREFIX = "attnbench_"
 #: attribute name of the per-layer variant instance that :func:`attach` adds to an attention module
 ATTACHED = "attnbench_attention"
 
-_KNOBS: dict[str, dict[str, Any]] = {}  # name -> knobs given to register()
-_SHARED: dict[str, AttentionVariant] = {}  # name -> the instance every layer uses (stateless variants)
+# each registered name (a variant's, or an alias) -> its variant, its knobs and, for a stateless
+# variant, the one instance every layer calls; fixed once registered (models built on it keep it)
+_VARIANT: dict[str, str] = {}
+_KNOBS: dict[str, dict[str, Any]] = {}
+_SHARED: dict[str, AttentionVariant] = {}
 
 
 def implementation(name: str) -> str:
@@ -171,17 +182,19 @@ def mask_function(
 
 
 def _variant_for(module: nn.Module, name: str) -> AttentionVariant:
-    """The instance that attends for ``module``: its attached one, else the shared one of ``name``."""
+    """The instance that attends for ``module``: its attached one, else the shared one of ``name``
+    (a registered name: a variant's or an alias)."""
+    variant = _VARIANT.get(name, name)
     attached = module._modules.get(ATTACHED)  # not getattr: nn.Module's raises (slow) when absent
-    if isinstance(attached, AttentionVariant) and attached.name == name:
+    if isinstance(attached, AttentionVariant) and attached.name == variant:
         return attached
     shared = _SHARED.get(name)
     if shared is not None:
         return shared
-    if get(name).has_params:
+    if get(variant).has_params:
         raise Unsupported(
-            f"{implementation(name)}: {name} has learned parameters, one set per layer: call "
-            f"integrations.transformers_backend.attach(model, '{name}') before running the model"
+            f"{implementation(name)}: {variant} has learned parameters, one set per layer: call "
+            f"integrations.transformers_backend.attach(model, '{variant}') before running the model"
         )
     raise Unsupported(
         f"{implementation(name)} is not registered: call integrations.transformers_backend.register()"
@@ -308,35 +321,68 @@ def register(names: Iterable[str] | None = None, knobs: dict[str, dict[str, Any]
     Each ``name`` becomes ``attn_implementation="attnbench_<name>"`` in ``AttentionInterface`` and
     ``AttentionMaskInterface``; ``knobs[name]`` are its constructor knobs (checked here: an unknown
     knob or a wrong type is a one-line ``ValueError``). Stateless variants get one shared instance
-    built now; learned ones are built per layer by :func:`attach`. Registering a name again replaces
-    its knobs. Returns the implementation names registered.
+    built now; learned ones are built per layer by :func:`attach`. A registered name keeps its knobs:
+    registering it again with the same ones does nothing, with others is a ``ValueError`` (models
+    already built on it would change); :func:`register_as` or :func:`implementation_for` give other
+    knobs a name of their own. Returns the implementation names registered.
     """
-    from transformers import AttentionInterface, AttentionMaskInterface
-
     knobs = dict(knobs or {})
     names = list(available()) if names is None else list(names)
     unknown = set(knobs) - set(names)
     if unknown:
         raise ValueError(f"knobs given for variants not being registered: {', '.join(sorted(unknown))}")
-    done = []
-    for name in names:
-        cls = get(name)  # UnknownVariant (one line) lists the known names
-        given = dict(knobs.get(name, {}))
-        check_knobs(cls, given, name)
-        _KNOBS[name] = given
-        if cls.has_params:
-            _SHARED.pop(name, None)
-        else:
-            _SHARED[name] = build(name, **given)
-        AttentionInterface.register(implementation(name), _make_attention(name))
-        AttentionMaskInterface.register(implementation(name), mask_function)
-        done.append(implementation(name))
-    return done
+    return [register_as(name, name, **knobs.get(name, {})) for name in names]
+
+
+def register_as(alias: str, name: str, **knobs: Any) -> str:
+    """Register variant ``name`` with ``knobs`` as ``attn_implementation="attnbench_<alias>"``: two
+    configurations of one variant side by side (``register_as("window_4", "local_window", window=4)``).
+    Fixed once registered, as in :func:`register`. Returns the implementation name."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    cls = get(name)  # UnknownVariant (one line) lists the known names
+    given = dict(knobs)
+    check_knobs(cls, given, name)
+    if alias in _VARIANT and (_VARIANT[alias], _KNOBS[alias]) != (name, given):
+        raise ValueError(
+            f"{implementation(alias)} is registered as {_spelled(_VARIANT[alias], _KNOBS[alias])}: "
+            f"registering it as {_spelled(name, given)} would change every model already built on it; "
+            f"give these knobs a name of their own: register_as({_alias_for(name, given)!r}, {name!r}, "
+            "...) or implementation_for(name, knobs)"
+        )
+    _VARIANT[alias], _KNOBS[alias] = name, given
+    if not cls.has_params:
+        _SHARED[alias] = build(name, **given)
+    AttentionInterface.register(implementation(alias), _make_attention(alias))
+    AttentionMaskInterface.register(implementation(alias), mask_function)
+    return implementation(alias)
+
+
+def implementation_for(name: str, knobs: dict[str, Any] | None = None) -> str:
+    """The ``attn_implementation`` that runs variant ``name`` with ``knobs``, registered if need be:
+    ``attnbench_<name>@<k=v,...>``, or ``attnbench_<name>`` without knobs while that name is free or
+    has none (for harness code that builds models of one variant with different knobs in one
+    process: no two knob sets share a name)."""
+    given = dict(knobs or {})
+    if not given and (name not in _VARIANT or (_VARIANT[name], _KNOBS[name]) == (name, given)):
+        return register_as(name, name)
+    return register_as(_alias_for(name, given), name, **given)
+
+
+def _alias_for(name: str, knobs: dict[str, Any]) -> str:
+    """``<name>@k=v,...``: a registered name for these knobs."""
+    return name + "@" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+
+
+def _spelled(name: str, knobs: dict[str, Any]) -> str:
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in sorted(knobs.items()))})"
 
 
 def shared(name: str) -> AttentionVariant:
     """The instance every layer of an ``attnbench_<name>`` model calls (stateless variants, built by
-    :func:`register` with its knobs): for its ``pattern()`` and ``describe()`` after a run."""
+    :func:`register` with its knobs): for its ``pattern()`` and ``describe()`` after a run. ``name``
+    is a registered name or its implementation string."""
+    name = name[len(PREFIX) :] if name.startswith(PREFIX) else name
     if name not in _SHARED:
         raise ValueError(
             f"{implementation(name)} has no shared instance: register() it (learned variants: attach())"

@@ -160,14 +160,14 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", ["bart", "t5", "whisper"])
 def test_cross_attention_decodes_consistently_or_refuses(kind, name):
-    hf.register([name], {name: KNOBS[name]} if name in KNOBS else None)
+    impl = hf.implementation_for(name, KNOBS.get(name))
     state, eager = _eager_run(kind)
-    model = _model(kind, hf.implementation(name), state)
+    model = _model(kind, impl, state)
     try:
         got = _outputs(model, kind)
     except Unsupported as exc:
         message = str(exc)
-        assert "\n" not in message and hf.implementation(name) in message, message
+        assert "\n" not in message and impl in message, message
         cls = variants.get(name)
         # one that could read the queries as the last positions of the keys' sequence says why not
         # (an encoder layer is refused first by a causal-only core, T5's bias by some)

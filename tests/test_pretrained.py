@@ -86,8 +86,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", EXACT)
 def test_exact_variants_match_transformers_own_attention_on_padded_batches(enc, name):
     seqs = _sentences(enc, [60, 7, 33, 18, 45, 3])  # lengths 5-62: a padded batch
-    hf.register([name], {name: CPU_KNOBS.get(name, {})})
-    got = _embed(enc, seqs, hf.implementation(name))
+    got = _embed(enc, seqs, hf.implementation_for(name, CPU_KNOBS.get(name, {})))
     for impl in ("eager", "sdpa"):  # transformers' own implementations: the oracle
         ref = _embed(enc, seqs, impl)
         assert _cos(ref, got).min() >= SAME, (name, impl, _cos(ref, got))
@@ -109,22 +108,20 @@ def test_exact_variants_match_transformers_own_attention_on_padded_batches(enc, 
 def test_a_pattern_that_keeps_every_pair_gives_the_unmodified_embeddings(enc, name, knobs):
     seqs = _sentences(enc, [62, 40, 11])  # N <= 64: every pair is inside the pattern
     n = max(len(s) for s in seqs)
-    hf.register([name], {name: knobs})
-    assert kept_share(hf.shared(name).pattern(n, n)) == 1.0
-    got = _embed(enc, seqs, hf.implementation(name))
+    impl = hf.implementation_for(name, knobs)
+    assert kept_share(hf.shared(impl).pattern(n, n)) == 1.0
+    got = _embed(enc, seqs, impl)
     ref = _embed(enc, seqs, "eager")
     assert _cos(ref, got).min() >= SAME
     # and a window that drops pairs moves the embedding well past the bar (the check can fail)
-    hf.register(["local_window"], {"local_window": {"window": 2}})
-    narrow = _embed(enc, seqs, hf.implementation("local_window"))
+    narrow = _embed(enc, seqs, hf.implementation_for("local_window", {"window": 2}))
     assert _cos(ref, narrow).min() < 0.99
 
 
 def test_compiled_flex_on_a_padded_batch_matches_eager(enc):
     # the experiment runs flex compiled (its default): key padding becomes part of its block mask
     seqs = _sentences(enc, [30, 9, 17])
-    hf.register(["flex"], {"flex": {"compile": True}})
-    got = _embed(enc, seqs, hf.implementation("flex"))
+    got = _embed(enc, seqs, hf.implementation_for("flex", {"compile": True}))
     assert _cos(_embed(enc, seqs, "eager"), got).min() >= SAME
 
 
@@ -142,8 +139,7 @@ LAYOUT_FOLLOWS_N = {"axial"}
 
 @pytest.mark.parametrize("name", sorted(SWAPPABLE))
 def test_padding_is_masked_as_keys_for_every_variant(enc, name):
-    hf.register([name], {name: SWAPPABLE[name]})
-    impl = hf.implementation(name)
+    impl = hf.implementation_for(name, SWAPPABLE[name])
     seqs = _sentences(enc, [38, 18, 25])  # padded to 40
     base = _embed(enc, seqs, impl)
     # other tokens where the padding is: a masked key cannot change any real token's output
@@ -299,7 +295,7 @@ def test_pretrained_config_errors_are_one_line(tmp_path):
     base = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "pretrained": dict(CFG)}
     with pytest.raises(ValueError, match="pretrained.texts must be an integer >= 5"):
         validate(BenchConfig.from_config({**base, "pretrained": {**CFG, "texts": 3}}))
-    with pytest.raises(ValueError, match="causal, padding, kv_len"):
+    with pytest.raises(ValueError, match="causal, cross, padding, kv_len"):
         validate(BenchConfig.from_config({**base, "causal": True}))
     validate(BenchConfig.from_config(base))  # the committed settings pass
 

@@ -240,8 +240,8 @@ def _attnbench_model(name, knobs=None, key=None):
     def make():
         eager, _ = llama_eager()
         if knobs is None:
-            hf.register([name], {name: CPU_KNOBS.get(name, {})})
-            return _model(eager.config, f"attnbench_{name}", eager.state_dict())
+            impl = hf.implementation_for(name, CPU_KNOBS.get(name, {}))
+            return _model(eager.config, impl, eager.state_dict())
         model = _model(eager.config, "eager", eager.state_dict())
         hf.attach(model, name, **knobs)
         return model
@@ -389,8 +389,7 @@ def test_gpt2_with_layer_scaled_attention_matches_eager():
             ids, attention_mask=mask, max_new_tokens=GEN, do_sample=False, pad_token_id=0
         )
     for name in ("naive", "sdpa"):
-        hf.register([name])
-        model = _model(cfg, f"attnbench_{name}", eager.state_dict())
+        model = _model(cfg, hf.implementation_for(name), eager.state_dict())
         with torch.inference_mode():
             got = model(ids, attention_mask=mask).logits
             tokens = model.generate(
@@ -426,3 +425,25 @@ def test_measure_llama_small_call():
     assert r["tokens_generated"] == 3 and len(r["generated_ids"]) == 2 and r["kv_length_final"] == 18
     assert r["peak_memory_bytes"] is None and "CPU" in r["peak_memory_note"]
     assert r["variant_describe"]["name"] == "sdpa" and r["head_dim"] == 16 and r["dtype"] == "float32"
+
+
+def test_registering_other_knobs_never_changes_a_model_already_built():
+    """A registered name keeps its knobs: a model built on it gives the same logits after another
+    configuration of the variant is registered (under a name of its own), and registering the name
+    itself with other knobs is refused in one line."""
+    eager, _ = llama_eager()
+    ids, _ = _inputs()
+    first_impl = hf.register_as("window_4", "local_window", window=4)
+    first = _model(eager.config, first_impl, eager.state_dict())
+    with torch.inference_mode():
+        before = first(ids[:, :N]).logits
+    with pytest.raises(ValueError, match=r"attnbench_window_4 is registered as local_window\(window=4\)"):
+        hf.register_as("window_4", "local_window", window=64)
+    assert hf.register_as("window_4", "local_window", window=4) == first_impl  # the same knobs: as is
+    second = _model(eager.config, hf.implementation_for("local_window", {"window": 64}), eager.state_dict())
+    with torch.inference_mode():
+        after = first(ids[:, :N]).logits
+        other = second(ids[:, :N]).logits
+    assert torch.equal(before, after)
+    assert (other - before).abs().max() > 100 * TOL  # the second model does use its own window
+    assert hf.shared(first_impl).window == 4 and hf.shared("local_window@window=64").window == 64

@@ -62,13 +62,12 @@ def _build_model(
     from transformers import AutoModelForCausalLM
 
     learned = variants.get(variant).has_params
-    if not learned:  # one shared instance per name, with these knobs
-        hf.register([variant], {variant: dict(knobs)})
+    # stateless: one shared instance with these knobs, under its own name if another job in this
+    # process registered other knobs
+    impl = "eager" if learned else hf.implementation_for(variant, dict(knobs))
     torch.manual_seed(seed)
     # from_config writes attn_implementation into the config it is given: copy it
-    model = AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="eager" if learned else hf.implementation(variant)
-    )
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl)
     model = model.to(device=device, dtype=dtype).eval()
     if learned:  # one instance per layer, built on the layer's device and dtype
         hf.attach(model, variant, **knobs)

@@ -92,8 +92,8 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     # follow the padded length), and axial has a grid (a prime length has none)
     q_width = -(-max(len(q) for q in texts.queries) // 8) * 8
 
-    hf.register([name], {name: knobs})
-    variant = hf.shared(name)
+    impl = hf.implementation_for(name, knobs)  # its own name if another job registered other knobs
+    variant = hf.shared(impl)
     keep = variant.pattern(n, n).to(device)  # (N, N): the pairs it lets interact
 
     # the unmodified model: embeddings, and where its attention mass goes
@@ -103,7 +103,7 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     ref_q, _ = encode(enc, texts.queries, batch, width=q_width)
 
     # the same model with the variant as its attention
-    enc.model.set_attn_implementation(hf.implementation(name))
+    enc.model.set_attn_implementation(impl)
     t0 = time.perf_counter()
     encode(enc, texts.texts[:batch], batch)  # warm-up: compilation, caches, first-touch pages
     first_call_s = time.perf_counter() - t0
