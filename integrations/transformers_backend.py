@@ -10,7 +10,8 @@ Usage::
 
     hf.register(knobs={"flex": {"compile": False}, "local_window": {"window": 64}})  # every variant
     # from_config writes attn_implementation into the config it is given: pass a copy
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="attnbench_sdpa")
+    impl = hf.implementation("sdpa")  # attnbench_SDPA
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl)
     model.generate(ids, attention_mask=mask, max_new_tokens=8)  # prefill and decode through sdpa
     hf.attach(model, "additive", hidden=32)  # learned variant: one instance per layer, in the state dict
 
@@ -50,6 +51,10 @@ What transformers calls, and what this module does with it:
   queries (which see no key) come out as zeros (transformers' eager gives them a uniform average:
   compare non-pad positions only). A 4-D tensor mask the caller built itself is passed on as
   ``attn_mask`` (boolean) or ``bias`` (float, additive).
+- **Other keywords**: ``position_bias`` (T5, Inkling2) becomes ``bias=``; a sink logit (gpt-oss's
+  ``s_aux`` ``(H,)``, Inkling2's ``sinks`` ``(B, H, Nq, 1)``) becomes ``sinks=``; those in
+  :data:`HARMLESS_KEYWORDS` reached the variant another way (the mask) and pass; any other keyword
+  with a value (``softcap``, ``indices``) is refused in one line naming it, never dropped.
 - Without the mask function transformers would pass no mask at all (padding silently ignored), so
   :func:`register` registers both under ``attnbench_<name>``.
 
@@ -88,8 +93,21 @@ _SHARED: dict[str, AttentionVariant] = {}
 
 
 def implementation(name: str) -> str:
-    """The ``attn_implementation`` string of variant ``name``: ``attnbench_<name>``."""
-    return PREFIX + name
+    """The ``attn_implementation`` string of registered name ``name``: ``attnbench_<name>``, with
+    ``sdpa`` spelled ``SDPA``: transformers reads any implementation whose name contains ``sdpa`` as
+    its own SDPA path and refuses it for models it has not cleared for SDPA (Gemma2, gpt-oss), which
+    says nothing about this backend's sdpa variant (``attnbench_SDPA``)."""
+    return PREFIX + name.replace("sdpa", "SDPA")
+
+
+def name_of(impl: str) -> str:
+    """The registered name behind an ``attn_implementation`` string (:func:`implementation`'s
+    inverse); one-line ``ValueError`` for a string that is not an attnbench one."""
+    if not impl.startswith(PREFIX):
+        raise ValueError(f"attn_implementation={impl!r} is not an attnbench one ({PREFIX}<name>)")
+    return next(
+        (n for n in _VARIANT if implementation(n) == impl), impl[len(PREFIX) :].replace("SDPA", "sdpa")
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,12 +277,69 @@ def _describe_call(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -
             parts.append(f"{k} {tuple(kw[k].shape)}")
     if kw.get("scale") is not None:
         parts.append(f"scale {kw['scale']:g}")
+    if kw.get("sinks") is not None:
+        parts.append(f"sinks {tuple(kw['sinks'].shape)}")
     return ", ".join(parts)
 
 
 def _where(name: str, module: nn.Module) -> str:
     """``attnbench_<name> in <LayerClass> (layer <i>)``, for error messages."""
     return f"{implementation(name)} in {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+
+
+#: keywords transformers may pass an attention function that need nothing from the variant: what
+#: they say reached it another way (the mask function turns packed sequences, given by position_ids
+#: and the cu_seq_lens / max_length pair, and sliding windows into the mask it builds; the cache is
+#: already in key and value), or they ask for something this backend does not return (weights)
+HARMLESS_KEYWORDS = frozenset(
+    {
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+        "sliding_window",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "num_items_in_batch",
+        "use_cache",
+        "cache_position",
+        "past_key_values",
+        "position_embeddings",
+    }
+)
+#: keywords the attention function turns into the variant's arguments
+HONOURED_KEYWORDS = frozenset({"is_causal", "position_bias", "sinks", "s_aux"})
+
+
+def _refuse_unknown_keywords(where: str, kwargs: dict[str, Any]) -> None:
+    """One ``Unsupported`` line naming each keyword with a value that the backend neither honours nor
+    knows to be harmless: a score-changing argument (``softcap``, an indexer's ``indices``) must
+    never be dropped without a word."""
+    dropped = sorted(
+        key
+        for key, value in kwargs.items()
+        if value is not None and value is not False and key not in HARMLESS_KEYWORDS | HONOURED_KEYWORDS
+    )
+    if dropped:
+        raise Unsupported(
+            f"{where}: attnbench variants do not take {', '.join(dropped)} (the model passes "
+            f"{'it' if len(dropped) == 1 else 'them'} to its attention function; ignoring "
+            f"{'it' if len(dropped) == 1 else 'them'} would change the output without a word)"
+        )
+
+
+def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The sink logits a model passes: gpt-oss's ``s_aux`` ``(H,)``, Inkling2's ``sinks`` ``(B, H,
+    Nq, 1)`` -> ``(B, H, Nq)``; None without."""
+    sinks = kwargs.get("sinks")
+    if sinks is None:
+        sinks = kwargs.get("s_aux")
+    if sinks is not None and sinks.dim() == 4 and sinks.shape[-1] == 1:
+        sinks = sinks[..., 0]  # (B, H, Nq, 1) -> (B, H, Nq)
+    return sinks
 
 
 def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
@@ -286,13 +361,21 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
             raise Unsupported(
                 f"{_where(name, module)}: attnbench variants have no attention dropout ({dropout=})"
             )
-        for unsupported in ("softcap", "s_aux"):
-            if kwargs.get(unsupported) is not None:
-                raise Unsupported(f"{_where(name, module)}: attnbench variants do not take {unsupported}")
+        _refuse_unknown_keywords(_where(name, module), kwargs)
+        window = kwargs.get("sliding_window")
+        if window and isinstance(attention_mask, MaskSpec) and attention_mask.attn_mask is None:
+            if key.shape[2] > window:  # the window must have reached the mask function as its predicate
+                raise Unsupported(
+                    f"{_where(name, module)}: the layer has sliding_window={window} but its mask is plain "
+                    f"{'causal' if attention_mask.causal else 'bidirectional'} over {key.shape[2]} keys"
+                )
         variant = _variant_for(module, name)
         kw = _mask_args(module, attention_mask, query.shape[2], key.shape[2], kwargs.get("is_causal"))
         if is_cross_attention(module, kw["causal"], query.shape[2], key.shape[2]):
             kw["cross"] = True  # the keys are the encoder's: no decoder position stands among them
+        sinks = _sinks(kwargs)
+        if sinks is not None:
+            kw["sinks"] = sinks
         position_bias = kwargs.get("position_bias")
         if position_bias is not None:
             kw["bias"] = position_bias if kw.get("bias") is None else kw["bias"] + position_bias
@@ -382,7 +465,7 @@ def shared(name: str) -> AttentionVariant:
     """The instance every layer of an ``attnbench_<name>`` model calls (stateless variants, built by
     :func:`register` with its knobs): for its ``pattern()`` and ``describe()`` after a run. ``name``
     is a registered name or its implementation string."""
-    name = name[len(PREFIX) :] if name.startswith(PREFIX) else name
+    name = name_of(name) if name.startswith(PREFIX) else name
     if name not in _SHARED:
         raise ValueError(
             f"{implementation(name)} has no shared instance: register() it (learned variants: attach())"
@@ -451,5 +534,5 @@ def layer_variants(model: nn.Module) -> dict[str, AttentionVariant]:
     impl = getattr(model.config, "_attn_implementation", None) or ""
     if not impl.startswith(PREFIX):
         raise ValueError(f"model uses attn_implementation={impl!r}, not an attnbench one")
-    name = impl[len(PREFIX) :]
+    name = name_of(impl)
     return {qn: _variant_for(m, name) for qn, m in _attention_modules(model)}

@@ -13,7 +13,7 @@ the median of the per-round ratios to native ``sdpa``, and the largest differenc
 states from eager's (real tokens only).
 
     python scripts/hf_overhead.py                          # N=1024, B=1, hidden 512, 8 heads, 2 KV heads
-    python scripts/hf_overhead.py --lengths 1024 4096 --rounds 21 --impls attnbench_sdpa sdpa
+    python scripts/hf_overhead.py --lengths 1024 4096 --rounds 21 --impls attnbench_SDPA sdpa
     python scripts/hf_overhead.py --mode decode --lengths 4096 --batch 4 --pad 100
 """
 
@@ -109,11 +109,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--impls", nargs="+", default=["sdpa", "attnbench_sdpa", "eager"])
+    ap.add_argument("--impls", nargs="+", default=["sdpa", hf.implementation("sdpa"), "eager"])
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    hf.register([i[len(hf.PREFIX) :] for i in args.impls if i.startswith(hf.PREFIX)])
+    hf.register([hf.name_of(i) for i in args.impls if i.startswith(hf.PREFIX)])
     models = build_models(args)
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "

@@ -29,6 +29,7 @@ class Case:
     scale: float | None = None
     bias: bool = False  # a random float bias of shape (H, Nq, Nk)
     cross: bool = False  # the queries are another sequence (cross-attention)
+    sinks: str | None = None  # "head": one sink logit per head (gpt-oss); "query": per head and query
 
 
 CASES = [
@@ -48,6 +49,8 @@ CASES = [
     Case("prefill_onto_cache", nq=8, nk=24, causal=True, padding=True),
     Case("scale", scale=0.3, causal=True),
     Case("bias", bias=True, causal=True, padding=True),
+    Case("sinks", h=4, hkv=2, causal=True, padding=True, sinks="head"),
+    Case("sinks_per_query", nq=8, nk=24, causal=True, bias=True, sinks="query"),
 ]
 
 
@@ -110,6 +113,9 @@ def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0, de
         kw["scale"] = case.scale
     if case.cross:
         kw["cross"] = True
+    if case.sinks is not None:  # logits around the scores' own size, so the sink takes a real share
+        shape = (case.h,) if case.sinks == "head" else (case.b, case.h, case.nq)
+        kw["sinks"] = (1.5 * torch.randn(shape, generator=g)).to(device=device, dtype=dtype)
     if case.bias:  # an ALiBi-sized spread of values, per head, query and key
         kw["bias"] = (2 * torch.randn(case.h, case.nq, case.nk, generator=g)).to(device=device, dtype=dtype)
     return q, k, v, kw
@@ -138,6 +144,7 @@ def workload(case: Case, dtype=torch.float32, backward=False, device="cpu") -> W
         scale=case.scale,
         bias=case.bias,
         cross=case.cross,
+        sinks=case.sinks is not None,
     )
 
 
@@ -152,6 +159,7 @@ def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
         and (not w.attn_mask or cls.supports_attn_mask)
         and (w.nq <= w.nk or cls.supports_cross)
         and (not w.cross or cls.supports_cross)
+        and (not w.sinks or cls.supports_sinks)
         and (w.nq >= w.nk or cls.supports_cross or cls.supports_decode)
         and (w.scale is None or cls.supports_scale)
         and (not w.bias or cls.supports_bias)

@@ -157,7 +157,8 @@ def test_variants_import_without_transformers():
 
 def test_register_adds_attention_and_mask_function():
     names = hf.register(knobs=CPU_KNOBS)
-    assert names == [f"attnbench_{n}" for n in variants.available()]
+    assert names == [hf.implementation(n) for n in variants.available()]
+    assert "sdpa" not in hf.implementation("sdpa")  # transformers would read it as its own SDPA path
     for impl in names:  # without the mask function transformers passes no mask: padding ignored
         assert impl in AttentionInterface() and AttentionMaskInterface()[impl] is hf.mask_function
     with pytest.raises(ValueError, match="unknown knob 'windw' for local_window"):
@@ -447,3 +448,71 @@ def test_registering_other_knobs_never_changes_a_model_already_built():
     assert torch.equal(before, after)
     assert (other - before).abs().max() > 100 * TOL  # the second model does use its own window
     assert hf.shared(first_impl).window == 4 and hf.shared("local_window@window=64").window == 64
+
+
+# ------------------------------------------------------------------ attention sinks, unknown keywords
+SINK_VARIANTS = [n for n in EXACT if variants.get(n).supports_sinks]
+
+
+def _sink_models():
+    """gpt-oss (one learned sink logit per head, passed as ``s_aux``, sliding and full layers) and
+    Inkling2 (a sink logit per head and token from a projection, passed as ``sinks``, with a relative
+    position bias), tiny and random."""
+    from transformers import GptOssConfig
+    from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
+
+    small = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    return {
+        "gpt_oss": GptOssConfig(
+            **small,
+            **heads,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            initializer_range=0.1,
+        ),  # fmt: skip
+        "inkling2": Inkling2TextConfig(
+            **small, **heads, n_routed_experts=4, num_experts_per_tok=2, initializer_range=0.1
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "inkling2"])
+def test_sinks_reach_the_variant_and_match_eager(kind):
+    cfg = _sink_models()[kind]
+    torch.manual_seed(0)
+    eager = _model(cfg, "eager")
+    ids, mask = _inputs()
+    ids, mask = ids[:, :20] % cfg.vocab_size, mask[:, :20]
+    real = mask.bool()
+    with torch.inference_mode():
+        ref = eager(ids, attention_mask=mask).logits
+    if kind == "gpt_oss":  # the sinks move eager's logits by far more than the tolerance
+        sunk = _model(cfg, "eager", eager.state_dict())
+        with torch.no_grad():
+            for layer in sunk.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)  # e^-1e4: no sink
+            assert (sunk(ids, attention_mask=mask).logits - ref)[real].abs().max() > 100 * TOL
+    for name in SINK_VARIANTS:
+        model = _model(cfg, hf.implementation_for(name, CPU_KNOBS.get(name, {})), eager.state_dict())
+        with torch.inference_mode():
+            got = model(ids, attention_mask=mask).logits
+        assert (got - ref)[real].abs().max() < TOL, name
+
+
+def test_a_keyword_the_backend_does_not_honour_is_refused_by_name():
+    """softcap (Gemma2), an indexer's indices (DeepSeek-V3.2): refused in one line naming them;
+    keywords known to be harmless (position_ids) pass."""
+    impl = hf.implementation_for("naive")
+    attention = AttentionInterface()[impl]
+    layer = torch.nn.Module()
+    q = torch.randn(1, 2, 4, 8)
+    spec = hf.mask_function(1, 4, 4, attention_mask=None)
+    out, _ = attention(layer, q, q, q, spec, position_ids=torch.arange(4)[None])
+    assert out.shape == (1, 4, 2, 8)
+    for extra, named in [({"softcap": 50.0}, "softcap"), ({"indices": torch.zeros(1, 4, 2)}, "indices")]:
+        with pytest.raises(variants.Unsupported, match=f"do not take {named}") as info:
+            attention(layer, q, q, q, spec, **extra)
+        assert "\n" not in str(info.value)

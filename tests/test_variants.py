@@ -375,3 +375,21 @@ def test_cross_attention_is_one_query_against_another_sequence(vp):
     assert rel_err(first, whole[:, :, :5]) < 1e-5
     with pytest.raises(ValueError, match="cross=True with causal=True"):
         attn(q, k, v, **{**kw, "causal": True})
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_sinks_take_their_share_or_are_refused(vp):
+    """A variant that takes ``sinks`` gives the oracle's output, which is not its output without them
+    (the sink's share of each softmax is real); one that does not refuses them in one line."""
+    name, knobs = vp
+    case = CASE["sinks"]
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case)
+    if not type(attn).supports_sinks:
+        with pytest.raises(Unsupported):
+            attn(q, k, v, **kw)
+        return
+    with_sinks = attn(q, k, v, **kw)
+    without = attn(q, k, v, **{**kw, "sinks": None})
+    assert rel_err(with_sinks, oracle(attn, q, k, v, **kw)) <= 1e-5
+    assert rel_err(with_sinks, without) > 1e-2  # the sinks changed the output

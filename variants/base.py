@@ -53,6 +53,7 @@ class Workload:
     bias: bool = False
     bias_grad: bool = False  # the bias requires a gradient
     cross: bool = False  # the queries are another sequence than the keys' (cross-attention)
+    sinks: bool = False  # a sink logit joins each softmax's denominator (gpt-oss, Inkling2)
 
     @property
     def hkv(self) -> int:
@@ -72,6 +73,7 @@ class Workload:
         scale: float | None = None,
         bias: torch.Tensor | None = None,
         cross: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> Workload:
         """Describe the call ``variant(q, k, v, ...)``; checks the shapes agree."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -108,6 +110,8 @@ class Workload:
             raise ValueError(
                 "attn_mask must be boolean (True = may attend); pass a float additive mask as bias="
             )
+        if sinks is not None:
+            _check_sinks(sinks, b, h, nq)
         if cross and causal:
             raise ValueError(
                 "cross=True with causal=True: the queries of cross-attention are another sequence than "
@@ -143,7 +147,31 @@ class Workload:
             bias=bias is not None,
             bias_grad=bias is not None and torch.is_grad_enabled() and bias.requires_grad,
             cross=bool(cross),
+            sinks=sinks is not None,
         )
+
+
+def _check_sinks(sinks: torch.Tensor, b: int, h: int, nq: int) -> None:
+    """One ``ValueError`` line unless ``sinks`` is a float ``(H,)`` (one logit per head) or broadcasts
+    as ``(B, H, Nq)`` (one per head and query, as Inkling2's)."""
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    shape = tuple(sinks.shape)
+    ok = shape == (h,)
+    if not ok and sinks.dim() == 3:
+        try:
+            ok = torch.broadcast_shapes(shape, (b, h, nq)) == (b, h, nq)
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"sinks must be (H,) = ({h},) or broadcast to (B, H, Nq) = {(b, h, nq)}; got {shape}"
+        )
+
+
+def sink_logits(sinks: torch.Tensor, h: int) -> torch.Tensor:
+    """``sinks`` as ``(B|1, H, Nq|1)``: an ``(H,)`` tensor becomes ``(1, H, 1)``."""
+    return sinks.view(1, h, 1) if sinks.dim() == 1 else sinks
 
 
 def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -160,6 +188,37 @@ def causal_offset(nq: int, nk: int) -> int:
     """How far the causal diagonal is shifted right: query ``i`` sees keys ``j <= i + offset``
     (bottom-right alignment, ``Nq <= Nk``)."""
     return nk - nq
+
+
+def _sink_as_first_key(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sinks as one more key in front of the others, through one more feature: the queries get
+    ``sink / scale`` (``sinks (B|1, H, Nq|1)``), the sink key ``1`` there and 0 elsewhere, the real
+    keys 0 there, so the sink key's score is exactly the sink's logit and every other score is
+    unchanged; its value is 0. Returns ``q (B, H, Nq, D+1)``, ``k (B, Hkv, Nk+1, D+1)``, ``v (B, Hkv,
+    Nk+1, Dv)`` (the sink key is the same for every head: no head is repeated); causal bottom-right
+    alignment still shows every query all its keys and the sink. ``O((Nq + Nk) D)`` copies."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    s = d**-0.5 if scale is None else scale
+    extra = (sinks.to(q.dtype) / s).expand(b, h, nq)[..., None]  # (B, H, Nq, 1)
+    q = torch.cat([q, extra], -1)  # (B, H, Nq, D+1)
+    sink_key = k.new_zeros(b, hkv, 1, d + 1)
+    sink_key[..., d] = 1.0
+    k = torch.cat([sink_key, torch.cat([k, k.new_zeros(b, hkv, nk, 1)], -1)], 2)  # (B, Hkv, Nk+1, D+1)
+    v = torch.cat([v.new_zeros(b, hkv, 1, v.shape[-1]), v], 2)  # (B, Hkv, Nk+1, Dv)
+    return q, k, v
+
+
+def _prepend(mask: torch.Tensor | None, value: bool | float, nk: int | None = None) -> torch.Tensor | None:
+    """``mask`` with one key column of ``value`` in front (the sink key): a ``(B, Nk)`` key padding
+    mask, or (``nk`` given) an attn_mask or bias broadcasting to ``(..., Nq, Nk)``."""
+    if mask is None:
+        return None
+    if nk is not None:
+        mask = mask.expand(*mask.shape[:-1], nk)  # (..., Nq|1, Nk): a broadcast key dim made real
+    return torch.cat([torch.full_like(mask[..., :1], value), mask], -1)  # (..., Nk + 1)
 
 
 class AttentionVariant(nn.Module):
@@ -203,6 +262,11 @@ class AttentionVariant(nn.Module):
     supports_scale: ClassVar[bool] = True
     #: an additive float ``bias`` on the scores (ALiBi, relative position bias)
     supports_bias: ClassVar[bool] = False
+    #: ``sinks=``: a logit per head (or per head and query) that joins the softmax's denominator and
+    #: weighs a zero value (gpt-oss, Inkling2). :meth:`forward` adds it as one more key for the
+    #: variants that compute softmax over every allowed key (it would fall outside a window or a
+    #: block pattern, and a kernel feature map has no denominator to add it to)
+    supports_sinks: ClassVar[bool] = False
     #: a gradient for the bias
     bias_backward: ClassVar[bool] = False
     #: ``_attend`` reads grouped K/V heads itself (no copy); otherwise forward repeats them
@@ -258,6 +322,11 @@ class AttentionVariant(nn.Module):
             )
         if w.scale is not None and not self.supports_scale:
             raise Unsupported(f"{who} has no softmax scale to set (scale={w.scale:g})")
+        if w.sinks and not self.supports_sinks:
+            raise Unsupported(
+                f"{who} takes no attention sinks: only a softmax over every allowed key has a denominator "
+                "a sink's logit can join (exact variants: naive, sdpa, chunked, flex)"
+            )
         if w.bias and not self.supports_bias:
             raise Unsupported(f"{who} does not take an additive float bias")
         if w.bias_grad and not self.bias_backward:
@@ -280,6 +349,7 @@ class AttentionVariant(nn.Module):
         scale: float | None = None,
         bias: torch.Tensor | None = None,
         cross: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend ``q (B,H,Nq,D)`` to ``k (B,Hkv,Nk,D)``, ``v (B,Hkv,Nk,Dv)``; returns ``(B,H,Nq,Dv)``.
 
@@ -287,7 +357,9 @@ class AttentionVariant(nn.Module):
         ``(B, H, Nq, Nk)``) is added to them before the softmax. ``cross=True`` says the queries are
         another sequence than the keys' (cross-attention): a variant that could only read them as the
         last ``Nq`` positions of the keys' sequence refuses it (``supports_cross``); the others compute
-        what they compute without it (their output never depended on that alignment).
+        what they compute without it (their output never depended on that alignment). ``sinks``
+        (``(H,)`` or ``(B, H, Nq)``, where ``supports_sinks``): each query's softmax gets one more
+        term, ``e^sink``, in its denominator, for a zero value, so its weights sum to less than one.
         """
         w = Workload.of(
             q,
@@ -299,8 +371,19 @@ class AttentionVariant(nn.Module):
             scale=scale,
             bias=bias,
             cross=cross,
+            sinks=sinks,
         )
         self.check(w)
+        if sinks is not None:
+            return self.forward(
+                *_sink_as_first_key(q, k, v, sink_logits(sinks, w.heads), w.scale),
+                causal=causal,
+                key_padding_mask=_prepend(key_padding_mask, True),
+                attn_mask=_prepend(attn_mask, True, w.nk),
+                scale=w.scale if w.scale is not None else w.head_dim**-0.5,  # D grows by one below
+                bias=_prepend(bias, 0.0, w.nk),
+                cross=cross,
+            )
         kw: dict[str, object] = {
             "causal": causal,
             "key_padding_mask": key_padding_mask,

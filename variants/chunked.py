@@ -146,6 +146,7 @@ class ChunkedAttention(AttentionVariant):
 
     example_knobs = ({"query_chunk": 5, "key_chunk": 7},)
     supports_bias = True
+    supports_sinks = True  # one more key in front (base.forward)
     native_scale = True
 
     def __init__(self, query_chunk: int = 512, key_chunk: int = 512) -> None:

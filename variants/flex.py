@@ -38,6 +38,7 @@ class FlexAttention(AttentionVariant):
     backward_devices = frozenset({"cuda"})
     compiled = True
     supports_bias = True
+    supports_sinks = True  # one more key in front (base.forward)
     native_gqa = True
     native_scale = True
     example_knobs = ({"pattern": "full", "compile": False}, {"block": 8, "compile": False})

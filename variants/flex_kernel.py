@@ -192,6 +192,10 @@ class FlexKernel:
         Nk)``, ``attn_mask`` broadcastable to ``(B, H, Nq, Nk)``), scores scaled by ``scale`` (default
         ``1/sqrt(D)``) plus ``bias`` (broadcastable to ``(B, H, Nq, Nk)``): ``(B, H, Nq, Dv)``. The
         caller checks the workload first (:func:`flex_refusal`)."""
+        if not torch.is_grad_enabled():  # FlexAttention refuses a CPU input that requires grad even
+            # then (a model's learned query, run under no_grad): no graph is built, so detach
+            q, k, v = q.detach(), k.detach(), v.detach()
+            bias = None if bias is None else bias.detach()
         bm = self.block_mask(q, k, causal, key_padding_mask, attn_mask)
         self.tile_ran = tile_size(self.block, q.device.type) if bm is not None else None
         extra: dict[str, Any] = {"scale": scale}

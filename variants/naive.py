@@ -17,6 +17,7 @@ class NaiveAttention(AttentionVariant):
     """Dense scaled dot-product attention, written out in three tensor ops."""
 
     supports_bias = True
+    supports_sinks = True  # one more key in front (base.forward)
     bias_backward = True
     native_gqa = True
     native_scale = True

@@ -21,9 +21,13 @@ def reference_attention(
     scores: torch.Tensor | None = None,
     scale: float | None = None,
     bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax(scores + bias) @ v`` in float64 with ``scores = q k^T * scale`` unless given
     (``scale`` defaults to ``1/sqrt(D)``).
+
+    ``sinks`` (``(H,)`` or ``(B, H, Nq)``): each row's softmax runs over its allowed scores and the
+    sink's logit, and the sink's share is dropped: ``p_j = e^{s_j} / (e^{sink} + sum_allowed e^{s_l})``.
 
     ``k``, ``v`` may have fewer heads than ``q`` (grouped: each is repeated here, written plainly).
     ``allowed`` (bool, broadcastable to ``(B, H, Nq, Nk)``) restricts the softmax; an empty row
@@ -35,8 +39,16 @@ def reference_attention(
         scores = (q.double() @ k.double().transpose(-2, -1)) * s
     if bias is not None:
         scores = scores.double() + bias.double()
-    p = safe_softmax(scores.double(), allowed)
-    return p @ v.double()
+    scores = scores.double()
+    if sinks is None:
+        return safe_softmax(scores, allowed) @ v.double()
+    b, h, nq, nk = scores.shape
+    sink = (sinks.view(1, h, 1) if sinks.dim() == 1 else sinks).double()  # (B|1, H, Nq|1)
+    full = torch.cat([scores, sink.expand(b, h, nq)[..., None]], -1)  # (B, H, Nq, Nk + 1): the sink last
+    if allowed is not None:
+        seen = allowed.expand(b, h, nq, nk)
+        allowed = torch.cat([seen, seen.new_ones(b, h, nq, 1)], -1)  # the sink is always there
+    return safe_softmax(full, allowed)[..., :nk] @ v.double()
 
 
 def _rows_of(mask: torch.Tensor | None, rows: torch.Tensor | None, nq: int) -> torch.Tensor | None:
@@ -59,6 +71,7 @@ def oracle(
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     cross: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
 
@@ -71,6 +84,8 @@ def oracle(
     """
     if cross and not variant.supports_cross:
         raise ValueError(f"{variant.name or type(variant).__name__} has no cross-attention form to check")
+    if sinks is not None and not variant.supports_sinks:
+        raise ValueError(f"{variant.name or type(variant).__name__} takes no sinks to check")
     custom = getattr(variant, "oracle_forward", None)
     if custom is not None:
         extra = {k_: x for k_, x in (("scale", scale), ("bias", bias)) if x is not None}
@@ -88,7 +103,9 @@ def oracle(
     scores = variant.reference_scores(q_rows, k, **({} if scale is None else {"scale": scale}))
     if bias is not None:
         bias = _rows_of(bias.to(q.device), rows, nq)
-    return reference_attention(q_rows, k, v, allowed=allowed, scores=scores, bias=bias)
+    if sinks is not None and sinks.dim() == 3 and rows is not None and sinks.shape[-1] == nq:
+        sinks = sinks[..., rows.to(sinks.device)]  # (B, H, R): per-query sinks of the checked rows
+    return reference_attention(q_rows, k, v, allowed=allowed, scores=scores, bias=bias, sinks=sinks)
 
 
 def full_attention_reference(

@@ -59,6 +59,7 @@ class SDPAAttention(AttentionVariant):
     """PyTorch's fused attention entry point; ``backend`` in auto, math, flash, efficient, cudnn."""
 
     supports_bias = True
+    supports_sinks = True  # one more key in front (base.forward)
     bias_backward = True
     native_gqa = True
     native_scale = True
