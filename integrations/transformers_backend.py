@@ -53,8 +53,10 @@ What transformers calls, and what this module does with it:
   ``attn_mask`` (boolean) or ``bias`` (float, additive).
 - **Other keywords**: ``position_bias`` (T5, Inkling2) becomes ``bias=``; a sink logit (gpt-oss's
   ``s_aux`` ``(H,)``, Inkling2's ``sinks`` ``(B, H, Nq, 1)``) becomes ``sinks=``; those in
-  :data:`HARMLESS_KEYWORDS` reached the variant another way (the mask) and pass; any other keyword
-  with a value (``softcap``, ``indices``) is refused in one line naming it, never dropped.
+  ``softcap`` (Gemma2) becomes ``softcap=`` (refused with the reason by variants that cannot
+  apply it); those in :data:`HARMLESS_KEYWORDS` reached the variant another way (the mask) and pass;
+  any other keyword with a value (an indexer's ``indices``) is refused in one line naming it, never
+  dropped.
 - Without the mask function transformers would pass no mask at all (padding silently ignored), so
   :func:`register` registers both under ``attnbench_<name>``.
 
@@ -279,6 +281,8 @@ def _describe_call(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -
         parts.append(f"scale {kw['scale']:g}")
     if kw.get("sinks") is not None:
         parts.append(f"sinks {tuple(kw['sinks'].shape)}")
+    if kw.get("softcap") is not None:
+        parts.append(f"softcap {kw['softcap']:g}")
     return ", ".join(parts)
 
 
@@ -311,7 +315,7 @@ HARMLESS_KEYWORDS = frozenset(
     }
 )
 #: keywords the attention function turns into the variant's arguments
-HONOURED_KEYWORDS = frozenset({"is_causal", "position_bias", "sinks", "s_aux"})
+HONOURED_KEYWORDS = frozenset({"is_causal", "position_bias", "sinks", "s_aux", "softcap"})
 
 
 def _refuse_unknown_keywords(where: str, kwargs: dict[str, Any]) -> None:
@@ -376,6 +380,8 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
         sinks = _sinks(kwargs)
         if sinks is not None:
             kw["sinks"] = sinks
+        if kwargs.get("softcap") is not None:  # Gemma2's attention logit soft-capping
+            kw["softcap"] = float(kwargs["softcap"])
         position_bias = kwargs.get("position_bias")
         if position_bias is not None:
             kw["bias"] = position_bias if kw.get("bias") is None else kw["bias"] + position_bias

@@ -30,6 +30,7 @@ class Case:
     bias: bool = False  # a random float bias of shape (H, Nq, Nk)
     cross: bool = False  # the queries are another sequence (cross-attention)
     sinks: str | None = None  # "head": one sink logit per head (gpt-oss); "query": per head and query
+    softcap: float | None = None  # Gemma2's soft-capping of the scores
 
 
 CASES = [
@@ -51,6 +52,7 @@ CASES = [
     Case("bias", bias=True, causal=True, padding=True),
     Case("sinks", h=4, hkv=2, causal=True, padding=True, sinks="head"),
     Case("sinks_per_query", nq=8, nk=24, causal=True, bias=True, sinks="query"),
+    Case("softcap", h=4, hkv=2, causal=True, padding=True, bias=True, softcap=0.8),  # bites at |s| ~ 1
 ]
 
 
@@ -116,6 +118,8 @@ def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0, de
     if case.sinks is not None:  # logits around the scores' own size, so the sink takes a real share
         shape = (case.h,) if case.sinks == "head" else (case.b, case.h, case.nq)
         kw["sinks"] = (1.5 * torch.randn(shape, generator=g)).to(device=device, dtype=dtype)
+    if case.softcap is not None:
+        kw["softcap"] = case.softcap
     if case.bias:  # an ALiBi-sized spread of values, per head, query and key
         kw["bias"] = (2 * torch.randn(case.h, case.nq, case.nk, generator=g)).to(device=device, dtype=dtype)
     return q, k, v, kw
@@ -145,6 +149,7 @@ def workload(case: Case, dtype=torch.float32, backward=False, device="cpu") -> W
         bias=case.bias,
         cross=case.cross,
         sinks=case.sinks is not None,
+        softcap=case.softcap,
     )
 
 
@@ -160,6 +165,7 @@ def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
         and (w.nq <= w.nk or cls.supports_cross)
         and (not w.cross or cls.supports_cross)
         and (not w.sinks or cls.supports_sinks)
+        and (w.softcap is None or cls.supports_softcap)
         and (w.nq >= w.nk or cls.supports_cross or cls.supports_decode)
         and (w.scale is None or cls.supports_scale)
         and (not w.bias or cls.supports_bias)

@@ -503,8 +503,8 @@ def test_sinks_reach_the_variant_and_match_eager(kind):
 
 
 def test_a_keyword_the_backend_does_not_honour_is_refused_by_name():
-    """softcap (Gemma2), an indexer's indices (DeepSeek-V3.2): refused in one line naming them;
-    keywords known to be harmless (position_ids) pass."""
+    """An indexer's indices (DeepSeek-V3.2), MiniMax-M3-VL's block_indices: refused in one line
+    naming them; keywords known to be harmless (position_ids) pass."""
     impl = hf.implementation_for("naive")
     attention = AttentionInterface()[impl]
     layer = torch.nn.Module()
@@ -512,7 +512,42 @@ def test_a_keyword_the_backend_does_not_honour_is_refused_by_name():
     spec = hf.mask_function(1, 4, 4, attention_mask=None)
     out, _ = attention(layer, q, q, q, spec, position_ids=torch.arange(4)[None])
     assert out.shape == (1, 4, 2, 8)
-    for extra, named in [({"softcap": 50.0}, "softcap"), ({"indices": torch.zeros(1, 4, 2)}, "indices")]:
+    for extra, named in [
+        ({"indices": torch.zeros(1, 4, 2)}, "indices"),
+        ({"block_indices": 3}, "block_indices"),
+    ]:
         with pytest.raises(variants.Unsupported, match=f"do not take {named}") as info:
             attention(layer, q, q, q, spec, **extra)
         assert "\n" not in str(info.value)
+
+
+def test_gemma2_soft_capping_matches_eager_or_is_refused():
+    """Gemma2 soft-caps its attention scores (``c tanh(s / c)``, here c = 1 so that it bites) on
+    sliding and full layers: the variants that soft-cap give eager's logits; sdpa refuses by name."""
+    from transformers import Gemma2Config
+
+    cfg = Gemma2Config(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
+        attn_logit_softcapping=1.0, query_pre_attn_scalar=16, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = _model(cfg, "eager")
+    ids, mask = _inputs()
+    ids, mask = ids[:, :20] % 64, mask[:, :20]
+    real = mask.bool()
+    uncapped = copy.deepcopy(cfg)
+    uncapped.attn_logit_softcapping = None
+    with torch.inference_mode():
+        ref = eager(ids, attention_mask=mask).logits
+        plain = _model(uncapped, "eager", eager.state_dict())(ids, attention_mask=mask).logits
+    assert (plain - ref)[real].abs().max() > 100 * TOL  # the cap moves eager's logits
+    for name in EXACT:
+        model = _model(cfg, hf.implementation_for(name, CPU_KNOBS.get(name, {})), eager.state_dict())
+        if not variants.get(name).supports_softcap:
+            with pytest.raises(variants.Unsupported, match="does not soft-cap its scores"):
+                model(ids, attention_mask=mask)
+            continue
+        with torch.inference_mode():
+            got = model(ids, attention_mask=mask).logits
+        assert (got - ref)[real].abs().max() < TOL, name

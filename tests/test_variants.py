@@ -393,3 +393,20 @@ def test_sinks_take_their_share_or_are_refused(vp):
     without = attn(q, k, v, **{**kw, "sinks": None})
     assert rel_err(with_sinks, oracle(attn, q, k, v, **kw)) <= 1e-5
     assert rel_err(with_sinks, without) > 1e-2  # the sinks changed the output
+
+
+@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
+def test_softcap_caps_or_is_refused(vp):
+    """A variant that soft-caps gives the oracle's output, which is not its uncapped output (the cap
+    bites at these scores); one that does not refuses ``softcap`` in one line."""
+    name, knobs = vp
+    case = CASE["softcap"]
+    attn = build(name, knobs, case)
+    q, k, v, kw = make_inputs(case)
+    if not type(attn).supports_softcap:
+        with pytest.raises(Unsupported):
+            attn(q, k, v, **kw)
+        return
+    capped = attn(q, k, v, **kw)
+    assert rel_err(capped, oracle(attn, q, k, v, **kw)) <= 1e-5
+    assert rel_err(capped, attn(q, k, v, **{**kw, "softcap": None})) > 1e-2

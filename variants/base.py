@@ -54,6 +54,7 @@ class Workload:
     bias_grad: bool = False  # the bias requires a gradient
     cross: bool = False  # the queries are another sequence than the keys' (cross-attention)
     sinks: bool = False  # a sink logit joins each softmax's denominator (gpt-oss, Inkling2)
+    softcap: float | None = None  # scores soft-capped as c tanh(s / c) before the softmax (Gemma2)
 
     @property
     def hkv(self) -> int:
@@ -74,6 +75,7 @@ class Workload:
         bias: torch.Tensor | None = None,
         cross: bool = False,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> Workload:
         """Describe the call ``variant(q, k, v, ...)``; checks the shapes agree."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -112,6 +114,8 @@ class Workload:
             )
         if sinks is not None:
             _check_sinks(sinks, b, h, nq)
+        if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+            raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
         if cross and causal:
             raise ValueError(
                 "cross=True with causal=True: the queries of cross-attention are another sequence than "
@@ -148,6 +152,7 @@ class Workload:
             bias_grad=bias is not None and torch.is_grad_enabled() and bias.requires_grad,
             cross=bool(cross),
             sinks=sinks is not None,
+            softcap=None if softcap is None else float(softcap),
         )
 
 
@@ -267,6 +272,9 @@ class AttentionVariant(nn.Module):
     #: variants that compute softmax over every allowed key (it would fall outside a window or a
     #: block pattern, and a kernel feature map has no denominator to add it to)
     supports_sinks: ClassVar[bool] = False
+    #: ``softcap=c``: the scores (after the scale, before bias and masks) become ``c tanh(s / c)``
+    #: (Gemma2's attention logit soft-capping); ``_attend`` then takes ``softcap=``
+    supports_softcap: ClassVar[bool] = False
     #: a gradient for the bias
     bias_backward: ClassVar[bool] = False
     #: ``_attend`` reads grouped K/V heads itself (no copy); otherwise forward repeats them
@@ -327,6 +335,17 @@ class AttentionVariant(nn.Module):
                 f"{who} takes no attention sinks: only a softmax over every allowed key has a denominator "
                 "a sink's logit can join (exact variants: naive, sdpa, chunked, flex)"
             )
+        if w.softcap is not None and not self.supports_softcap:
+            raise Unsupported(
+                f"{who} does not soft-cap its scores (softcap={w.softcap:g}): a fused kernel (sdpa) "
+                "or a form without a score matrix has no place for c tanh(s / c); naive, chunked and "
+                "flex apply it"
+            )
+        if w.softcap is not None and w.sinks:
+            raise Unsupported(
+                f"{who} takes sinks as one more key, whose logit softcap would cap too: no model "
+                "combines the two, and this interface does not define it"
+            )
         if w.bias and not self.supports_bias:
             raise Unsupported(f"{who} does not take an additive float bias")
         if w.bias_grad and not self.bias_backward:
@@ -350,6 +369,7 @@ class AttentionVariant(nn.Module):
         bias: torch.Tensor | None = None,
         cross: bool = False,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attend ``q (B,H,Nq,D)`` to ``k (B,Hkv,Nk,D)``, ``v (B,Hkv,Nk,Dv)``; returns ``(B,H,Nq,Dv)``.
 
@@ -360,6 +380,8 @@ class AttentionVariant(nn.Module):
         what they compute without it (their output never depended on that alignment). ``sinks``
         (``(H,)`` or ``(B, H, Nq)``, where ``supports_sinks``): each query's softmax gets one more
         term, ``e^sink``, in its denominator, for a zero value, so its weights sum to less than one.
+        ``softcap=c`` (where ``supports_softcap``): each score ``s`` (scaled, before bias and masks)
+        becomes ``c tanh(s / c)``.
         """
         w = Workload.of(
             q,
@@ -372,6 +394,7 @@ class AttentionVariant(nn.Module):
             bias=bias,
             cross=cross,
             sinks=sinks,
+            softcap=softcap,
         )
         self.check(w)
         if sinks is not None:
@@ -398,6 +421,8 @@ class AttentionVariant(nn.Module):
                 q = q * (w.scale * q.shape[-1] ** 0.5)
         if bias is not None:
             kw["bias"] = bias
+        if softcap is not None:
+            kw["softcap"] = w.softcap
         return self._attend(q, k, v, **kw)
 
     def _attend(

@@ -2,7 +2,8 @@
 follows FlashAttention-2, Dao 2023).
 
 Forward: queries are split into chunks; each chunk walks over the keys chunk by chunk with an online
-softmax (running max, running sum, running weighted sum), so no ``Nq x Nk`` matrix ever exists. It
+softmax (running max, running sum, running weighted sum), so no ``Nq x Nk`` matrix ever exists
+(soft-capping, ``softcap=c``, is applied to each block's scores, its slope in the backward). It
 keeps the output and each row's log-sum-exp ``L``. Backward recomputes the probabilities of one
 (query chunk, key chunk) block at a time from ``L`` (``P = exp(S - L)``) and accumulates the
 gradients of the query, key and value chunks, so backward memory stays linear too, with nothing kept
@@ -47,14 +48,19 @@ def _allowed(
     return allowed
 
 
-def _scores(q, kc, ks, rows, causal, kpm, am, bias):
+def _scores(q, kc, ks, rows, causal, kpm, am, bias, cap):
     """Masked scores ``(B, H, cq, ck)`` of the (already scaled) query chunk against key chunk ``kc``,
-    plus the chunk's rows of ``bias (B|1, H|1, cq|1, Nk)``."""
+    soft-capped to ``cap tanh(s / cap)`` when ``cap`` is set, plus the chunk's rows of ``bias (B|1,
+    H|1, cq|1, Nk)``; and the cap's slope ``1 - tanh^2`` (None without a cap) for the backward."""
     s = q @ kc.transpose(-2, -1)  # (B, H, cq, ck)
+    slope = None
+    if cap is not None:
+        t = torch.tanh(s / cap)
+        s, slope = cap * t, 1 - t * t  # d(cap tanh(s / cap)) / ds
     if bias is not None:
         s = s + bias[..., ks : ks + kc.shape[2]]
     allowed = _allowed(ks, ks + kc.shape[2], rows, causal, kpm, am)
-    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+    return (s if allowed is None else s.masked_fill(~allowed, float("-inf"))), slope
 
 
 def _am_rows(am: torch.Tensor | None, qs: int, qe: int) -> torch.Tensor | None:
@@ -80,7 +86,9 @@ class _ChunkedAttention(torch.autograd.Function):
     """``softmax(q k^T / sqrt(D) masked) v`` by chunks, with a block-recomputing backward."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, kpm, am, bias, causal: bool, q_chunk: int, k_chunk: int, scale: float):
+    def forward(
+        ctx: Any, q, k, v, kpm, am, bias, causal: bool, q_chunk: int, k_chunk: int, scale: float, cap
+    ):
         b, h, nq, d = q.shape
         nk, dv = k.shape[2], v.shape[-1]
         off = nk - nq  # query i is position i + off (bottom-right causal)
@@ -98,7 +106,7 @@ class _ChunkedAttention(torch.autograd.Function):
             acc = torch.zeros((b, h, qe - qs, dv), dtype=work, device=q.device)  # running sum of p v
             for ks in _key_chunks(nk, k_chunk, qe + off, causal):
                 ke = min(ks + k_chunk, nk)
-                sc = _scores(qc, kw[:, :, ks:ke], ks, rows, causal, kpm, am_c, b_c)  # (B, H, cq, ck)
+                sc, _ = _scores(qc, kw[:, :, ks:ke], ks, rows, causal, kpm, am_c, b_c, cap)  # (B, H, cq, ck)
                 m_new = torch.maximum(m, sc.amax(dim=-1, keepdim=True))
                 m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
                 p = torch.exp(sc - m_safe)  # (B, H, cq, ck); masked entries are exactly 0
@@ -110,13 +118,13 @@ class _ChunkedAttention(torch.autograd.Function):
             # empty rows get L = +inf, so that exp(S - L) = 0 for them in backward
             lse[:, :, qs:qe] = torch.where(s > 0, m + torch.log(s), torch.full_like(s, float("inf")))
         ctx.save_for_backward(q, k, v, out, lse, kpm, am, bw)
-        ctx.cfg = (causal, q_chunk, k_chunk, scale)
+        ctx.cfg = (causal, q_chunk, k_chunk, scale, cap)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse, kpm, am, bw = ctx.saved_tensors
-        causal, q_chunk, k_chunk, scale = ctx.cfg
+        causal, q_chunk, k_chunk, scale, cap = ctx.cfg
         nq, nk = q.shape[2], k.shape[2]
         off = nk - nq
         work = out.dtype
@@ -131,13 +139,16 @@ class _ChunkedAttention(torch.autograd.Function):
             for ks in _key_chunks(nk, k_chunk, qe + off, causal):
                 ke = min(ks + k_chunk, nk)
                 kc, vc = kw[:, :, ks:ke], vw[:, :, ks:ke]  # (B, H, ck, D), (B, H, ck, Dv)
-                p = torch.exp(_scores(qc, kc, ks, rows, causal, kpm, am_c, b_c) - l_c)  # (B, H, cq, ck)
+                sc, slope = _scores(qc, kc, ks, rows, causal, kpm, am_c, b_c, cap)  # (B, H, cq, ck)
+                p = torch.exp(sc - l_c)
                 dv[:, :, ks:ke] += p.transpose(-2, -1) @ do_c  # (B, H, ck, Dv)
                 ds = p * (do_c @ vc.transpose(-2, -1) - d_c)  # (B, H, cq, ck): dS = P (dP - delta)
+                if slope is not None:  # through the cap, back to q k^T
+                    ds = ds * slope
                 dq[:, :, qs:qe] += ds @ kc
                 dk[:, :, ks:ke] += ds.transpose(-2, -1) @ qc
         dq = dq * scale  # S = (q scale) k^T: dq = dS k scale; dk = dS^T (q scale) already
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 @register("chunked")
@@ -147,6 +158,7 @@ class ChunkedAttention(AttentionVariant):
     example_knobs = ({"query_chunk": 5, "key_chunk": 7},)
     supports_bias = True
     supports_sinks = True  # one more key in front (base.forward)
+    supports_softcap = True  # block by block, forward and backward
     native_scale = True
 
     def __init__(self, query_chunk: int = 512, key_chunk: int = 512) -> None:
@@ -161,9 +173,9 @@ class ChunkedAttention(AttentionVariant):
     def knobs(self) -> dict[str, object]:
         return {"query_chunk": self.query_chunk, "key_chunk": self.key_chunk}
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None):
         am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return _ChunkedAttention.apply(
-            q, k, v, key_padding_mask, am, bias4, causal, self.query_chunk, self.key_chunk, scale
+            q, k, v, key_padding_mask, am, bias4, causal, self.query_chunk, self.key_chunk, scale, softcap
         )  # (B, H, Nq, Dv)

@@ -39,6 +39,7 @@ class FlexAttention(AttentionVariant):
     compiled = True
     supports_bias = True
     supports_sinks = True  # one more key in front (base.forward)
+    supports_softcap = True  # in the score_mod, before the bias
     native_gqa = True
     native_scale = True
     example_knobs = ({"pattern": "full", "compile": False}, {"block": 8, "compile": False})
@@ -70,7 +71,7 @@ class FlexAttention(AttentionVariant):
     def knobs(self) -> dict[str, object]:
         return {"pattern": "full", "block": self.block, "compile": self.compile}
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None):
         return self._flex(
             q,
             k,
@@ -80,4 +81,5 @@ class FlexAttention(AttentionVariant):
             attn_mask=attn_mask,
             scale=scale,
             bias=bias,
+            softcap=softcap,
         )

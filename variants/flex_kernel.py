@@ -186,12 +186,14 @@ class FlexKernel:
         attn_mask: torch.Tensor | None = None,
         scale: float | None = None,
         bias: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` through the
         pattern, causal masking and the masks (boolean, True = may attend; ``key_padding_mask (B,
         Nk)``, ``attn_mask`` broadcastable to ``(B, H, Nq, Nk)``), scores scaled by ``scale`` (default
-        ``1/sqrt(D)``) plus ``bias`` (broadcastable to ``(B, H, Nq, Nk)``): ``(B, H, Nq, Dv)``. The
-        caller checks the workload first (:func:`flex_refusal`)."""
+        ``1/sqrt(D)``), soft-capped to ``softcap tanh(s / softcap)`` when given, plus ``bias``
+        (broadcastable to ``(B, H, Nq, Nk)``): ``(B, H, Nq, Dv)``. The caller checks the workload
+        first (:func:`flex_refusal`)."""
         if not torch.is_grad_enabled():  # FlexAttention refuses a CPU input that requires grad even
             # then (a model's learned query, run under no_grad): no graph is built, so detach
             q, k, v = q.detach(), k.detach(), v.detach()
@@ -201,13 +203,19 @@ class FlexKernel:
         extra: dict[str, Any] = {"scale": scale}
         if k.shape[1] != q.shape[1]:
             extra["enable_gqa"] = True  # query head h reads K/V head h // (H / Hkv)
-        if bias is not None:
-            bias4 = bias[(None,) * (4 - bias.dim())].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        if bias is not None or softcap is not None:
+            bias4 = None
+            if bias is not None:
+                bias4 = bias[(None,) * (4 - bias.dim())].expand(
+                    q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+                )
 
-            def add_bias(score, bi, hi, qi, ki):  # noqa: ANN001, ANN202  (FlexAttention's signature)
-                return score + bias4[bi, hi, qi, ki]
+            def score_mod(score, bi, hi, qi, ki):  # noqa: ANN001, ANN202  (FlexAttention's signature)
+                if softcap is not None:  # after the scale, before the bias (Gemma2's order)
+                    score = softcap * torch.tanh(score / softcap)
+                return score if bias4 is None else score + bias4[bi, hi, qi, ki]
 
-            extra["score_mod"] = add_bias
+            extra["score_mod"] = score_mod
         with warnings.catch_warnings():
             # uncompiled use is a deliberate choice here (compile=False), not a mistake to warn about
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")

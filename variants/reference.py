@@ -72,8 +72,11 @@ def oracle(
     rows: torch.Tensor | None = None,
     cross: bool = False,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
+
+    ``softcap=c`` turns each score ``s`` (scaled, before the bias) into ``c tanh(s / c)``.
 
     ``cross`` (cross-attention) changes nothing for a variant that supports it: its output does not
     depend on how query and key positions line up; it is refused for one that does not.
@@ -86,6 +89,8 @@ def oracle(
         raise ValueError(f"{variant.name or type(variant).__name__} has no cross-attention form to check")
     if sinks is not None and not variant.supports_sinks:
         raise ValueError(f"{variant.name or type(variant).__name__} takes no sinks to check")
+    if softcap is not None and not variant.supports_softcap:
+        raise ValueError(f"{variant.name or type(variant).__name__} soft-caps no scores to check")
     custom = getattr(variant, "oracle_forward", None)
     if custom is not None:
         extra = {k_: x for k_, x in (("scale", scale), ("bias", bias)) if x is not None}
@@ -101,6 +106,8 @@ def oracle(
     q_rows = q if rows is None else q[:, :, rows]
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, H, Nk, D|Dv)
     scores = variant.reference_scores(q_rows, k, **({} if scale is None else {"scale": scale}))
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores.double() / softcap)
     if bias is not None:
         bias = _rows_of(bias.to(q.device), rows, nq)
     if sinks is not None and sinks.dim() == 3 and rows is not None and sinks.shape[-1] == nq:
