@@ -54,8 +54,9 @@ What transformers calls, and what this module does with it:
 - **Other keywords**: ``position_bias`` (T5, Inkling2) becomes ``bias=``; a sink logit (gpt-oss's
   ``s_aux`` ``(H,)``, Inkling2's ``sinks`` ``(B, H, Nq, 1)``) becomes ``sinks=``; those in
   ``softcap`` (Gemma2) becomes ``softcap=`` (refused with the reason by variants that cannot
-  apply it); those in :data:`HARMLESS_KEYWORDS` reached the variant another way (the mask) and pass;
-  any other keyword with a value (an indexer's ``indices``) is refused in one line naming it, never
+  apply it); an indexer's ``indices`` (DeepSeek-V3.2's top-k keys per query) joins the mask as an
+  ``attn_mask``; those in :data:`HARMLESS_KEYWORDS` reached the variant another way (the mask) and
+  pass; any other keyword with a value (``block_indices``) is refused in one line naming it, never
   dropped.
 - Without the mask function transformers would pass no mask at all (padding silently ignored), so
   :func:`register` registers both under ``attnbench_<name>``.
@@ -137,6 +138,30 @@ class MaskSpec:
     def contiguous(self) -> MaskSpec:
         """Itself (transformers calls ``.contiguous()`` on pre-built masks)."""
         return self
+
+    def dense(self) -> torch.Tensor:
+        """The mask as transformers' sdpa path gets it: boolean ``(B|1, 1, Nq, Nk)``, True = may
+        attend (a static cache's empty slots False). ``O(Nq Nk)``: only for a model that reads the
+        mask itself."""
+        if self.attn_mask is not None:
+            return self.attn_mask
+        device = None if self.key_padding_mask is None else self.key_padding_mask.device
+        keys = torch.arange(self.kv_length, device=device)  # (Nk,)
+        seen = (keys < self.keys_used)[None, :].expand(self.q_length, -1)  # (Nq, Nk)
+        if self.causal:  # bottom-right over the keys used: query i is position i + used - Nq
+            last = torch.arange(self.q_length, device=device)[:, None] + (self.keys_used - self.q_length)
+            seen = seen & (keys[None, :] <= last)
+        seen = seen[None, None]  # (1, 1, Nq, Nk)
+        if self.key_padding_mask is not None:
+            pad = torch.ones(self.key_padding_mask.shape[0], self.kv_length, dtype=torch.bool, device=device)
+            pad[:, : self.keys_used] = self.key_padding_mask
+            seen = seen & pad[:, None, None, :]  # (B, 1, Nq, Nk)
+        return seen
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """``dense()[index]``: a model that slices the mask it is handed (DeepSeek-V3.2's indexer reads
+        ``mask[:, 0]``) gets the boolean mask's slice."""
+        return self.dense()[index]
 
     def __repr__(self) -> str:
         if self.attn_mask is not None:
@@ -250,13 +275,14 @@ def _mask_args(
     )
 
 
-def is_cross_attention(module: nn.Module, causal: bool, nq: int, nk: int) -> bool:
+def is_cross_attention(module: nn.Module, causal: bool, nq: int, nk: int, masked: bool = False) -> bool:
     """Whether a layer's call attends to another sequence (an encoder-decoder's cross-attention)
     rather than to its own: the module's ``is_cross_attention`` where it has one (BERT-style
     decoders); else a class named ``*Cross*``; else a call that is not causal and either has a
-    different number of queries and keys (transformers' encoders keep no cache) or comes from a
-    decoder's non-causal module (BART, T5, Whisper: ``is_decoder`` and not ``is_causal``). A causal call
-    is never cross-attention."""
+    different number of queries and keys without a general mask (``masked``: a model's sliding-window
+    or indexed mask, which decodes against a cache; transformers' encoders keep no cache) or comes
+    from a decoder's non-causal module (BART, T5, Whisper: ``is_decoder`` and not ``is_causal``). A
+    causal call is never cross-attention."""
     if causal:
         return False
     flag = getattr(module, "is_cross_attention", None)
@@ -264,7 +290,9 @@ def is_cross_attention(module: nn.Module, causal: bool, nq: int, nk: int) -> boo
         return flag
     if "Cross" in type(module).__name__:
         return True
-    return nq != nk or (bool(getattr(module, "is_decoder", False)) and not getattr(module, "is_causal", True))
+    if nq != nk and not masked:
+        return True
+    return bool(getattr(module, "is_decoder", False)) and not getattr(module, "is_causal", True)
 
 
 def _describe_call(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -> str:
@@ -315,7 +343,7 @@ HARMLESS_KEYWORDS = frozenset(
     }
 )
 #: keywords the attention function turns into the variant's arguments
-HONOURED_KEYWORDS = frozenset({"is_causal", "position_bias", "sinks", "s_aux", "softcap"})
+HONOURED_KEYWORDS = frozenset({"is_causal", "position_bias", "sinks", "s_aux", "softcap", "indices"})
 
 
 def _refuse_unknown_keywords(where: str, kwargs: dict[str, Any]) -> None:
@@ -333,6 +361,26 @@ def _refuse_unknown_keywords(where: str, kwargs: dict[str, Any]) -> None:
             f"{'it' if len(dropped) == 1 else 'them'} to its attention function; ignoring "
             f"{'it' if len(dropped) == 1 else 'them'} would change the output without a word)"
         )
+
+
+def _only_indexed(attention_mask: object, indices: torch.Tensor, nk: int) -> torch.Tensor:
+    """The layer's mask restricted to the keys an indexer chose, ``indices (B, Nq, topk)`` (entries
+    of -1 or past ``Nk``: none), as a boolean ``(B, 1, Nq, Nk)`` ``attn_mask``: what transformers'
+    eager and sdpa paths compute for DeepSeek-V3.2. Variants that take an ``attn_mask`` then attend
+    exactly over those keys; the others refuse it with their reason."""
+    b, nq = indices.shape[:2]
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < nk)
+    chosen = torch.zeros(b, nq, nk + 1, dtype=torch.bool, device=indices.device)  # column nk: discarded
+    chosen.scatter_(-1, torch.where(valid, idx, nk), True)
+    chosen = chosen[:, None, :, :nk]  # (B, Nq, Nk + 1) -> (B, 1, Nq, Nk)
+    if isinstance(attention_mask, MaskSpec):
+        return attention_mask.dense() & chosen
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype != torch.bool:
+        raise Unsupported(
+            "an indexer's indices with a float attention mask the caller built: pass a boolean one"
+        )
+    return chosen if attention_mask is None else attention_mask & chosen
 
 
 def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -374,8 +422,11 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
                     f"{'causal' if attention_mask.causal else 'bidirectional'} over {key.shape[2]} keys"
                 )
         variant = _variant_for(module, name)
+        if kwargs.get("indices") is not None:  # an indexer's top-k keys per query (DeepSeek-V3.2)
+            attention_mask = _only_indexed(attention_mask, kwargs["indices"], key.shape[2])
         kw = _mask_args(module, attention_mask, query.shape[2], key.shape[2], kwargs.get("is_causal"))
-        if is_cross_attention(module, kw["causal"], query.shape[2], key.shape[2]):
+        masked = kw.get("attn_mask") is not None
+        if is_cross_attention(module, bool(kw.get("causal")), query.shape[2], key.shape[2], masked):
             kw["cross"] = True  # the keys are the encoder's: no decoder position stands among them
         sinks = _sinks(kwargs)
         if sinks is not None:

@@ -213,9 +213,15 @@ def test_the_checks_can_fail():
         (True, False, True, 3, 5, False),  # a causal call is never cross-attention
     ],
 )
-def test_the_backend_tells_cross_attention_from_the_module(is_decoder, is_causal, causal, nq, nk, want):
+# (a decoder-only model's general mask, decoding against a cache: not cross-attention)
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_backend_tells_cross_attention_from_the_module(
+    is_decoder, is_causal, causal, nq, nk, want, masked
+):
     from transformers.models.bart.modeling_bart import BartAttention
 
     cfg = _configs()["bart"]
     layer = BartAttention(32, 4, is_decoder=is_decoder, is_causal=is_causal, config=cfg, layer_idx=0)
-    assert hf.is_cross_attention(layer, causal, nq, nk) is want
+    if masked and not is_decoder and nq != nk:
+        want = False  # a sliding-window or indexed mask decoding against a cache
+    assert hf.is_cross_attention(layer, causal, nq, nk, masked) is want

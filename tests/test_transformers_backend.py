@@ -503,8 +503,8 @@ def test_sinks_reach_the_variant_and_match_eager(kind):
 
 
 def test_a_keyword_the_backend_does_not_honour_is_refused_by_name():
-    """An indexer's indices (DeepSeek-V3.2), MiniMax-M3-VL's block_indices: refused in one line
-    naming them; keywords known to be harmless (position_ids) pass."""
+    """MiniMax-M3-VL's block_indices, a keyword no model passes today: refused in one line naming
+    them; keywords known to be harmless (position_ids) pass."""
     impl = hf.implementation_for("naive")
     attention = AttentionInterface()[impl]
     layer = torch.nn.Module()
@@ -513,8 +513,8 @@ def test_a_keyword_the_backend_does_not_honour_is_refused_by_name():
     out, _ = attention(layer, q, q, q, spec, position_ids=torch.arange(4)[None])
     assert out.shape == (1, 4, 2, 8)
     for extra, named in [
-        ({"indices": torch.zeros(1, 4, 2)}, "indices"),
         ({"block_indices": 3}, "block_indices"),
+        ({"chunk_mask": torch.ones(4)}, "chunk_mask"),
     ]:
         with pytest.raises(variants.Unsupported, match=f"do not take {named}") as info:
             attention(layer, q, q, q, spec, **extra)
@@ -551,3 +551,60 @@ def test_gemma2_soft_capping_matches_eager_or_is_refused():
         with torch.inference_mode():
             got = model(ids, attention_mask=mask).logits
         assert (got - ref)[real].abs().max() < TOL, name
+
+
+@pytest.mark.parametrize(
+    "nq, nk, q_offset, predicate",
+    [
+        (1, 10, 9, causal_mask_function),  # decoding onto a cache
+        (10, 10, 0, causal_mask_function),
+        (4, 10, 3, causal_mask_function),  # a static cache: slots past the last query unused
+        (4, 10, 0, bidirectional_mask_function),
+    ],
+)
+def test_a_mask_spec_read_as_a_tensor_is_transformers_own_mask(nq, nk, q_offset, predicate):
+    """A model that slices the mask it is handed (DeepSeek-V3.2's indexer) gets transformers' own
+    boolean mask, not a crash."""
+    pad = torch.ones(2, 10, dtype=torch.bool)
+    pad[1, :3] = False
+    off = torch.tensor(q_offset) if nq == 4 and predicate is causal_mask_function else q_offset
+    spec = hf.mask_function(2, nq, nk, q_offset=off, mask_function=predicate, attention_mask=pad)
+    ref = sdpa_mask(
+        2, nq, nk, q_offset=q_offset, mask_function=predicate, attention_mask=pad, allow_is_causal_skip=False
+    )  # (B, 1, Nq, Nk)
+    assert torch.equal(spec.dense().expand_as(ref), ref)
+    assert torch.equal(spec[:, 0], ref[:, 0])
+
+
+def test_deepseek_v32_indexed_attention_matches_eager():
+    """DeepSeek-V3.2's indexer picks top-k keys per query and hands them as ``indices``: exact
+    variants that take an attn_mask attend over exactly those (eager's logits); the others refuse."""
+    from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
+
+    small = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32)
+    cfg = DeepseekV32Config(
+        **small, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, index_topk=6,
+        index_head_dim=16, index_n_heads=2, first_k_dense_replace=1, max_position_embeddings=64,
+        initializer_range=0.1, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = _model(cfg, "eager")
+    ids, mask = _inputs()
+    ids, mask = ids[:, :20] % 64, mask[:, :20]
+    real = mask.bool()
+    every = copy.deepcopy(cfg)
+    every.index_topk = 64  # top-64 of 20 keys: every key
+    with torch.inference_mode():
+        ref = eager(ids, attention_mask=mask).logits
+        dense = _model(every, "eager", eager.state_dict())(ids, attention_mask=mask).logits
+    assert (dense - ref)[real].abs().max() > 100 * TOL  # the indexer's choice moves the logits
+    for name in EXACT:
+        model = _model(cfg, hf.implementation_for(name, CPU_KNOBS.get(name, {})), eager.state_dict())
+        with torch.inference_mode():
+            got = model(ids, attention_mask=mask).logits
+        assert (got - ref)[real].abs().max() < TOL, name
+    model = _model(cfg, hf.implementation_for("local_window", {"window": 4}), eager.state_dict())
+    with pytest.raises(variants.Unsupported, match="attn_mask"):
+        model(ids, attention_mask=mask)

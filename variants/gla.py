@@ -46,9 +46,11 @@ def vector_decay(k: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.T
 def vector_decay_reference(
     k: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor
 ) -> torch.Tensor:
-    """The same gate in float64, written out: ``log(1 / (1 + e^-x)) = -log1p(e^-x)``."""
-    x = (k.double()[..., :, None] * w1.double()[:, None]).sum(-2)  # (B, H, N, r)
-    x = (x[..., :, None] * w2.double()[:, None]).sum(-2) + b.double()[:, None]  # (B, H, N, D)
+    """The same gate in float64, its log-sigmoid written out: ``log(1 / (1 + e^-x)) = -log1p(e^-x)``.
+    The two products as matrix products: a broadcast product summed over ``D`` would hold ``(B, H, N,
+    D, r)`` float64 (64 GiB for 128k keys on 32 heads of 128)."""
+    x = k.double() @ w1.double()[None]  # (B, H, N, D) @ (1, H, D, r) -> (B, H, N, r)
+    x = x @ w2.double()[None] + b.double()[:, None]  # (B, H, N, r) @ (1, H, r, D) -> (B, H, N, D)
     logsig = torch.where(x < -30, x, -torch.log1p(torch.exp(-torch.clamp(x, min=-30))))
     return torch.maximum(logsig / NORMALISER, torch.tensor(FLOOR, dtype=torch.float64))
 
