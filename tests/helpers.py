@@ -153,8 +153,9 @@ def workload(case: Case, dtype=torch.float32, backward=False, device="cpu") -> W
     )
 
 
-def flags_allow(cls: type[AttentionVariant], w: Workload) -> bool:
-    """What the class-level facts alone say about ``w`` (the tests' independent expectation)."""
+def flags_allow(cls: type[AttentionVariant] | AttentionVariant, w: Workload) -> bool:
+    """What the capability facts alone say about ``w`` (the tests' independent expectation): a
+    class's, or an instance's where a knob changes one (linear's ``normalize`` and ``scale``)."""
     return (
         w.device in cls.devices
         and w.dtype in cls.dtypes

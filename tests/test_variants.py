@@ -39,7 +39,7 @@ def test_forward_matches_oracle_fp32(vp, case, device):
     attn = build(name, knobs, case, device)
     q, k, v, kw = make_inputs(case, device=device)
     w = workload(case, device=device)
-    if not flags_allow(type(attn), w):
+    if not flags_allow(attn, w):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw)
         return
@@ -58,7 +58,7 @@ def test_low_precision_error_within_2x_sdpa_math(vp, dtype, case, device):
     name, knobs = vp
     attn = build(name, knobs, case, device)
     q, k, v, kw = make_inputs(case, dtype=dtype, device=device)
-    if not flags_allow(type(attn), workload(case, dtype, device=device)):
+    if not flags_allow(attn, workload(case, dtype, device=device)):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw)
         return
@@ -92,7 +92,7 @@ def test_gradients_match_oracle_fp32(vp, case, device):
     name, knobs = vp
     attn = build(name, knobs, case, device)
     q, k, v, kw = make_inputs(case, requires_grad=True, device=device)
-    if not flags_allow(type(attn), workload(case, backward=True, device=device)):
+    if not flags_allow(attn, workload(case, backward=True, device=device)):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw).sum().backward()
         return
@@ -114,7 +114,7 @@ def test_gradcheck_float64(vp, device):
     case = Case("tiny", b=1, h=2, nq=12, nk=12, d=3, dv=2, causal=True, padding=True)
     attn = build(name, knobs, case, device).double()
     q, k, v, kw = make_inputs(case, dtype=torch.float64, requires_grad=True, device=device)
-    if not flags_allow(type(attn), workload(case, torch.float64, backward=True, device=device)):
+    if not flags_allow(attn, workload(case, torch.float64, backward=True, device=device)):
         pytest.skip(f"{name}: no float64 backward on {device} by its declared capabilities")
     assert torch.autograd.gradcheck(lambda a, b, c: attn(a, b, c, **kw), (q, k, v), atol=1e-6)
 
@@ -151,7 +151,7 @@ def test_fully_masked_rows_from_attn_mask(vp, device):
     attn = build(name, knobs, case, device)
     q, k, v, kw = make_inputs(case, device=device)
     kw["attn_mask"][:, :, 3] = False  # query 3 sees nothing in every batch and head
-    if not flags_allow(type(attn), workload(case, device=device)):
+    if not flags_allow(attn, workload(case, device=device)):
         pytest.skip(f"{name} declares no arbitrary-mask support (checked in test_forward)")
     out = attn(q, k, v, **kw)
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
@@ -165,7 +165,7 @@ def test_causal_does_not_leak_the_future(vp, device):
     case = CASES[1]
     attn = build(name, knobs, case, device)
     q, k, v, kw = make_inputs(case, device=device)
-    if not flags_allow(type(attn), workload(case, device=device)):
+    if not flags_allow(attn, workload(case, device=device)):
         pytest.skip(f"{name} declares no causal support (checked in test_forward)")
     t = 13
     out = attn(q, k, v, **kw)

@@ -328,7 +328,8 @@ class AttentionVariant(nn.Module):
             raise Unsupported(
                 f"{who} does not support Nq < Nk (decoding against a cache; Nq={w.nq}, Nk={w.nk})"
             )
-        if w.scale is not None and not self.supports_scale:
+        # (the default scale spelled out asks for nothing: a decoding state carries it)
+        if w.scale is not None and w.scale != w.head_dim**-0.5 and not self.supports_scale:
             raise Unsupported(f"{who} has no softmax scale to set (scale={w.scale:g})")
         if w.sinks and not self.supports_sinks:
             raise Unsupported(

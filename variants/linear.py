@@ -56,6 +56,18 @@ class LinearAttention(KernelizedAttention):
         self.feature_map = feature_map
         self.normalize = normalize
         self.chunk = chunk
+        # normalised weights are divided by their sum, in which a scale cancels: there is none to set
+        self.supports_scale = not normalize
+
+    def check(self, w: Workload) -> None:
+        # the default scale, spelled out (a decoding state carries it), asks for nothing
+        if self.normalize and w.scale is not None and w.scale != w.head_dim**-0.5:
+            raise Unsupported(
+                f"linear with normalize=True divides each row's weights by their sum, in which a scale "
+                f"cancels (scale={w.scale:g} would change nothing): leave scale unset, or pass "
+                "normalize=False for a scaled, unnormalised kernel"
+            )
+        super().check(w)
 
     def knobs(self) -> dict[str, object]:
         return {"feature_map": self.feature_map, "normalize": self.normalize, "chunk": self.chunk}

@@ -403,14 +403,14 @@ def gated_loop_reference(
     scale: float | None,
     normalize_keys: bool,
 ) -> torch.Tensor:
-    """:func:`gated_recurrence_reference`'s recurrence, one key at a time, whatever ``Nq``."""
+    """:func:`gated_recurrence_reference`'s recurrence, one key at a time, whatever ``Nq``; each key
+    and value is repeated to the query heads and made float64 as it is read (a float64 copy of a
+    128k-key cache on 32 heads would be 4 GiB each)."""
     h = q.shape[1]
-    q, k, v = q.double(), repeat_kv(k, h).double(), repeat_kv(v, h).double()
+    q = q.double()
     b, _, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     s = d**-0.5 if scale is None else scale
-    if normalize_keys:
-        k = k / k.norm(dim=-1, keepdim=True).clamp(min=1e-6)
     state = q.new_zeros(b, h, d, dv)
     outs = []
     for t in range(nk):
@@ -423,7 +423,10 @@ def gated_loop_reference(
         if log_decay is not None:
             a = log_decay[:, :, t].double().exp()
             new = new * (a[..., None] if a.dim() == 3 else a[..., None, None])
-        kt, vt = k[:, :, t], v[:, :, t]  # (B, H, D), (B, H, Dv)
+        kt = repeat_kv(k[:, :, t : t + 1], h)[:, :, 0].double()  # (B, H, D)
+        vt = repeat_kv(v[:, :, t : t + 1], h)[:, :, 0].double()  # (B, H, Dv)
+        if normalize_keys:
+            kt = kt / kt.norm(dim=-1, keepdim=True).clamp(min=1e-6)
         if beta is None:
             u = vt
         else:

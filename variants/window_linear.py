@@ -111,8 +111,10 @@ class WindowLinear(AttentionVariant):
         if t0 >= nq or cut < 1:
             return out  # no query has a key beyond its window
         kpm = None if key_padding_mask is None else key_padding_mask[:, :cut]  # (B, cut)
+        # no scale: the far part is normalised linear attention, in which it cancels (and linear refuses
+        # a scale it cannot honour)
         far = self.far(
-            q[:, :, t0:], k[:, :, :cut], v[:, :, :cut], causal=True, key_padding_mask=kpm, scale=scale
+            q[:, :, t0:], k[:, :, :cut], v[:, :, :cut], causal=True, key_padding_mask=kpm
         )  # (B, H, Nq - t0, Dv)
         return out + fn.pad(far, (0, 0, t0, 0))  # (B, H, Nq, Dv): zeros for the first t0 queries
 

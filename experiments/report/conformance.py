@@ -1,0 +1,261 @@
+"""The conformance matrix: for every registered variant and every feature a caller may ask of it,
+whether the variant honours it, shown by running it, or refuses it with its reason.
+
+A cell is ``yes`` only when the call with the feature gives the variant's float64 oracle (relative
+error at most 1e-4 in fp32) and the feature did what it must: changed the output where it should
+(causal, key padding, scale, bias, soft-capping, sinks, a window) or left it as a plainer call gives
+it where it should (grouped K/V heads = repeated heads; the last queries of a sequence = those rows
+of the whole call; a cross-attention query = the same query alone). ``no`` is a refusal
+(``Unsupported``/``Unavailable``) and its reason. A feature that ran and changed nothing it should
+have changed, or disagreed with the oracle, is ``IGNORED`` or ``WRONG``: ``tests/test_conformance.py``
+fails on either. Tiny CPU inputs (B=2, H=4, N=24, D=8, fp32): a few seconds for the registry.
+
+    python -m experiments.report.conformance --out docs/conformance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import variants
+from variants import AttentionVariant, Unavailable, Unsupported, oracle
+from variants.base import repeat_kv
+
+B, H, HKV, N, D = 2, 4, 2, 24, 8
+TOL = 1e-4  # fp32 against the float64 oracle
+CHANGED = 1e-3  # a feature that changes the output moves it by more than this (relative)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One variant x feature: ``yes``, ``no`` (refused), ``IGNORED`` or ``WRONG``, and why."""
+
+    status: str
+    detail: str = ""
+
+
+def _inputs(nq: int = N, nk: int = N, hkv: int = H, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, nq, D, generator=g)
+    k = torch.randn(B, hkv, nk, D, generator=g)
+    v = torch.randn(B, hkv, nk, D, generator=g)
+    return q, k, v
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _build(name: str, **knobs: object) -> AttentionVariant:
+    torch.manual_seed(1)  # learned variants: the same parameters in every cell
+    example = dict(variants.get(name).example_knobs[0])
+    return variants.build(name, heads=H, head_dim=D, **{**example, **knobs})
+
+
+def _base(attn: AttentionVariant) -> dict[str, object]:
+    """The plainest call the variant takes: causal for a causal-only one."""
+    return {"causal": True} if not attn.supports_noncausal else {}
+
+
+def _checked(
+    attn: AttentionVariant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, object]
+) -> tuple[torch.Tensor, Cell | None]:
+    """The output, and a ``WRONG`` cell when it is not the oracle's."""
+    with torch.no_grad():
+        out = attn(q, k, v, **kw)
+        err = _rel(out, oracle(attn, q.double(), k.double(), v.double(), **_as64(kw)))
+    return out, (Cell("WRONG", f"relative error {err:.2g} against the float64 oracle") if err > TOL else None)
+
+
+def _as64(kw: dict[str, object]) -> dict[str, object]:
+    return {
+        key: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        for key, x in kw.items()
+    }
+
+
+def _changes(extra: Callable[[AttentionVariant], dict[str, object]]) -> Callable[[str], Cell]:
+    """A feature that must change the output: ``extra`` gives its keywords for a built variant."""
+
+    def cell(name: str) -> Cell:
+        attn = _build(name)
+        q, k, v = _inputs()
+        base = _base(attn)
+        out, wrong = _checked(attn, q, k, v, {**base, **extra(attn)})
+        if wrong:
+            return wrong
+        with torch.no_grad():
+            plain = attn(q, k, v, **base)
+        if _rel(out, plain) <= CHANGED:
+            return Cell("IGNORED", "the output did not change")
+        return Cell("yes")
+
+    return cell
+
+
+def _causal(name: str) -> Cell:
+    attn = _build(name)
+    q, k, v = _inputs()
+    out, wrong = _checked(attn, q, k, v, {"causal": True})
+    if wrong:
+        return wrong
+    if not attn.supports_noncausal:
+        return Cell("yes", "causal only: it has no other form")
+    with torch.no_grad():
+        if _rel(out, attn(q, k, v)) <= CHANGED:
+            return Cell("IGNORED", "the output did not change")
+    return Cell("yes")
+
+
+def _padding(attn: AttentionVariant) -> dict[str, object]:
+    kpm = torch.ones(B, N, dtype=torch.bool)
+    kpm[1, N - 6 :] = False  # the second sequence has 6 padded keys
+    kpm[0, 3] = False  # and the first one a hole, which causal attention alone cannot hide
+    return {"key_padding_mask": kpm}
+
+
+def _gqa(name: str) -> Cell:
+    attn = _build(name)
+    q, k, v = _inputs(hkv=HKV)
+    base = _base(attn)
+    out, wrong = _checked(attn, q, k, v, base)
+    if wrong:
+        return wrong
+    with torch.no_grad():
+        same = attn(q, repeat_kv(k, H), repeat_kv(v, H), **base)  # (B, H, N, D): heads repeated
+    if _rel(out, same) > TOL:
+        return Cell("WRONG", "2 K/V heads for 4 query heads did not give the repeated heads' output")
+    return Cell("yes")
+
+
+def _decode(name: str) -> Cell:
+    attn = _build(name)
+    q, k, v = _inputs()
+    out, wrong = _checked(attn, q[:, :, -8:], k, v, {"causal": True})
+    if wrong:
+        return wrong
+    with torch.no_grad():
+        whole = attn(q, k, v, causal=True)[:, :, -8:]
+    if _rel(out, whole) > TOL:
+        return Cell("WRONG", "the last 8 queries alone did not give those rows of the whole call")
+    return Cell("yes")
+
+
+def _cross(name: str) -> Cell:
+    attn = _build(name)
+    q, k, v = _inputs(nq=16, nk=N)
+    out, wrong = _checked(attn, q, k, v, {"cross": True})
+    if wrong:
+        return wrong
+    with torch.no_grad():
+        alone = attn(q[:, :, :5], k, v, cross=True)
+    if _rel(alone, out[:, :, :5]) > TOL:
+        return Cell("WRONG", "a query's output depended on the other queries of the call")
+    return Cell("yes")
+
+
+def _window(name: str) -> Cell:
+    if "window" not in inspect.signature(variants.get(name).__init__).parameters:
+        return Cell("no", "no window knob (its pattern is full, or its own)")
+    attn = _build(name, window=3)
+    q, k, v = _inputs()
+    base = {"causal": True}
+    out, wrong = _checked(attn, q, k, v, base)
+    if wrong:
+        return wrong
+    with torch.no_grad():
+        wide = _build(name, window=N)(q, k, v, **base)
+    if _rel(out, wide) <= CHANGED:
+        return Cell("IGNORED", "window=3 gave window=24's output")
+    return Cell("yes", "a knob (window=w)")
+
+
+def _dropout(name: str) -> Cell:
+    return Cell("no", "the interface has no attention dropout (the transformers backend refuses dropout > 0)")
+
+
+#: the columns, in order: what a model asks of its attention
+FEATURES: dict[str, Callable[[str], Cell]] = {
+    "causal": _causal,
+    "key padding": _changes(_padding),
+    "GQA": _gqa,
+    "Nq < Nk": _decode,
+    "cross-attention": _cross,
+    "scale": _changes(lambda attn: {"scale": 0.3}),
+    "bias": _changes(
+        lambda attn: {"bias": 2 * torch.randn(H, N, N, generator=torch.Generator().manual_seed(5))}
+    ),
+    "softcap": _changes(lambda attn: {"softcap": 0.8}),
+    "sinks": _changes(
+        lambda attn: {"sinks": 1.5 * torch.randn(H, generator=torch.Generator().manual_seed(6))}
+    ),
+    "window": _window,
+    "dropout": _dropout,
+}
+
+
+def cell(name: str, feature: str) -> Cell:
+    """One cell: the feature's check, or the refusal it met."""
+    try:
+        return FEATURES[feature](name)
+    except (Unsupported, Unavailable) as exc:
+        return Cell("no", str(exc))
+
+
+def matrix() -> dict[str, dict[str, Cell]]:
+    """Every registered variant x every feature."""
+    return {name: {f: cell(name, f) for f in FEATURES} for name in variants.available()}
+
+
+def grid(cells: dict[str, dict[str, Cell]]) -> list[str]:
+    """The table's lines: a row per variant, ``yes`` or ``no`` (or a failure) per feature."""
+    lines = ["| variant | " + " | ".join(FEATURES) + " |", "|---|" + "---|" * len(FEATURES)]
+    for name, row in cells.items():
+        lines.append(f"| `{name}` | " + " | ".join(row[f].status for f in FEATURES) + " |")
+    return lines
+
+
+def markdown(cells: dict[str, dict[str, Cell]]) -> str:
+    """The page: the table, then each refusal's reason (and each failure's finding)."""
+    lines = [
+        "# Conformance: what each variant honours",
+        "",
+        "Generated by `python -m experiments.report.conformance --out docs/conformance.md` (CPU, fp32,",
+        f"B={B}, H={H}, N={N}, D={D}; each variant with its first example knobs). `yes`: the call with the",
+        "feature gave the variant's float64 oracle and the feature took effect (it changed the output, or",
+        "for grouped heads, the last queries of a sequence and cross-attention, gave what the plainer",
+        "call gives); `no`: refused in one line, the reason below. `tests/test_conformance.py` fails when a",
+        "claimed feature leaves the output unchanged or wrong, and when this table is out of date.",
+        "",
+        *grid(cells),
+        "",
+        "## Reasons",
+        "",
+    ]
+    for name, row in cells.items():
+        notes = [(f, c) for f, c in row.items() if c.detail]
+        if notes:
+            lines.append(f"- `{name}`: " + "; ".join(f"**{f}** ({c.status}): {c.detail}" for f, c in notes))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the Markdown page here (default: print it)")
+    args = ap.parse_args()
+    text = markdown(matrix())
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
