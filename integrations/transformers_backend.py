@@ -37,7 +37,12 @@ What transformers calls, and what this module does with it:
     cache has empty slots after the last query, which causal attention never reads: the spec says
     how many keys are used and the layer passes only those (a view), as transformers' sdpa does;
   * the pattern is the plain bidirectional predicate -> ``causal=False`` and the key padding;
-  * anything else (sliding-window or chunked predicates, packed sequences, extra overlays) ->
+  * a sliding window (the mask equals causal or bidirectional attention with key padding and a band
+    whose radius the config gives: ``sliding_window`` W -> W - 1, ModernBERT's ``local_attention``
+    -> half), checked element by element against transformers' own mask -> the same with
+    ``window=`` (local_window takes the narrower of its window and the model's; variants with an
+    ``attn_mask`` get the band as one; the rest refuse);
+  * anything else (chunked predicates, packed sequences, extra overlays) ->
     transformers' own boolean mask ``(B, 1, Nq, Nk)``, materialised once per forward pass, passed as
     ``attn_mask`` (pattern variants take no ``attn_mask``: they raise :class:`variants.Unsupported`
     with the reason).
@@ -130,6 +135,7 @@ class MaskSpec:
     q_length: int
     kv_length: int
     keys_used: int
+    window: int | None = None  # a sliding window found in the model's mask: |p - j| <= window
     # generate() with a static (compileable) cache builds the masks before the forward pass, calls
     # .contiguous() on them and hands them back to create_causal_mask, which reads .ndim: these two
     # let the spec pass through unchanged (the mask function returns a spec it is given as is)
@@ -151,6 +157,9 @@ class MaskSpec:
         if self.causal:  # bottom-right over the keys used: query i is position i + used - Nq
             last = torch.arange(self.q_length, device=device)[:, None] + (self.keys_used - self.q_length)
             seen = seen & (keys[None, :] <= last)
+        if self.window is not None:  # query i is position i + used - Nq
+            pos = torch.arange(self.q_length, device=device)[:, None] + (self.keys_used - self.q_length)
+            seen = seen & ((pos - keys[None, :]).abs() <= self.window)
         seen = seen[None, None]  # (1, 1, Nq, Nk)
         if self.key_padding_mask is not None:
             pad = torch.ones(self.key_padding_mask.shape[0], self.kv_length, dtype=torch.bool, device=device)
@@ -212,6 +221,7 @@ def mask_function(
             if bool(padding.all()):
                 padding = None
         return MaskSpec(causal, padding, None, q_length, kv_length, used)
+    config = kwargs.get("config")
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     full = sdpa_mask(
         batch_size=batch_size,
@@ -223,7 +233,43 @@ def mask_function(
         attention_mask=attention_mask,
         **kwargs,
     )  # (B, 1, Nq, Nk) bool, True = may attend
-    return MaskSpec(False, None, full, q_length, kv_length, kv_length)
+    banded = _as_window(full, config, attention_mask, q_length, kv_length, q_end, kv_offset)
+    return banded if banded is not None else MaskSpec(False, None, full, q_length, kv_length, kv_length)
+
+
+def _as_window(
+    full: torch.Tensor,
+    config: Any,
+    attention_mask: torch.Tensor | None,
+    q_length: int,
+    kv_length: int,
+    q_end: int,
+    kv_offset: int,
+) -> MaskSpec | None:
+    """``full`` as a sliding window over causal or bidirectional attention with key padding, when it
+    is exactly one (Mistral, Qwen2's and Gemma2/3's sliding layers, ModernBERT's local layers): the
+    spec then carries the window and no ``(Nq, Nk)`` mask, so window variants take the layer as a
+    window. The radius is tried from the config (``sliding_window`` W: W - 1 causal, W // 2 both ways;
+    ``local_attention``: half of it) and kept only if the spec's own mask equals ``full`` element by
+    element; None otherwise (the general mask stays)."""
+    from transformers.masking_utils import prepare_padding_mask
+
+    sizes = [getattr(config, a, None) for a in ("sliding_window", "local_attention")]
+    radii = sorted({r for size in sizes if isinstance(size, int) and size > 0 for r in (size - 1, size // 2)})
+    if not radii or full is None:
+        return None
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    for causal in (True, False):
+        used = min(q_end - kv_offset, kv_length) if causal else kv_length
+        if used <= 0 or (causal and q_end != kv_offset + used):
+            continue
+        pad = None if padding is None else padding[:, kv_offset : kv_offset + used]  # (B, keys_used)
+        pad = None if pad is None or bool(pad.all()) else pad
+        for radius in radii:
+            spec = MaskSpec(causal, pad, None, q_length, kv_length, used, radius)
+            if torch.equal(spec.dense().expand_as(full), full):
+                return spec
+    return None
 
 
 def _variant_for(module: nn.Module, name: str) -> AttentionVariant:
@@ -257,11 +303,14 @@ def _mask_args(
                 f"the mask was built for Nq={attention_mask.q_length}, Nk={attention_mask.kv_length} but "
                 f"the layer has Nq={nq}, Nk={nk} (a cache whose layers hold different lengths?)"
             )
-        return {
+        args = {
             "causal": attention_mask.causal,
             "key_padding_mask": attention_mask.key_padding_mask,
             "attn_mask": attention_mask.attn_mask,
         }
+        if attention_mask.window is not None:
+            args["window"] = attention_mask.window
+        return args
     if attention_mask is None:  # no mask built (a model that never calls the mask function)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         return {"causal": bool(causal)}
@@ -300,6 +349,8 @@ def _describe_call(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -
     parts = [f"q {tuple(query.shape)}", f"k/v {tuple(key.shape)}"]
     if kw.get("causal"):
         parts.append("causal")
+    if kw.get("window") is not None:
+        parts.append(f"window {kw['window']}")
     if kw.get("cross"):
         parts.append("cross-attention")
     for k in ("key_padding_mask", "attn_mask", "bias"):
@@ -415,7 +466,13 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
             )
         _refuse_unknown_keywords(_where(name, module), kwargs)
         window = kwargs.get("sliding_window")
-        if window and isinstance(attention_mask, MaskSpec) and attention_mask.attn_mask is None:
+        spec_window = attention_mask.window if isinstance(attention_mask, MaskSpec) else None
+        if (
+            window
+            and isinstance(attention_mask, MaskSpec)
+            and attention_mask.attn_mask is None
+            and spec_window is None
+        ):
             if key.shape[2] > window:  # the window must have reached the mask function as its predicate
                 raise Unsupported(
                     f"{_where(name, module)}: the layer has sliding_window={window} but its mask is plain "

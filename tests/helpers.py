@@ -31,6 +31,7 @@ class Case:
     cross: bool = False  # the queries are another sequence (cross-attention)
     sinks: str | None = None  # "head": one sink logit per head (gpt-oss); "query": per head and query
     softcap: float | None = None  # Gemma2's soft-capping of the scores
+    window: int | None = None  # a model's sliding window (|p - j| <= window)
 
 
 CASES = [
@@ -53,6 +54,8 @@ CASES = [
     Case("sinks", h=4, hkv=2, causal=True, padding=True, sinks="head"),
     Case("sinks_per_query", nq=8, nk=24, causal=True, bias=True, sinks="query"),
     Case("softcap", h=4, hkv=2, causal=True, padding=True, bias=True, softcap=0.8),  # bites at |s| ~ 1
+    Case("window", h=4, hkv=2, causal=True, padding=True, window=2),  # narrower than local_window's
+    Case("window_decode", nq=4, nk=24, causal=True, window=2),
 ]
 
 
@@ -120,6 +123,8 @@ def make_inputs(case: Case, dtype=torch.float32, requires_grad=False, seed=0, de
         kw["sinks"] = (1.5 * torch.randn(shape, generator=g)).to(device=device, dtype=dtype)
     if case.softcap is not None:
         kw["softcap"] = case.softcap
+    if case.window is not None:
+        kw["window"] = case.window
     if case.bias:  # an ALiBi-sized spread of values, per head, query and key
         kw["bias"] = (2 * torch.randn(case.h, case.nq, case.nk, generator=g)).to(device=device, dtype=dtype)
     return q, k, v, kw
@@ -150,6 +155,7 @@ def workload(case: Case, dtype=torch.float32, backward=False, device="cpu") -> W
         cross=case.cross,
         sinks=case.sinks is not None,
         softcap=case.softcap,
+        window=case.window,
     )
 
 
@@ -167,6 +173,7 @@ def flags_allow(cls: type[AttentionVariant] | AttentionVariant, w: Workload) -> 
         and (not w.cross or cls.supports_cross)
         and (not w.sinks or cls.supports_sinks)
         and (w.softcap is None or cls.supports_softcap)
+        and (w.window is None or cls.native_window or cls.supports_attn_mask)
         and (w.nq >= w.nk or cls.supports_cross or cls.supports_decode)
         and (w.scale is None or cls.supports_scale)
         and (not w.bias or cls.supports_bias)

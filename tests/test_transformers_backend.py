@@ -608,3 +608,87 @@ def test_deepseek_v32_indexed_attention_matches_eager():
     model = _model(cfg, hf.implementation_for("local_window", {"window": 4}), eager.state_dict())
     with pytest.raises(variants.Unsupported, match="attn_mask"):
         model(ids, attention_mask=mask)
+
+
+# ---------------------------------------------------------------- sliding-window layers as a window
+def _sliding_models():
+    """Mistral (every layer a window of 4 keys), Qwen2 and Gemma3 (a sliding layer, then a full one),
+    ModernBERT (a bidirectional local layer of radius 4, then a global one)."""
+    from transformers import Gemma3TextConfig, ModernBertConfig, Qwen2Config
+
+    small = dict(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, initializer_range=0.1
+    )
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    mixed = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    return {
+        "mistral": MistralConfig(**small, **heads, sliding_window=4),
+        "qwen2": Qwen2Config(**small, **heads, **mixed, use_sliding_window=True, max_window_layers=1),
+        "gemma3": Gemma3TextConfig(**small, **heads, **mixed, query_pre_attn_scalar=16),
+        "modernbert": ModernBertConfig(
+            **small,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            local_attention=8,
+            global_attn_every_n_layers=2,
+            pad_token_id=0,
+        ),  # fmt: skip
+    }
+
+
+def test_a_sliding_window_mask_reaches_the_layer_as_a_window():
+    """The mask function finds transformers' sliding window (W keys: radius W - 1) in the mask it
+    builds and hands a window, not an (Nq, Nk) mask; a predicate that is no window stays a mask."""
+    cfg = MistralConfig(**{**LLAMA, "sliding_window": 4})
+    pad = torch.ones(2, 10, dtype=torch.bool)
+    pad[1, :3] = False
+    sw = sliding_window_causal_mask_function(4)
+    spec = hf.mask_function(2, 10, 10, mask_function=sw, attention_mask=pad, config=cfg)
+    assert spec.window == 3 and spec.causal and spec.attn_mask is None
+    ref = sdpa_mask(2, 10, 10, mask_function=sw, attention_mask=pad, allow_is_causal_skip=False)
+    assert torch.equal(spec.dense().expand_as(ref), ref)
+    other = hf.mask_function(2, 10, 10, mask_function=sliding_window_causal_mask_function(5), config=cfg)
+    assert other.window is None and other.attn_mask is not None  # not the config's window: a mask
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3", "modernbert"])
+def test_sliding_window_models_run_window_variants_and_match_eager(kind):
+    """Every exact variant, and local_window wider than the model's window (the sliding layers take
+    the model's window, the full ones local_window's own), give eager's logits and, for the decoders,
+    its greedy tokens; sparse, which takes no window, refuses by name."""
+    from transformers import AutoModelForMaskedLM
+
+    cfg = _sliding_models()[kind]
+    cls = AutoModelForMaskedLM if kind == "modernbert" else AutoModelForCausalLM
+    torch.manual_seed(0)
+    eager = cls.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    real = mask.bool()
+
+    def outputs(model):
+        with torch.inference_mode():
+            logits = model(ids, attention_mask=mask).logits
+            if kind == "modernbert":
+                return logits, None
+            return logits, model.generate(
+                ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0
+            )
+
+    ref, ref_tokens = outputs(eager)
+    runs = [(n, CPU_KNOBS.get(n, {})) for n in EXACT] + [("local_window", {"window": 64})]
+    for name, knobs in runs:
+        model = cls.from_config(
+            copy.deepcopy(cfg), attn_implementation=hf.implementation_for(name, knobs)
+        ).eval()
+        model.load_state_dict(eager.state_dict())
+        got, tokens = outputs(model)
+        assert (got - ref)[real].abs().max() < TOL, name
+        assert tokens is None or torch.equal(tokens, ref_tokens), name
+    model = cls.from_config(
+        copy.deepcopy(cfg), attn_implementation=hf.implementation_for("sparse", {"block": 4})
+    )
+    model.load_state_dict(eager.state_dict())
+    with pytest.raises(variants.Unsupported, match="takes no sliding window"):
+        outputs(model.eval())

@@ -55,6 +55,7 @@ class Workload:
     cross: bool = False  # the queries are another sequence than the keys' (cross-attention)
     sinks: bool = False  # a sink logit joins each softmax's denominator (gpt-oss, Inkling2)
     softcap: float | None = None  # scores soft-capped as c tanh(s / c) before the softmax (Gemma2)
+    window: int | None = None  # a sliding window: keys with |p - j| <= window only (Mistral, Gemma2)
 
     @property
     def hkv(self) -> int:
@@ -76,6 +77,7 @@ class Workload:
         cross: bool = False,
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
+        window: int | None = None,
     ) -> Workload:
         """Describe the call ``variant(q, k, v, ...)``; checks the shapes agree."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -116,6 +118,14 @@ class Workload:
             _check_sinks(sinks, b, h, nq)
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+        if window is not None and not (
+            isinstance(window, int) and not isinstance(window, bool) and window >= 0
+        ):
+            raise ValueError(f"window must be an integer >= 0 or None, got {window!r}")
+        if window is not None and cross:
+            raise ValueError(
+                "window with cross=True: a window relates query and key positions of one sequence"
+            )
         if cross and causal:
             raise ValueError(
                 "cross=True with causal=True: the queries of cross-attention are another sequence than "
@@ -153,6 +163,7 @@ class Workload:
             cross=bool(cross),
             sinks=sinks is not None,
             softcap=None if softcap is None else float(softcap),
+            window=window,
         )
 
 
@@ -275,6 +286,11 @@ class AttentionVariant(nn.Module):
     #: ``softcap=c``: the scores (after the scale, before bias and masks) become ``c tanh(s / c)``
     #: (Gemma2's attention logit soft-capping); ``_attend`` then takes ``softcap=``
     supports_softcap: ClassVar[bool] = False
+    #: ``window=w`` (a model's sliding window, in local_window's convention: key ``j`` is visible to
+    #: the query at position ``p`` iff ``|p - j| <= w``) handled by ``_attend`` itself (local_window: the
+    #: narrower of its own window and the call's); otherwise :meth:`forward` folds the band into the
+    #: ``attn_mask`` of a variant that takes one (an ``(Nq, Nk)`` mask) and the others refuse it
+    native_window: ClassVar[bool] = False
     #: a gradient for the bias
     bias_backward: ClassVar[bool] = False
     #: ``_attend`` reads grouped K/V heads itself (no copy); otherwise forward repeats them
@@ -342,6 +358,11 @@ class AttentionVariant(nn.Module):
                 "or a form without a score matrix has no place for c tanh(s / c); naive, chunked and "
                 "flex apply it"
             )
+        if w.window is not None and not (self.native_window or self.supports_attn_mask):
+            raise Unsupported(
+                f"{who} takes no sliding window (window={w.window}): it has no window of its own and no "
+                "attn_mask to restrict"
+            )
         if w.softcap is not None and w.sinks:
             raise Unsupported(
                 f"{who} takes sinks as one more key, whose logit softcap would cap too: no model "
@@ -371,6 +392,7 @@ class AttentionVariant(nn.Module):
         cross: bool = False,
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Attend ``q (B,H,Nq,D)`` to ``k (B,Hkv,Nk,D)``, ``v (B,Hkv,Nk,Dv)``; returns ``(B,H,Nq,Dv)``.
 
@@ -382,7 +404,9 @@ class AttentionVariant(nn.Module):
         (``(H,)`` or ``(B, H, Nq)``, where ``supports_sinks``): each query's softmax gets one more
         term, ``e^sink``, in its denominator, for a zero value, so its weights sum to less than one.
         ``softcap=c`` (where ``supports_softcap``): each score ``s`` (scaled, before bias and masks)
-        becomes ``c tanh(s / c)``.
+        becomes ``c tanh(s / c)``. ``window=w``: only keys ``j`` with ``|p - j| <= w`` (``p`` the query's
+        position) are visible, on top of every other mask (transformers' sliding window of ``W`` keys
+        is ``w = W - 1``).
         """
         w = Workload.of(
             q,
@@ -396,8 +420,15 @@ class AttentionVariant(nn.Module):
             cross=cross,
             sinks=sinks,
             softcap=softcap,
+            window=window,
         )
         self.check(w)
+        if window is not None and not self.native_window:  # the band as a mask (O(Nq Nk) booleans)
+            from .patterns import band_pattern  # here: patterns imports this module
+
+            band = band_pattern(w.nq, w.nk, window, causal).to(q.device)  # (Nq, Nk)
+            attn_mask = band if attn_mask is None else attn_mask & band
+            window = None
         if sinks is not None:
             return self.forward(
                 *_sink_as_first_key(q, k, v, sink_logits(sinks, w.heads), w.scale),
@@ -424,6 +455,8 @@ class AttentionVariant(nn.Module):
             kw["bias"] = bias
         if softcap is not None:
             kw["softcap"] = w.softcap
+        if window is not None:
+            kw["window"] = window
         return self._attend(q, k, v, **kw)
 
     def _attend(

@@ -54,6 +54,7 @@ class LocalWindowAttention(AttentionVariant):
     supports_attn_mask = False
     supports_cross = False
     native_gqa = True  # K/V heads are repeated after the keys out of reach are cut off
+    native_window = True  # a call's window (a model's sliding window): the narrower of the two
     example_knobs = (
         {"window": 3, "block": 4},
         {"window": 5},
@@ -73,6 +74,7 @@ class LocalWindowAttention(AttentionVariant):
         self.block = block
         self.impl = impl
         self.impl_ran: str | None = None
+        self._narrower: dict[int, LocalWindowAttention] = {}  # for calls with a narrower window
         # tiles of 128 (or the block, if given): the band is the predicate, the tile only how much
         # the kernel can skip
         self._flex = FlexKernel(self._band, block or CUDA_TILE)
@@ -104,7 +106,14 @@ class LocalWindowAttention(AttentionVariant):
         b = self.block if self.block is not None else max(window, 16)
         return max(1, min(b, n))
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, window=None):
+        if window is not None and window < self.window:  # the call's band lies inside this one
+            narrower = self._narrower.get(window)
+            if narrower is None:
+                narrower = self._narrower[window] = LocalWindowAttention(window, self.block, self.impl)
+            out = narrower._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=None)
+            self.impl_ran = narrower.impl_ran
+            return out
         h, nq, nk = q.shape[1], q.shape[2], k.shape[2]
         if nq < nk:
             # the queries are the last Nq positions: only keys from (first position - window) on can

@@ -51,6 +51,13 @@ def reference_attention(
     return safe_softmax(full, allowed)[..., :nk] @ v.double()
 
 
+def _window_band(nq: int, nk: int, window: int, device: torch.device) -> torch.Tensor:
+    """``(Nq, Nk)``: key ``j`` within ``window`` of the query's position ``p = i + Nk - Nq``, written
+    here apart from the variants' band."""
+    pos = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    return (pos - torch.arange(nk, device=device)[None, :]).abs() <= window
+
+
 def _rows_of(mask: torch.Tensor | None, rows: torch.Tensor | None, nq: int) -> torch.Tensor | None:
     """``mask`` restricted to query ``rows`` (when it has a query dimension)."""
     if mask is None or rows is None or mask.dim() < 2 or mask.shape[-2] != nq:
@@ -73,8 +80,11 @@ def oracle(
     cross: bool = False,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
+
+    ``window=w`` keeps only keys ``j`` with ``|p - j| <= w`` (``p`` the query's position).
 
     ``softcap=c`` turns each score ``s`` (scaled, before the bias) into ``c tanh(s / c)``.
 
@@ -92,12 +102,17 @@ def oracle(
     if softcap is not None and not variant.supports_softcap:
         raise ValueError(f"{variant.name or type(variant).__name__} soft-caps no scores to check")
     custom = getattr(variant, "oracle_forward", None)
+    if custom is not None and window is not None:  # its own formula over the band, as an attn_mask
+        band = _window_band(q.shape[2], k.shape[2], window, q.device)
+        attn_mask, window = (band if attn_mask is None else attn_mask & band), None
     if custom is not None:
         extra = {k_: x for k_, x in (("scale", scale), ("bias", bias)) if x is not None}
         out = custom(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **extra)
         return out if rows is None else out[:, :, rows]
     nq, nk = q.shape[2], k.shape[2]
     allowed = variant.pattern(nq, nk, causal).to(q.device)  # (Nq, Nk)
+    if window is not None:
+        allowed = allowed & _window_band(nq, nk, window, q.device)
     allowed = _rows_of(allowed, rows, nq)[None, None]  # (1, 1, R, Nk)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, R, Nk)
