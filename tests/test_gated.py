@@ -144,3 +144,24 @@ def test_the_oracles_closed_form_is_its_recurrence(vector):
         )  # one key per block: the blocking changes nothing
         assert _rel(dense, loop) < 1e-12, nq
         assert _rel(small, loop) < 1e-12, nq
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_a_long_context_taken_a_segment_at_a_time_is_the_same_state(name, monkeypatch):
+    """A context longer than a segment (8192 positions; 7 here) is taken segment by segment, the
+    state carried across: the last queries' outputs and the prefilled state's next step are the
+    float64 oracle's, with padded keys on both sides of a segment boundary."""
+    import variants.gated_core as core
+
+    monkeypatch.setattr(core, "SEGMENT", 7)
+    attn = _build(name, chunk=3)
+    q, k, v = _qkv(b=2, n=40)
+    kpm = torch.ones(2, 40, dtype=torch.bool)
+    kpm[1, [6, 7, 20]] = False
+    with torch.no_grad():
+        last = attn(q[:, :, -4:], k, v, causal=True, key_padding_mask=kpm)
+        ref = variants.oracle(attn, q, k, v, causal=True, key_padding_mask=kpm)[:, :, -4:]
+        state = attn.prefill(k[:, :, :39], v[:, :, :39], key_padding_mask=kpm[:, :39], heads=3)
+        step, _ = attn.step(q[:, :, 39:], k[:, :, 39:], v[:, :, 39:], state)
+    assert _rel(last, ref) < 1e-5
+    assert _rel(step, ref[:, :, -1:]) < 1e-5

@@ -163,9 +163,13 @@ def chunked_recurrence(
     return out.reshape(b, h, m * c, dv)[:, :, :n], state  # (B, H, m, c, Dv) -> (B, H, N, Dv)
 
 
-def _first(n: int, *xs: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """The first ``n`` positions of each ``(B, H, N, ...)`` tensor (None stays None)."""
-    return [x if x is None else x[:, :, :n] for x in xs]
+#: positions per pass when a long context only leaves a state (prefill, the keys before the queries)
+SEGMENT = 8192
+
+
+def _upto(valid: torch.Tensor | None, a: int, b: int | None) -> torch.Tensor | None:
+    """Positions ``a:b`` of a ``(B, 1, N)`` validity mask (None stays None)."""
+    return None if valid is None else valid[..., a:b]
 
 
 def _unbind(x: torch.Tensor | None, m: int) -> list[torch.Tensor | None] | tuple[torch.Tensor, ...]:
@@ -259,14 +263,29 @@ class GatedRecurrence(AttentionVariant):
         work = work_dtype(q.dtype)
         s = q.shape[-1] ** -0.5 if scale is None else scale
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, Nk)
-        kk, vv, g, beta = self._inputs(k.to(work), v.to(work), valid)
-        ctx = k.shape[2] - q.shape[2]  # the queries are the last Nq positions: the earlier ones are
-        s0 = None  # only the state they leave (a prefill: no pairs, no outputs)
-        if ctx > 0:
-            _, s0 = chunked_recurrence(None, *_first(ctx, kk, vv, g, beta), self.chunk)
-        rest = (x if x is None else x[:, :, ctx:] for x in (kk, vv, g, beta))  # (B, H, Nq, ...)
-        out, _ = chunked_recurrence(q.to(work) * s, *rest, self.chunk, s0)
+        # the queries are the last Nq positions: the earlier ones are only the state they leave
+        ctx = k.shape[2] - q.shape[2]
+        s0 = self._context_state(k[:, :, :ctx], v[:, :, :ctx], _upto(valid, 0, ctx), work) if ctx else None
+        kk, vv, g, beta = self._inputs(
+            k[:, :, ctx:].to(work), v[:, :, ctx:].to(work), _upto(valid, ctx, None)
+        )
+        out, _ = chunked_recurrence(q.to(work) * s, kk, vv, g, beta, self.chunk, s0)
         return out.to(q.dtype)
+
+    def _context_state(
+        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, work: torch.dtype, heads: int = 0
+    ) -> torch.Tensor:
+        """The state ``(B, H, Dk, Dv)`` after keys ``k (B, Hkv, N, Dk)`` and values ``v``, ``valid (B, 1,
+        N)`` or None, taken :data:`SEGMENT` positions at a time (gates, repeated heads and the chunks'
+        temporaries of one segment at once: a 128k-key context on 32 heads would otherwise hold
+        several GiB per tensor). The recurrence carries across segments exactly."""
+        heads = heads or k.shape[1]
+        state = None
+        for a in range(0, k.shape[2], SEGMENT):
+            b = min(a + SEGMENT, k.shape[2])
+            kk, vv = (repeat_kv(x[:, :, a:b], heads).to(work) for x in (k, v))  # (B, H, seg, Dk|Dv)
+            _, state = chunked_recurrence(None, *self._inputs(kk, vv, _upto(valid, a, b)), self.chunk, state)
+        return state
 
     # ------------------------------------------------------------------ the decoding state
     def prefill(self, k, v, *, key_padding_mask=None, scale=None, heads=None) -> KernelState:
@@ -274,12 +293,12 @@ class GatedRecurrence(AttentionVariant):
         without queries, ``O(N (c + Dk) Dv)``; ``N = 0`` gives the empty state."""
         heads = heads or k.shape[1]
         w = decode_workload(self, heads, k, v, key_padding_mask, scale)
-        k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # (B, H, N, D|Dv)
         work = work_dtype(k.dtype)
         s = w.head_dim**-0.5 if scale is None else float(scale)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, N)
-        kk, vv, g, beta = self._inputs(k.to(work), v.to(work), valid)
-        _, state = chunked_recurrence(None, kk, vv, g, beta, self.chunk)
+        state = self._context_state(k, v, valid, work, heads) if w.nk else None
+        if state is None:  # no context: the empty state
+            state = k.new_zeros(k.shape[0], heads, w.head_dim, w.v_head_dim, dtype=work)
         return KernelState(state, None, w.nk, s)
 
     def step(self, q, k_new, v_new, state) -> tuple[torch.Tensor, KernelState]:
