@@ -451,6 +451,18 @@ def test_registering_other_knobs_never_changes_a_model_already_built():
 
 
 # ------------------------------------------------------------------ attention sinks, unknown keywords
+
+
+def _eager_on_a_padded_batch(cfg):
+    """An eager model of ``cfg`` (seeded weights) and a left-padded batch of 20 tokens: ``(model, ids
+    (2, 20), mask (2, 20), real (2, 20) bool)``."""
+    torch.manual_seed(0)
+    eager = _model(cfg, "eager")
+    ids, mask = _inputs()
+    ids, mask = ids[:, :20] % cfg.vocab_size, mask[:, :20]
+    return eager, ids, mask, mask.bool()
+
+
 SINK_VARIANTS = [n for n in EXACT if variants.get(n).supports_sinks]
 
 
@@ -482,11 +494,7 @@ def _sink_models():
 @pytest.mark.parametrize("kind", ["gpt_oss", "inkling2"])
 def test_sinks_reach_the_variant_and_match_eager(kind):
     cfg = _sink_models()[kind]
-    torch.manual_seed(0)
-    eager = _model(cfg, "eager")
-    ids, mask = _inputs()
-    ids, mask = ids[:, :20] % cfg.vocab_size, mask[:, :20]
-    real = mask.bool()
+    eager, ids, mask, real = _eager_on_a_padded_batch(cfg)
     with torch.inference_mode():
         ref = eager(ids, attention_mask=mask).logits
     if kind == "gpt_oss":  # the sinks move eager's logits by far more than the tolerance
@@ -531,11 +539,7 @@ def test_gemma2_soft_capping_matches_eager_or_is_refused():
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
         attn_logit_softcapping=1.0, query_pre_attn_scalar=16, initializer_range=0.1,
     )  # fmt: skip
-    torch.manual_seed(0)
-    eager = _model(cfg, "eager")
-    ids, mask = _inputs()
-    ids, mask = ids[:, :20] % 64, mask[:, :20]
-    real = mask.bool()
+    eager, ids, mask, real = _eager_on_a_padded_batch(cfg)
     uncapped = copy.deepcopy(cfg)
     uncapped.attn_logit_softcapping = None
     with torch.inference_mode():
@@ -589,11 +593,7 @@ def test_deepseek_v32_indexed_attention_matches_eager():
         index_head_dim=16, index_n_heads=2, first_k_dense_replace=1, max_position_embeddings=64,
         initializer_range=0.1, head_dim=8,
     )  # fmt: skip
-    torch.manual_seed(0)
-    eager = _model(cfg, "eager")
-    ids, mask = _inputs()
-    ids, mask = ids[:, :20] % 64, mask[:, :20]
-    real = mask.bool()
+    eager, ids, mask, real = _eager_on_a_padded_batch(cfg)
     every = copy.deepcopy(cfg)
     every.index_topk = 64  # top-64 of 20 keys: every key
     with torch.inference_mode():
