@@ -98,6 +98,8 @@ ATTACHED = "attnbench_attention"
 _VARIANT: dict[str, str] = {}
 _KNOBS: dict[str, dict[str, Any]] = {}
 _SHARED: dict[str, AttentionVariant] = {}
+# a registered name that mixes two variants: one for sliding-window layers, one for the others
+_LAYERS: dict[str, dict[str, AttentionVariant]] = {}
 
 
 def implementation(name: str) -> str:
@@ -478,10 +480,11 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
                     f"{_where(name, module)}: the layer has sliding_window={window} but its mask is plain "
                     f"{'causal' if attention_mask.causal else 'bidirectional'} over {key.shape[2]} keys"
                 )
-        variant = _variant_for(module, name)
         if kwargs.get("indices") is not None:  # an indexer's top-k keys per query (DeepSeek-V3.2)
             attention_mask = _only_indexed(attention_mask, kwargs["indices"], key.shape[2])
         kw = _mask_args(module, attention_mask, query.shape[2], key.shape[2], kwargs.get("is_causal"))
+        mix = _LAYERS.get(name)
+        variant = _variant_for(module, name) if mix is None else mix["sliding" if "window" in kw else "full"]
         masked = kw.get("attn_mask") is not None
         if is_cross_attention(module, bool(kw.get("causal")), query.shape[2], key.shape[2], masked):
             kw["cross"] = True  # the keys are the encoder's: no decoder position stands among them
@@ -550,6 +553,38 @@ def register_as(alias: str, name: str, **knobs: Any) -> str:
     _VARIANT[alias], _KNOBS[alias] = name, given
     if not cls.has_params:
         _SHARED[alias] = build(name, **given)
+    AttentionInterface.register(implementation(alias), _make_attention(alias))
+    AttentionMaskInterface.register(implementation(alias), mask_function)
+    return implementation(alias)
+
+
+def register_layers(
+    alias: str, sliding: str | tuple[str, dict[str, Any]], full: str | tuple[str, dict[str, Any]]
+) -> str:
+    """Register ``attnbench_<alias>``: variant ``sliding`` on a model's sliding-window layers (those
+    whose mask is a window: Gemma2/3, Qwen2, Mistral) and ``full`` on every other layer, each a name
+    or ``(name, knobs)``; stateless variants only. Gemma's local/global mix with any pair, e.g.
+    ``register_layers("mix", ("local_window", {"window": 4096}), "sdpa")``. Fixed once registered,
+    as in :func:`register`. Returns the implementation name."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    parts = {}
+    for role, spec in (("sliding", sliding), ("full", full)):
+        name, knobs = (spec, {}) if isinstance(spec, str) else spec
+        cls = get(name)
+        check_knobs(cls, dict(knobs), name)
+        if cls.has_params:
+            raise ValueError(
+                f"register_layers: {name} has learned parameters (one set per layer): use attach()"
+            )
+        parts[role] = (name, dict(knobs))
+    if alias in _VARIANT and _KNOBS[alias] != parts:
+        raise ValueError(
+            f"{implementation(alias)} is registered as {_VARIANT[alias]} {_KNOBS[alias]}: registering it "
+            "again with other variants would change every model already built on it"
+        )
+    _VARIANT[alias], _KNOBS[alias] = "layers", parts
+    _LAYERS[alias] = {role: build(n, **k) for role, (n, k) in parts.items()}
     AttentionInterface.register(implementation(alias), _make_attention(alias))
     AttentionMaskInterface.register(implementation(alias), mask_function)
     return implementation(alias)
@@ -649,4 +684,6 @@ def layer_variants(model: nn.Module) -> dict[str, AttentionVariant]:
     if not impl.startswith(PREFIX):
         raise ValueError(f"model uses attn_implementation={impl!r}, not an attnbench one")
     name = name_of(impl)
+    if name in _LAYERS:
+        raise ValueError(f"{impl} picks its variant per call (sliding or full layer): see register_layers")
     return {qn: _variant_for(m, name) for qn, m in _attention_modules(model)}

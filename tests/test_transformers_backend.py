@@ -692,3 +692,25 @@ def test_sliding_window_models_run_window_variants_and_match_eager(kind):
     model.load_state_dict(eager.state_dict())
     with pytest.raises(variants.Unsupported, match="takes no sliding window"):
         outputs(model.eval())
+
+
+def test_a_layer_map_runs_gemma_style_local_and_global_layers_with_any_pair():
+    """register_layers: one variant on the sliding-window layers, another on the full ones. The right
+    pair gives eager's logits on Gemma3 (sliding, then full); a window of 1 on either kind of layer
+    moves them, so each variant ran where it was put."""
+    cfg = _sliding_models()["gemma3"]
+    eager, ids, mask, real = _eager_on_a_padded_batch(cfg)
+    with torch.inference_mode():
+        ref = eager(ids, attention_mask=mask).logits
+
+    def gap(impl):
+        model = _model(cfg, impl, eager.state_dict())
+        with torch.inference_mode():
+            return (model(ids, attention_mask=mask).logits - ref)[real].abs().max().item()
+
+    assert gap(hf.register_layers("mix_window_sdpa", ("local_window", {"window": 64}), "sdpa")) < TOL
+    assert gap(hf.register_layers("mix_naive_chunked", "naive", "chunked")) < TOL
+    assert gap(hf.register_layers("mix_narrow_sliding", ("local_window", {"window": 1}), "sdpa")) > 100 * TOL
+    assert gap(hf.register_layers("mix_narrow_full", "sdpa", ("local_window", {"window": 1}))) > 100 * TOL
+    with pytest.raises(ValueError, match="would change every model already built"):
+        hf.register_layers("mix_naive_chunked", "naive", "sdpa")
