@@ -424,9 +424,8 @@ class AttentionVariant(nn.Module):
         )
         self.check(w)
         if window is not None and not self.native_window:  # the band as a mask (O(Nq Nk) booleans)
-            from .patterns import band_pattern  # here: patterns imports this module
-
-            band = band_pattern(w.nq, w.nk, window, causal).to(q.device)  # (Nq, Nk)
+            pos = torch.arange(w.nq, device=q.device)[:, None] + (w.nk - w.nq)  # (Nq, 1): positions
+            band = (pos - torch.arange(w.nk, device=q.device)[None, :]).abs() <= window  # (Nq, Nk)
             attn_mask = band if attn_mask is None else attn_mask & band
             window = None
         if sinks is not None:
