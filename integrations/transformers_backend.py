@@ -104,10 +104,11 @@ _LAYERS: dict[str, dict[str, AttentionVariant]] = {}
 
 def implementation(name: str) -> str:
     """The ``attn_implementation`` string of registered name ``name``: ``attnbench_<name>``, with
-    ``sdpa`` spelled ``SDPA``: transformers reads any implementation whose name contains ``sdpa`` as
-    its own SDPA path and refuses it for models it has not cleared for SDPA (Gemma2, gpt-oss), which
-    says nothing about this backend's sdpa variant (``attnbench_SDPA``)."""
-    return PREFIX + name.replace("sdpa", "SDPA")
+    ``sdpa`` spelled ``SDPA`` and ``flash`` ``FLASH``: transformers reads any implementation whose
+    name contains ``sdpa`` as its own SDPA path (and refuses it for models it has not cleared for SDPA:
+    Gemma2, gpt-oss) and one containing ``flash`` as a FlashAttention request, neither of which is
+    this backend (``attnbench_SDPA``, ``attnbench_SDPA@backend=FLASH``)."""
+    return PREFIX + name.replace("sdpa", "SDPA").replace("flash", "FLASH")
 
 
 def name_of(impl: str) -> str:
@@ -115,9 +116,8 @@ def name_of(impl: str) -> str:
     inverse); one-line ``ValueError`` for a string that is not an attnbench one."""
     if not impl.startswith(PREFIX):
         raise ValueError(f"attn_implementation={impl!r} is not an attnbench one ({PREFIX}<name>)")
-    return next(
-        (n for n in _VARIANT if implementation(n) == impl), impl[len(PREFIX) :].replace("SDPA", "sdpa")
-    )
+    fallback = impl[len(PREFIX) :].replace("SDPA", "sdpa").replace("FLASH", "flash")
+    return next((n for n in _VARIANT if implementation(n) == impl), fallback)
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,6 +138,7 @@ class MaskSpec:
     kv_length: int
     keys_used: int
     window: int | None = None  # a sliding window found in the model's mask: |p - j| <= window
+    device: torch.device | str | None = None  # where dense() builds the mask (the model's device)
     # generate() with a static (compileable) cache builds the masks before the forward pass, calls
     # .contiguous() on them and hands them back to create_causal_mask, which reads .ndim: these two
     # let the spec pass through unchanged (the mask function returns a spec it is given as is)
@@ -153,15 +154,16 @@ class MaskSpec:
         mask itself."""
         if self.attn_mask is not None:
             return self.attn_mask
-        device = None if self.key_padding_mask is None else self.key_padding_mask.device
-        keys = torch.arange(self.kv_length, device=device)  # (Nk,)
-        seen = (keys < self.keys_used)[None, :].expand(self.q_length, -1)  # (Nq, Nk)
-        if self.causal:  # bottom-right over the keys used: query i is position i + used - Nq
-            last = torch.arange(self.q_length, device=device)[:, None] + (self.keys_used - self.q_length)
-            seen = seen & (keys[None, :] <= last)
-        if self.window is not None:  # query i is position i + used - Nq
-            pos = torch.arange(self.q_length, device=device)[:, None] + (self.keys_used - self.q_length)
-            seen = seen & ((pos - keys[None, :]).abs() <= self.window)
+        device = self.device if self.key_padding_mask is None else self.key_padding_mask.device
+        keys = torch.arange(self.kv_length, device=device)[None, :]  # (1, Nk)
+        pos = torch.arange(self.q_length, device=device)[:, None] + (
+            self.keys_used - self.q_length
+        )  # (Nq, 1)
+        seen = (keys < self.keys_used).expand(self.q_length, -1)  # (Nq, Nk); query i is position pos[i]
+        if self.causal:  # bottom-right over the keys used
+            seen = seen & (keys <= pos)
+        if self.window is not None:  # comparisons of (Nq, 1) with (1, Nk): booleans only, no int tensor
+            seen = seen & (keys >= pos - self.window) & (keys <= pos + self.window)
         seen = seen[None, None]  # (1, 1, Nq, Nk)
         if self.key_padding_mask is not None:
             pad = torch.ones(self.key_padding_mask.shape[0], self.kv_length, dtype=torch.bool, device=device)
@@ -222,7 +224,8 @@ def mask_function(
             padding = padding[:, kv_offset : kv_offset + used]  # (B, keys_used): the keys this call reads
             if bool(padding.all()):
                 padding = None
-        return MaskSpec(causal, padding, None, q_length, kv_length, used)
+        device = kwargs.get("device") or (None if attention_mask is None else attention_mask.device)
+        return MaskSpec(causal, padding, None, q_length, kv_length, used, None, device)
     config = kwargs.get("config")
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     full = sdpa_mask(
@@ -268,7 +271,7 @@ def _as_window(
         pad = None if padding is None else padding[:, kv_offset : kv_offset + used]  # (B, keys_used)
         pad = None if pad is None or bool(pad.all()) else pad
         for radius in radii:
-            spec = MaskSpec(causal, pad, None, q_length, kv_length, used, radius)
+            spec = MaskSpec(causal, pad, None, q_length, kv_length, used, radius, full.device)
             if torch.equal(spec.dense().expand_as(full), full):
                 return spec
     return None
@@ -543,7 +546,14 @@ def register_as(alias: str, name: str, **knobs: Any) -> str:
     cls = get(name)  # UnknownVariant (one line) lists the known names
     given = dict(knobs)
     check_knobs(cls, given, name)
-    if alias in _VARIANT and (_VARIANT[alias], _KNOBS[alias]) != (name, given):
+    if alias in _VARIANT and (_VARIANT[alias], _KNOBS[alias]) == (name, given):
+        return implementation(alias)  # as registered: the same instance, the same functions
+    clash = next((a for a in _VARIANT if a != alias and implementation(a) == implementation(alias)), None)
+    if clash is not None:
+        raise ValueError(
+            f"{alias!r} and the registered {clash!r} both spell {implementation(alias)}: pick another name"
+        )
+    if alias in _VARIANT:
         raise ValueError(
             f"{implementation(alias)} is registered as {_spelled(_VARIANT[alias], _KNOBS[alias])}: "
             f"registering it as {_spelled(name, given)} would change every model already built on it; "
@@ -578,7 +588,9 @@ def register_layers(
                 f"register_layers: {name} has learned parameters (one set per layer): use attach()"
             )
         parts[role] = (name, dict(knobs))
-    if alias in _VARIANT and _KNOBS[alias] != parts:
+    if alias in _VARIANT and _KNOBS[alias] == parts:
+        return implementation(alias)  # as registered
+    if alias in _VARIANT:
         raise ValueError(
             f"{implementation(alias)} is registered as {_VARIANT[alias]} {_KNOBS[alias]}: registering it "
             "again with other variants would change every model already built on it"

@@ -714,3 +714,18 @@ def test_a_layer_map_runs_gemma_style_local_and_global_layers_with_any_pair():
     assert gap(hf.register_layers("mix_narrow_full", "sdpa", ("local_window", {"window": 1}))) > 100 * TOL
     with pytest.raises(ValueError, match="would change every model already built"):
         hf.register_layers("mix_naive_chunked", "naive", "sdpa")
+
+
+def test_registered_names_stay_what_they_were():
+    """The same knobs again change nothing (the same instance keeps serving the models built on
+    it); a name that would spell another's implementation string is refused; a dense mask is built
+    on the model's device, not the CPU."""
+    impl = hf.register_as("stays_w3", "local_window", window=3)
+    first = hf.shared(impl)
+    assert hf.register_as("stays_w3", "local_window", window=3) == impl and hf.shared(impl) is first
+    hf.register(["sdpa"])
+    with pytest.raises(ValueError, match="both spell attnbench_SDPA"):
+        hf.register_as("SDPA", "naive")
+    assert "flash" not in hf.implementation_for("sdpa", {"backend": "flash"})  # read as FlashAttention
+    spec = hf.MaskSpec(True, None, None, 3, 5, 5, 2, torch.device("meta"))
+    assert spec.dense().device.type == "meta"

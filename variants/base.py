@@ -14,7 +14,7 @@ see no key outputs zeros with zero gradients.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -424,8 +424,10 @@ class AttentionVariant(nn.Module):
         )
         self.check(w)
         if window is not None and not self.native_window:  # the band as a mask (O(Nq Nk) booleans)
+            self.check(replace(w, attn_mask=True, window=None))  # what the variant is then handed
             pos = torch.arange(w.nq, device=q.device)[:, None] + (w.nk - w.nq)  # (Nq, 1): positions
-            band = (pos - torch.arange(w.nk, device=q.device)[None, :]).abs() <= window  # (Nq, Nk)
+            keys = torch.arange(w.nk, device=q.device)[None, :]  # (1, Nk)
+            band = (keys >= pos - window) & (keys <= pos + window)  # (Nq, Nk), no int (Nq, Nk) tensor
             attn_mask = band if attn_mask is None else attn_mask & band
             window = None
         if sinks is not None:

@@ -102,6 +102,8 @@ def oracle(
     if softcap is not None and not variant.supports_softcap:
         raise ValueError(f"{variant.name or type(variant).__name__} soft-caps no scores to check")
     custom = getattr(variant, "oracle_forward", None)
+    if custom is not None and (sinks is not None or softcap is not None):
+        raise ValueError(f"{variant.name or type(variant).__name__}'s own oracle takes no sinks or softcap")
     if custom is not None and window is not None:  # its own formula over the band, as an attn_mask
         band = _window_band(q.shape[2], k.shape[2], window, q.device)
         attn_mask, window = (band if attn_mask is None else attn_mask & band), None
@@ -401,7 +403,7 @@ def gated_recurrence_reference(
     check of a few rows) is computed in its closed form instead (:func:`gated_dense_reference`, the same
     numbers without a step per key); a test holds the two forms equal.
     """
-    if beta is None and q.shape[2] <= DENSE_MAX_QUERIES:
+    if beta is None and not normalize_keys and q.shape[2] <= DENSE_MAX_QUERIES:
         return gated_dense_reference(
             q, k, v, log_decay=log_decay, key_padding_mask=key_padding_mask, scale=scale
         )
