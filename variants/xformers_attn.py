@@ -260,8 +260,9 @@ class XFormersAttention(AttentionVariant):
                     probe(w.device, w.dtype)
                     or "not declared for this device (this suite runs it on cuda only)"
                 )
-            except Unavailable as exc:
-                reason = str(exc)
+            except Unavailable:  # not installed: no install hint where installing would not help
+                where = w.device.upper()
+                reason = f"xFormers has no {where} operator (memory_efficient_attention runs on CUDA GPUs)"
             raise Unsupported(f"xformers does not run on device '{w.device}': {reason}")
         load_xformers()
         failure = extension_failure()
