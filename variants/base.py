@@ -354,9 +354,9 @@ class AttentionVariant(nn.Module):
             )
         if w.softcap is not None and not self.supports_softcap:
             raise Unsupported(
-                f"{who} does not soft-cap its scores (softcap={w.softcap:g}): a fused kernel (sdpa) "
-                "or a form without a score matrix has no place for c tanh(s / c); naive, chunked and "
-                "flex apply it"
+                f"{who} does not soft-cap its scores (softcap={w.softcap:g}): c tanh(s / c) is applied "
+                "by naive, chunked and flex, which hold the scores before the softmax (sdpa's fused "
+                "kernels do not)"
             )
         if w.window is not None and not (self.native_window or self.supports_attn_mask):
             raise Unsupported(
