@@ -541,31 +541,15 @@ def register_as(alias: str, name: str, **knobs: Any) -> str:
     """Register variant ``name`` with ``knobs`` as ``attn_implementation="attnbench_<alias>"``: two
     configurations of one variant side by side (``register_as("window_4", "local_window", window=4)``).
     Fixed once registered, as in :func:`register`. Returns the implementation name."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-
     cls = get(name)  # UnknownVariant (one line) lists the known names
     given = dict(knobs)
     check_knobs(cls, given, name)
-    if alias in _VARIANT and (_VARIANT[alias], _KNOBS[alias]) == (name, given):
-        return implementation(alias)  # as registered: the same instance, the same functions
-    clash = next((a for a in _VARIANT if a != alias and implementation(a) == implementation(alias)), None)
-    if clash is not None:
-        raise ValueError(
-            f"{alias!r} and the registered {clash!r} both spell {implementation(alias)}: pick another name"
-        )
-    if alias in _VARIANT:
-        raise ValueError(
-            f"{implementation(alias)} is registered as {_spelled(_VARIANT[alias], _KNOBS[alias])}: "
-            f"registering it as {_spelled(name, given)} would change every model already built on it; "
-            f"give these knobs a name of their own: register_as({_alias_for(name, given)!r}, {name!r}, "
-            "...) or implementation_for(name, knobs)"
-        )
-    _VARIANT[alias], _KNOBS[alias] = name, given
+    hint = f"register_as({_alias_for(name, given)!r}, {name!r}, ...) or implementation_for(name, knobs)"
+    if _registered_as(alias, name, given, hint):
+        return implementation(alias)  # the same instance, the same functions
     if not cls.has_params:
         _SHARED[alias] = build(name, **given)
-    AttentionInterface.register(implementation(alias), _make_attention(alias))
-    AttentionMaskInterface.register(implementation(alias), mask_function)
-    return implementation(alias)
+    return _install(alias)
 
 
 def register_layers(
@@ -576,8 +560,6 @@ def register_layers(
     or ``(name, knobs)``; stateless variants only. Gemma's local/global mix with any pair, e.g.
     ``register_layers("mix", ("local_window", {"window": 4096}), "sdpa")``. Fixed once registered,
     as in :func:`register`. Returns the implementation name."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-
     parts = {}
     for role, spec in (("sliding", sliding), ("full", full)):
         name, knobs = (spec, {}) if isinstance(spec, str) else spec
@@ -588,15 +570,37 @@ def register_layers(
                 f"register_layers: {name} has learned parameters (one set per layer): use attach()"
             )
         parts[role] = (name, dict(knobs))
-    if alias in _VARIANT and _KNOBS[alias] == parts:
-        return implementation(alias)  # as registered
+    if _registered_as(alias, "layers", parts, "another alias"):
+        return implementation(alias)
+    _LAYERS[alias] = {role: build(n, **k) for role, (n, k) in parts.items()}
+    return _install(alias)
+
+
+def _registered_as(alias: str, variant: str, knobs: dict[str, Any], hint: str) -> bool:
+    """Claim ``alias`` for ``variant`` with ``knobs``: True if it already holds exactly them, else
+    record them and return False; one-line ``ValueError`` if it holds others (models built on it
+    would change: ``hint`` says what to do instead) or another name spells the same implementation."""
+    if alias in _VARIANT and (_VARIANT[alias], _KNOBS[alias]) == (variant, knobs):
+        return True
+    clash = next((a for a in _VARIANT if a != alias and implementation(a) == implementation(alias)), None)
+    if clash is not None:
+        raise ValueError(
+            f"{alias!r} and the registered {clash!r} both spell {implementation(alias)}: pick another name"
+        )
     if alias in _VARIANT:
         raise ValueError(
-            f"{implementation(alias)} is registered as {_VARIANT[alias]} {_KNOBS[alias]}: registering it "
-            "again with other variants would change every model already built on it"
+            f"{implementation(alias)} is registered as {_spelled(_VARIANT[alias], _KNOBS[alias])}: "
+            f"registering it as {_spelled(variant, knobs)} would change every model already built on it; "
+            f"give these knobs a name of their own: {hint}"
         )
-    _VARIANT[alias], _KNOBS[alias] = "layers", parts
-    _LAYERS[alias] = {role: build(n, **k) for role, (n, k) in parts.items()}
+    _VARIANT[alias], _KNOBS[alias] = variant, knobs
+    return False
+
+
+def _install(alias: str) -> str:
+    """Register ``attnbench_<alias>``'s attention and mask functions with transformers."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
     AttentionInterface.register(implementation(alias), _make_attention(alias))
     AttentionMaskInterface.register(implementation(alias), mask_function)
     return implementation(alias)

@@ -330,3 +330,13 @@ def test_pretrained_sweep_writes_its_report(tmp_path):
     rows = [json.loads(f.read_text()) for f in (tmp_path / "records").glob("*.json")]
     exact = [r for r in rows if r["variant_name"] == "sdpa"]
     assert len(exact) == 2 and all(r["figures"]["cosine_min"] >= SAME for r in exact)
+
+
+@pytest.mark.parametrize("group", [{"task": {"name": "copy"}}, {"model": {"layers": 1}}])
+def test_task_and_model_jobs_refuse_the_kernel_only_settings_they_would_ignore(group):
+    from experiments.sweep.schema import BenchConfig, validate
+
+    base = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, **group}
+    for setting in ({"cross": True}, {"padding": 0.25}, {"kv_len": 4096}, {"scale": 0.3}):
+        with pytest.raises(ValueError, match=f"{next(iter(setting))} apply to kernel jobs only"):
+            validate(BenchConfig.from_config({**base, **setting}))

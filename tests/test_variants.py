@@ -377,36 +377,20 @@ def test_cross_attention_is_one_query_against_another_sequence(vp):
         attn(q, k, v, **{**kw, "causal": True})
 
 
+@pytest.mark.parametrize("feature, fact", [("sinks", "supports_sinks"), ("softcap", "supports_softcap")])
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
-def test_sinks_take_their_share_or_are_refused(vp):
-    """A variant that takes ``sinks`` gives the oracle's output, which is not its output without them
-    (the sink's share of each softmax is real); one that does not refuses them in one line."""
+def test_a_score_feature_takes_effect_or_is_refused(vp, feature, fact):
+    """A variant that takes ``sinks`` (the sink's share of each softmax) or ``softcap`` (the cap bites
+    at these scores) gives the oracle's output, which is not its output without the feature; one
+    that does not refuses it in one line."""
     name, knobs = vp
-    case = CASE["sinks"]
+    case = CASE[feature]
     attn = build(name, knobs, case)
     q, k, v, kw = make_inputs(case)
-    if not type(attn).supports_sinks:
+    if not getattr(type(attn), fact):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw)
         return
-    with_sinks = attn(q, k, v, **kw)
-    without = attn(q, k, v, **{**kw, "sinks": None})
-    assert rel_err(with_sinks, oracle(attn, q, k, v, **kw)) <= 1e-5
-    assert rel_err(with_sinks, without) > 1e-2  # the sinks changed the output
-
-
-@pytest.mark.parametrize("vp", PARAMS, ids=param_id)
-def test_softcap_caps_or_is_refused(vp):
-    """A variant that soft-caps gives the oracle's output, which is not its uncapped output (the cap
-    bites at these scores); one that does not refuses ``softcap`` in one line."""
-    name, knobs = vp
-    case = CASE["softcap"]
-    attn = build(name, knobs, case)
-    q, k, v, kw = make_inputs(case)
-    if not type(attn).supports_softcap:
-        with pytest.raises(Unsupported):
-            attn(q, k, v, **kw)
-        return
-    capped = attn(q, k, v, **kw)
-    assert rel_err(capped, oracle(attn, q, k, v, **kw)) <= 1e-5
-    assert rel_err(capped, attn(q, k, v, **{**kw, "softcap": None})) > 1e-2
+    out = attn(q, k, v, **kw)
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    assert rel_err(out, attn(q, k, v, **{**kw, feature: None})) > 1e-2  # the feature changed the output

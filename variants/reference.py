@@ -372,6 +372,10 @@ def performer_reference(
 
 
 # ------------------------------------------------------------------ gated and delta-rule recurrences
+# a few queries: the closed form's O(Nq Nk D) beats the recurrence's O(Nk D Dv) step per key
+DENSE_MAX_QUERIES = 64
+
+
 def softplus_reference(x: torch.Tensor) -> torch.Tensor:
     """``log(1 + e^x)`` in float64, written out (stable for large ``x``)."""
     x = x.double()
@@ -453,10 +457,6 @@ def gated_loop_reference(
         if t >= nk - nq:
             outs.append((state * (s * q[:, :, t - (nk - nq)])[..., :, None]).sum(-2))  # (B, H, Dv)
     return torch.stack(outs, 2)
-
-
-# a few queries: the closed form's O(Nq Nk D) beats the recurrence's O(Nk D Dv) step per key
-DENSE_MAX_QUERIES = 64
 
 
 def gated_dense_reference(

@@ -85,8 +85,25 @@ def validate(conf: BenchConfig) -> None:
         raise ValueError(f"bias must be one of null, alibi; got {conf.bias!r}")
     if conf.kind is Kind.pretrained:
         _validate_pretrained(conf)
+    elif conf.kind is not Kind.kernel:
+        _refuse_kernel_knobs(conf)
     if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
         raise ValueError("variant must be chosen: variant=<name> (docs/variants.md lists them)")
+
+
+#: workload settings only a kernel job reads: a task or model job builds its own calls
+KERNEL_ONLY = ("causal", "cross", "padding", "kv_len", "kv_heads", "bias", "scale")
+
+
+def _refuse_kernel_knobs(conf: BenchConfig) -> None:
+    """One line naming the kernel-only settings a task or model job was given (it would ignore them:
+    a task's model is causal through ``task.causal``, a transformers model attends as it is built)."""
+    given = [name for name in KERNEL_ONLY if getattr(conf, name)]
+    if given:
+        raise ValueError(
+            f"{conf.kind.value} jobs build their own attention calls: {', '.join(given)} apply to kernel "
+            "jobs only (a task's causal model: task.causal=true)"
+        )
 
 
 def _validate_pretrained(conf: BenchConfig) -> None:
