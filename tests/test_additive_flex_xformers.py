@@ -1,18 +1,14 @@
-"""What the registry-wide tests don't cover for additive, flex, xformers and the MultiHeadAttention layer.
+"""What the registry-wide tests don't cover for additive, flex and the MultiHeadAttention layer
+(xformers: tests/test_xformers.py).
 
 Oracles here are independent of the code under test: the naive float64 additive form, the pattern
 read back from the output of the FlexAttention kernel (``flex``, and ``local_window`` / ``sparse``
-with ``impl=flex``), a torch emulation of xFormers' kernel contract, and
-``torch.nn.MultiheadAttention``.
+with ``impl=flex``), and ``torch.nn.MultiheadAttention``.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +16,6 @@ from torch import nn
 
 import variants
 from variants import Unsupported, flex_kernel, oracle
-from variants import xformers_attn as xf
 from variants.additive import AdditiveAttention
 from variants.flex import FlexAttention
 from variants.multihead import MultiHeadAttention
@@ -321,179 +316,6 @@ def test_flex_kernel_compiled_matches_the_oracle():
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
     again = attn(q, k, v, **kw)  # cached block mask and kernel
     assert torch.equal(out, again)
-
-
-# ------------------------------------------------------------------------------------------ xformers
-def test_xformers_is_unsupported_on_cpu_with_its_own_reason():
-    attn = variants.build("xformers")
-    q = torch.randn(1, 2, 4, 8)
-    import importlib.util
-
-    missing = importlib.util.find_spec("xformers") is None
-    with pytest.raises(Unsupported) as e:
-        attn(q, q, q)
-    msg = str(e.value)
-    assert "\n" not in msg
-    assert msg.startswith("xformers does not run on device 'cpu'")
-    if missing:  # the reason, not an install hint: installing would not make it run here
-        assert "xFormers has no CPU operator" in msg and "pip install" not in msg
-    else:
-        assert msg.startswith("xformers does not run on device 'cpu'")
-        assert "device=cpu" in msg  # xFormers' own words, not ours
-
-
-def test_importing_variants_prints_nothing_and_does_not_import_xformers():
-    code = (
-        "import sys, torch, variants\n"
-        "assert 'xformers' not in sys.modules, 'xformers imported eagerly'\n"
-        "attn = variants.build('xformers')\n"
-        "q = torch.randn(1, 2, 4, 8)\n"
-        "try:\n"
-        "    attn(q, q, q)\n"
-        "except variants.Unsupported as e:\n"
-        "    print('unsupported:', e)\n"
-    )
-    env = {**os.environ, "PYTHONWARNINGS": "default"}
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
-    )
-    assert r.returncode == 0, r.stderr
-    assert r.stderr == "", f"something printed to stderr: {r.stderr[:500]}"
-    assert r.stdout.startswith("unsupported: xformers")
-
-
-def test_xformers_missing_reads_as_an_install_hint(monkeypatch):
-    monkeypatch.setattr(xf, "_XOPS", None)
-    monkeypatch.setattr(xf, "_IMPORT_ERROR", None)
-    monkeypatch.setitem(sys.modules, "xformers", None)  # makes `import xformers...` raise ImportError
-    monkeypatch.setitem(sys.modules, "xformers.ops", None)
-    w = variants.Workload(1, 2, 4, 4, 8, 8, device="cuda", dtype=torch.float16)  # check() needs no GPU
-    hint = r"xformers is not installed: on a CUDA machine, pip install"
-    with pytest.raises(variants.Unavailable, match=hint):
-        variants.build("xformers").check(w)
-
-
-def test_xformers_with_kernels_built_for_another_torch_is_unavailable_naming_versions(monkeypatch):
-    # what xformers' own loader leaves behind when its extension was built for another torch
-    info = SimpleNamespace(torch_version="2.10.0+cu128", cuda_version=1208, python_version="3.10.19")
-    failed = type("xFormersInvalidLibException", (Exception,), {})()
-    failed.build_info = info
-    fake_cpp_lib = SimpleNamespace(_cpp_library_load_exception=failed)
-    monkeypatch.setitem(sys.modules, "xformers", SimpleNamespace(_cpp_lib=fake_cpp_lib))
-    monkeypatch.setitem(sys.modules, "xformers._cpp_lib", fake_cpp_lib)
-    monkeypatch.setattr(xf, "load_xformers", lambda: SimpleNamespace())
-    w = variants.Workload(1, 2, 4, 4, 8, 8, device="cuda", dtype=torch.float16)
-    with pytest.raises(variants.Unavailable) as e:
-        variants.build("xformers").check(w)
-    msg = str(e.value)
-    assert "built for torch 2.10.0+cu128 (CUDA 12.0)" not in msg  # 1208 is CUDA 12.8
-    assert "built for torch 2.10.0+cu128 (CUDA 12.8)" in msg and torch.__version__ in msg
-    assert "\n" not in msg
-
-
-def test_xformers_not_implemented_message_is_summarised():
-    msg = (
-        "No operator found for `memory_efficient_attention_forward` with inputs:\n"
-        "     query       : shape=(1, 4, 2, 8) (torch.float32)\n"
-        "     p           : 0.0\n"
-        "`fa2F` is not supported because:\n"
-        "    device=cpu (supported: {'cuda'})\n"
-        "`cutlassF-pt` is not supported because:\n"
-        "    device=cpu (supported: {'cuda'})\n"
-        "    operator wasn't built\n"
-    )
-    got = xf.summarize_not_implemented(msg)
-    assert got == (
-        "No operator found for `memory_efficient_attention_forward` "
-        "(fa2F: device=cpu (supported: {'cuda'}) | cutlassF-pt: device=cpu (supported: {'cuda'}); "
-        "operator wasn't built)"
-    )
-
-
-class _FakeLowerTriangularMask:
-    pass
-
-
-class _FakeLowerTriangularFromBottomRightMask:
-    pass
-
-
-def _fake_memory_efficient_attention(q, k, v, attn_bias=None, p=0.0, scale=None):
-    """What xFormers' CUDA kernels compute, with the input checks they make, in float64 on CPU."""
-    assert q.dim() == 4 and all(t.stride(-1) == 1 for t in (q, k, v)), "BMHK with stride(-1) == 1"
-    assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0, "head sizes aligned to 8"
-    b, nq, h, _ = q.shape
-    nk = k.shape[1]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale  # (B, H, Nq, Nk)
-    if isinstance(attn_bias, torch.Tensor):
-        assert attn_bias.shape == (b, h, nq, nk) and attn_bias.dtype == q.dtype
-        assert all(attn_bias.stride(i) % 8 == 0 for i in range(3)), "bias rows aligned to 8"
-        s = s + attn_bias.double()
-    elif isinstance(attn_bias, _FakeLowerTriangularMask):
-        s = s.masked_fill(~torch.ones(nq, nk, dtype=torch.bool).tril(), float("-inf"))
-    elif isinstance(attn_bias, _FakeLowerTriangularFromBottomRightMask):
-        s = s.masked_fill(~torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq), float("-inf"))
-    else:
-        assert attn_bias is None
-    pr = torch.softmax(s, dim=-1)  # an all -inf row gives NaN here, as it would in a kernel
-    return torch.einsum("bhqk,bkhd->bqhd", pr, v.double()).to(q.dtype)  # (B, Nq, H, Dv)
-
-
-@pytest.fixture
-def fake_xformers(monkeypatch):
-    op = SimpleNamespace
-    fake = SimpleNamespace(
-        memory_efficient_attention=_fake_memory_efficient_attention,
-        fmha=SimpleNamespace(
-            attn_bias=SimpleNamespace(
-                LowerTriangularMask=_FakeLowerTriangularMask,
-                LowerTriangularFromBottomRightMask=_FakeLowerTriangularFromBottomRightMask,
-            ),
-            common=SimpleNamespace(Inputs=lambda **kw: kw),
-            dispatch=SimpleNamespace(
-                _dispatch_fw=lambda inp, grad: op(NAME="fakeF"),
-                _dispatch_bw=lambda inp, varlen_lse_packed: op(NAME="fakeB"),
-            ),
-        ),
-    )
-    monkeypatch.setattr(xf, "load_xformers", lambda: fake)
-    monkeypatch.setattr(xf.XFormersAttention, "_dispatch_cache", {})
-    return fake
-
-
-@pytest.mark.parametrize("case", [*CASES, Case("odd_dims", d=3, dv=5, padding=True)], ids=lambda c: c.id)
-def test_xformers_cuda_path_against_an_emulated_kernel(fake_xformers, case):
-    # the layout change, bias translation, alignment padding and empty-row fix, run on CPU
-    attn = variants.build("xformers")
-    if case.bias or case.sinks or case.softcap:
-        pytest.skip("xformers declares no bias, sinks or soft-capping support")
-    attn.check = lambda w: None  # the real check refuses the CPU; forward does the rest as on CUDA
-    q, k, v, kw = make_inputs(case, requires_grad=True)
-    if kw["key_padding_mask"] is not None:
-        kw["key_padding_mask"][0] = False  # batch element 0 sees no key: never NaN, zeros
-    out = attn(q, k, v, **kw)
-    assert out.shape == (case.b, case.h, case.nq, case.dv)
-    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
-    out.sum().backward()
-    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
-    if kw["key_padding_mask"] is not None:
-        assert torch.equal(out[0], torch.zeros_like(out[0]))
-        assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
-    assert attn.op_ran == "fakeF" and attn.op_bw_ran == "fakeB"
-    assert attn.describe()["op_ran"] == "fakeF"
-
-
-def test_xformers_bias_keeps_the_broadcast_shape_for_key_padding():
-    kpm = torch.ones(2, 13, dtype=torch.bool)
-    kpm[1, 10:] = False
-    bias, empty = xf.additive_bias(
-        2, 4, 9, 13, causal=False, key_padding_mask=kpm, attn_mask=None, dtype=torch.float16, device="cpu"
-    )
-    assert bias.shape == (2, 4, 9, 13) and empty is None
-    assert bias.stride()[1:3] == (0, 0)  # (B, 1, 1, Nk) expanded: O(B Nk) memory, not O(B H Nq Nk)
-    assert bias.stride(0) % 8 == 0
-    assert torch.equal(bias[1, 0, 0, 10:], torch.full((3,), float("-inf"), dtype=torch.float16))
-    assert torch.equal(bias[0], torch.zeros_like(bias[0]))
 
 
 # ---------------------------------------------------------------------------------------- multihead

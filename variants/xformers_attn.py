@@ -1,28 +1,49 @@
 """``xformers``: ``xformers.ops.memory_efficient_attention`` (xFormers, Lefaudeux et al., 2022).
 
 Exact softmax attention in the memory-efficient form of Rabe & Staats (2021) ("Self-attention Does
-Not Need O(n^2) Memory"), run by whichever fused CUDA operator xFormers' dispatcher picks
-(FlashAttention 2/3 or the CUTLASS kernel; ``cutlassF-pt`` is the same kernel as SDPA's
-memory-efficient backend). :attr:`XFormersAttention.op_ran` names the forward operator that ran
+Not Need O(n^2) Memory"), run by a fused CUDA operator of xFormers: the one its dispatcher picks
+(``op=auto``) or one family forced with the ``op`` knob: ``cutlass`` (``cutlassF-pt``: PyTorch's own
+memory-efficient kernel, the one SDPA also has), ``flash`` (FlashAttention 2; ``fa2F@...-pt`` is
+PyTorch's built-in copy when the ``flash_attn`` package is absent), ``flash3`` (FlashAttention 3, from
+xFormers' compiled extension), ``triton_splitk`` (split-K flash-decoding in Triton, forward only) or
+``ck`` (AMD's Composable Kernel). :attr:`XFormersAttention.op_ran` names the forward operator that ran
 (``op_bw_ran`` the backward one), for records.
 
 xFormers wants ``(B, N, H, D)``: inputs are transposed in (a view, no copy) and the output back.
-Masks become an xFormers attention bias: ``LowerTriangularMask`` for causal alone; with a key padding
-mask or an ``attn_mask``, a dense additive float tensor (0 = may attend, -inf = may not; causal folded
-in) kept at its broadcast shape, e.g. ``(B, 1, 1, Nk)`` for key padding, and expanded (a view) to the
-``(B, H, Nq, Nk)`` xFormers checks. A query row that sees no key is given key 0 and zeroed afterwards,
-which also zeroes its gradients (the kernel would give NaN otherwise). Head sizes that are not a
-multiple of 8 are zero-padded (the CUDA kernels need 8-element alignment; the scale stays
-``1/sqrt(D)``).
+Grouped K/V heads (GQA) are passed in xFormers' 5-D layout ``(B, N, G, H/G, D)`` with K and V
+expanded over each group (a view, no copy) when no gradient is needed (xFormers' grouped layout is
+forward-only); with a gradient they are repeated (a copy). ``gqa_layout`` in the record says which.
 
-Time ``O(B H Nq Nk D)``; memory ``O(B H N D)`` plus the bias (``O(B Nk)`` for key padding,
-``O(B H Nq Nk)`` for a full ``attn_mask`` or key padding with causal).
+Masks become an xFormers attention bias, a type where xFormers has one, a dense tensor only where it
+has none (``bias_kind`` in the record names which; a dense ``(B, H, Nq, Nk)`` bias costs ``O(N^2)``
+memory and shows in the memory column):
+
+- causal alone: ``LowerTriangularMask`` (``Nq == Nk``), ``LowerTriangularFromBottomRightMask``
+  (``Nq < Nk``: the queries are the last positions), nothing for one query (it sees every key);
+- a window ``w`` (the ``window`` knob, or a model's sliding window; the narrower of the two), in
+  local_window's convention (the query at position ``p`` sees key ``j`` iff ``|p - j| <= w``):
+  ``LowerTriangularFromBottomRightLocalAttentionMask(w + 1)`` when causal (xFormers counts the
+  keys a query sees, the query's own included), ``LocalAttentionFromBottomRightMask(w, w)`` when not;
+- a key padding mask or an ``attn_mask`` (or a typed bias the chosen operator does not take): a
+  dense additive float tensor (0 = may attend, -inf = may not; causal and window folded in) kept at
+  its broadcast shape, e.g. ``(B, 1, 1, Nk)`` for key padding, expanded (a view) to the
+  ``(B, H, Nq, Nk)`` xFormers checks. A query row that sees no key is given key 0 and zeroed
+  afterwards, which also zeroes its gradients (the kernel would give NaN otherwise).
+
+Head sizes that are not a multiple of 8 are zero-padded (the CUDA kernels need 8-element alignment;
+the scale stays ``1/sqrt(D)``).
+
+Time ``O(B H Nq Nk D)`` (``O(B H Nq w D)`` with a window, for operators that skip masked tiles);
+memory ``O(B H N D)`` plus a dense bias when one is used.
 
 xFormers is imported lazily (never when ``variants`` is imported) with its import-time warning
-silenced. Not installed, not importable, or installed with compiled extensions that do not load
-(xFormers wheels are built for one torch release: 0.0.35 for torch 2.10 with CUDA 12.8) it is
-:class:`Unavailable`, naming the versions it was built for; on the CPU it is :class:`Unsupported`
-(its kernels are CUDA-only), with the reason xFormers itself gives.
+silenced. Whether it runs is decided by a real call (:func:`probe`), not by whether its compiled
+extension loaded: xFormers 0.0.35's ``cutlass`` and ``flash`` operators call PyTorch's own kernels
+and ``triton_splitk`` is Triton, so they run with an extension built for another torch. The record's
+``xformers_extension`` says whether the extension loaded (and if not, what it was built for).
+Not installed, not importable, or with no operator that runs a plain call on this machine it is
+:class:`Unavailable`, in xFormers' words; on the CPU it is :class:`Unsupported` (xFormers has no
+CPU operator).
 """
 
 from __future__ import annotations
@@ -38,7 +59,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionVariant, Unavailable, Unsupported, Workload
+from .base import AttentionVariant, Unavailable, Unsupported, Workload, repeat_kv
+from .patterns import band_pairs, band_pattern
 from .registry import register
 
 #: xFormers' kernels run on CUDA GPUs only: installing it on a CPU-only machine would give nothing
@@ -119,16 +141,9 @@ def summarize_not_implemented(msg: str) -> str:
 
 
 def _extension_note() -> str:
-    """Why xFormers' compiled extensions did not load, if they did not (first two lines)."""
-    try:
-        from xformers import _cpp_lib  # private, only used to explain a refusal
-    except Exception:
-        return ""
-    exc = getattr(_cpp_lib, "_cpp_library_load_exception", None)
-    if exc is None:
-        return ""
-    lines = [s.strip() for s in str(exc).strip().splitlines()[:2]]
-    return "; note: " + " ".join(lines)
+    """``"; " +`` why xFormers' compiled extension did not load (:func:`extension_failure`), or ``""``."""
+    failure = extension_failure()
+    return "" if failure is None else f"; {failure}"
 
 
 def extension_failure() -> str | None:
@@ -164,25 +179,48 @@ def extension_failure() -> str | None:
     )
 
 
-_PROBED: dict[tuple[str, torch.dtype], str | None] = {}
+#: the operator families the ``op`` knob can force (modules of ``xformers.ops.fmha``); ``auto``: the
+#: dispatcher's choice
+OPS = ("auto", "cutlass", "flash", "flash3", "triton_splitk", "ck")
 
 
-def probe(device: str, dtype: torch.dtype) -> str | None:
-    """Why xFormers cannot run on ``(device, dtype)`` (its own words), or None if a tiny call works.
+def operators(xops: ModuleType, op: str) -> tuple[Any, Any]:
+    """``(FwOp, BwOp)`` of the operator family ``op`` (``BwOp`` None if it has no backward), or
+    ``(None, None)`` for ``auto``; :class:`Unavailable` if this xFormers has no such family."""
+    if op == "auto":
+        return None, None
+    family = getattr(xops.fmha, op, None)
+    if family is None or not hasattr(family, "FwOp"):
+        raise Unavailable(f"this xformers has no operator family '{op}' (xformers.ops.fmha.{op})")
+    return family.FwOp, getattr(family, "BwOp", None)
 
-    Cached per ``(device, dtype)``; the call is on a ``(1, 8, 1, 8)`` input.
-    """
-    key = (device, dtype)
+
+_PROBED: dict[tuple[str, torch.dtype, str], str | None] = {}
+
+
+def probe_input(device: str, dtype: torch.dtype) -> torch.Tensor:
+    """The probe's query, key and value: ``(1, 8, 1, 8)`` (B, N, H, D) on ``device``."""
+    return torch.zeros(1, 8, 1, _ALIGN, device=device, dtype=dtype)
+
+
+def probe(device: str, dtype: torch.dtype, op: str = "auto") -> str | None:
+    """Why xFormers cannot run on ``(device, dtype)`` with operator family ``op`` (its own words), or
+    None if a tiny call works. Cached per ``(device, dtype, op)``; the call is on a ``(1, 8, 1, 8)``
+    input, forward only."""
+    key = (device, dtype, op)
     if key not in _PROBED:
         xops = load_xformers()
-        x = torch.zeros(1, 8, 1, _ALIGN, device=device, dtype=dtype)  # (B, N, H, D)
+        fw, _ = operators(xops, op)
+        x = probe_input(device, dtype)  # (B, N, H, D)
         try:
             with quiet_xformers():
-                xops.memory_efficient_attention_forward(x, x, x)
+                xops.memory_efficient_attention_forward(x, x, x, op=fw)
             _PROBED[key] = None
-        except NotImplementedError as exc:
-            _PROBED[key] = summarize_not_implemented(str(exc)) + _extension_note()
-        except (RuntimeError, ValueError) as exc:
+        except NotImplementedError as exc:  # the dispatcher found no operator
+            _PROBED[key] = summarize_not_implemented(str(exc))
+        except ValueError as exc:  # a forced operator refused: its reasons, one line
+            _PROBED[key] = " ".join(str(exc).split())
+        except RuntimeError as exc:
             _PROBED[key] = f"{type(exc).__name__}: {_first_line(exc)}"
     return _PROBED[key]
 
@@ -198,6 +236,7 @@ def additive_bias(
     attn_mask: torch.Tensor | None,
     dtype: torch.dtype,
     device: torch.device | str,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense additive bias for xFormers and the rows that see no key.
 
@@ -205,21 +244,22 @@ def additive_bias(
     masks' broadcast shape, rows aligned to 8 elements) holding 0 where attending is allowed and -inf
     elsewhere, except that a row with no allowed key gets 0 at key 0 (so the kernel never sees an
     all -inf row); ``empty`` (broadcastable to ``(B, H, Nq, 1)``, True = zero that row) or None.
-    At least one of ``key_padding_mask`` / ``attn_mask`` must be given.
+    Causal and ``window`` (``|p - j| <= window``, ``p = i + Nk - Nq``) are folded in.
     """
-    allowed: torch.Tensor | None = None
+    allowed = torch.ones(1, 1, 1, nk, dtype=torch.bool, device=device)  # (1, 1, 1, Nk)
     if key_padding_mask is not None:
         allowed = key_padding_mask.to(device)[:, None, None, :]  # (B, 1, 1, Nk)
     if attn_mask is not None:
         am = attn_mask.to(device)
         while am.dim() < 4:
             am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
-        allowed = am if allowed is None else allowed & am
-    if allowed is None:
-        raise ValueError("additive_bias needs a key_padding_mask or an attn_mask")
-    if causal:  # folded in: LowerTriangularMask cannot be combined with the empty-row fix below
-        # bottom-right: query i is position i + Nk - Nq
-        allowed = allowed & torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq)  # (.., Nq, Nk)
+        allowed = allowed & am
+    # bottom-right: query i is position p = i + Nk - Nq
+    offset = torch.arange(nq, device=device)[:, None] + (nk - nq) - torch.arange(nk, device=device)  # p - j
+    if causal:  # folded in: a typed mask cannot be combined with the empty-row fix below
+        allowed = allowed & (offset >= 0)  # (.., Nq, Nk)
+    if window is not None:
+        allowed = allowed & (offset.abs() <= window)  # (.., Nq, Nk)
     empty = ~allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Nq|1, 1)
     has_empty = bool(empty.any())
     if has_empty:
@@ -234,6 +274,31 @@ def additive_bias(
     return bias.expand(batch, heads, nq, nk), (empty if has_empty else None)
 
 
+def typed_bias(xops: ModuleType, nq: int, nk: int, *, causal: bool, window: int | None) -> Any:
+    """xFormers' own bias type for causal and/or a window (bottom-right aligned), or None for none.
+
+    The window is local_window's radius ``w`` (``|p - j| <= w``): causal, xFormers counts the ``w + 1``
+    keys a query sees, its own included; both sides, ``w`` keys left and ``w`` right.
+    """
+    ab = xops.fmha.attn_bias
+    if window is not None and window < nk - 1:  # a window this wide or wider hides no key
+        if causal:
+            return ab.LowerTriangularFromBottomRightLocalAttentionMask(window + 1)
+        return ab.LocalAttentionFromBottomRightMask(window_left=window, window_right=window)
+    if not causal or nq == 1:  # one query (the last position) sees every key
+        return None
+    return ab.LowerTriangularMask() if nq == nk else ab.LowerTriangularFromBottomRightMask()
+
+
+def bias_kind(bias: Any) -> str:
+    """How a bias reads in a record: ``none``, the xFormers type's name, or ``dense (shape)``."""
+    if bias is None:
+        return "none"
+    if isinstance(bias, torch.Tensor):
+        return f"dense {tuple(bias.shape)}"
+    return type(bias).__name__
+
+
 @register("xformers")
 class XFormersAttention(AttentionVariant):
     """xFormers' ``memory_efficient_attention`` (CUDA only); :attr:`op_ran` names the operator."""
@@ -242,44 +307,114 @@ class XFormersAttention(AttentionVariant):
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     backward_devices = frozenset({"cuda"})
     native_scale = True
+    native_gqa = True  # xFormers' grouped 5-D layout (forward), or repeated K/V (backward)
+    native_window = True  # xFormers' local attention masks; the narrower of the knob and a call's
+    example_knobs = ({"window": 3}, {"op": "cutlass"})
 
-    #: set after each call: the forward / backward operator xFormers' dispatcher chose
+    #: set after each call: the forward / backward operator that ran
     op_ran: str | None
     op_bw_ran: str | None
     _dispatch_cache: ClassVar[dict[tuple, tuple[str, str | None]]] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, op: str = "auto", window: int | None = None) -> None:
         super().__init__()
+        if op not in OPS:
+            raise ValueError(f"xformers op must be one of {', '.join(OPS)}; got '{op}'")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+            raise ValueError(f"window must be an integer >= 0 (a radius in tokens) or None, got {window!r}")
+        self.op = op
+        self.window = window
         self.op_ran = None
         self.op_bw_ran = None
+        self.bias_kind: str | None = None
+        self.gqa_layout: str | None = None
+        self.extension: str | None = None
+
+        # with a window it computes local_window's band, an approximation of full attention
+        self.exact = window is None
+
+    def knobs(self) -> dict[str, object]:
+        return {"op": self.op, "window": self.window}
+
+    def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
+        """Every pair (bottom-right causal), or local_window's band with the ``window`` knob."""
+        if self.window is None:
+            return super().pattern(nq, nk, causal)
+        return band_pattern(nq, nk, self.window, causal)
+
+    def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
+        if self.window is None:
+            return super().num_pairs(nq, nk, causal)
+        return band_pairs(nq, nk, self.window, causal)
 
     def check(self, w: Workload) -> None:
         if w.device not in self.devices:  # a fact about the variant, whatever is installed
+            # no install hint and no note on the extension: neither would make it run here
+            reason = (
+                f"xFormers has no {w.device.upper()} operator (memory_efficient_attention runs on CUDA GPUs)"
+            )
             try:
-                reason = (
-                    probe(w.device, w.dtype)
-                    or "not declared for this device (this suite runs it on cuda only)"
-                )
-            except Unavailable:  # not installed: no install hint where installing would not help
-                where = w.device.upper()
-                reason = f"xFormers has no {where} operator (memory_efficient_attention runs on CUDA GPUs)"
+                said = probe(w.device, w.dtype)
+                reason += f"; xFormers says: {said}" if said else ""
+            except Unavailable:
+                pass  # not installed
             raise Unsupported(f"xformers does not run on device '{w.device}': {reason}")
-        load_xformers()
-        failure = extension_failure()
-        if failure is not None:
-            raise Unavailable(failure)
+        xops = load_xformers()
+        fw, bw = operators(xops, self.op)
         super().check(w)
-        reason = probe(w.device, w.dtype)
+        if w.backward and fw is not None and bw is None:
+            raise Unsupported(f"xformers op={self.op} has no backward operator (forward only: decoding)")
+        failure = extension_failure()
+        # decided by a real call: operators that need no compiled extension of xFormers' own run anyway
+        reason = probe(w.device, w.dtype, self.op)
         if reason is not None:
-            raise Unsupported(f"xformers cannot run {str(w.dtype).replace('torch.', '')}: {reason}")
+            reason += _extension_note()
+            if self.op == "auto":
+                raise Unavailable(f"xformers cannot run on this machine: {reason}")
+            if "wasn't built" in reason or "not built" in reason:
+                raise Unavailable(f"xformers op={self.op} is not available here: {reason}")
+            dtype = str(w.dtype).replace("torch.", "")
+            raise Unsupported(f"xformers op={self.op} cannot run {dtype}: {reason}")
+        self.extension = "loaded" if failure is None else f"not loaded: {failure}"
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, window=None):
         xops = load_xformers()
         b, h, nq, d = q.shape
-        nk, dv = k.shape[2], v.shape[3]
+        hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+        window = (
+            self.window if window is None else window if self.window is None else min(window, self.window)
+        )
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        fw, bw = operators(xops, self.op)
+        if needs_grad and fw is not None and bw is None:
+            raise Unsupported(f"xformers op={self.op} has no backward operator (forward only: decoding)")
+        # zero-pad unaligned head sizes: q.k and p.v are unchanged, the padded output columns dropped
+        if d % _ALIGN:
+            q = F.pad(q, (0, _ALIGN - d % _ALIGN))  # (B, H, Nq, Dp)
+            k = F.pad(k, (0, _ALIGN - d % _ALIGN))  # (B, Hkv, Nk, Dp)
+        if dv % _ALIGN:
+            v = F.pad(v, (0, _ALIGN - dv % _ALIGN))  # (B, Hkv, Nk, Dvp)
+        grouped = hkv != h and not needs_grad  # xFormers' 5-D grouped layout has no backward
+        if hkv != h and not grouped:
+            k, v = repeat_kv(k, h), repeat_kv(v, h)  # (B, H, Nk, Dp|Dvp): a copy
+        qx = q.transpose(1, 2)  # (B, Nq, H, Dp): xFormers' layout, a view with stride(-1) == 1
+        kx = k.transpose(1, 2)  # (B, Nk, Hkv|H, Dp)
+        vx = v.transpose(1, 2)  # (B, Nk, Hkv|H, Dvp)
+        if grouped:
+            g = h // hkv
+            qx = qx.unflatten(2, (hkv, g))  # (B, Nq, Hkv, G, Dp): query head h in group h // G
+            kx = kx[:, :, :, None].expand(b, nk, hkv, g, kx.shape[-1])  # (B, Nk, Hkv, G, Dp), a view
+            vx = vx[:, :, :, None].expand(b, nk, hkv, g, vx.shape[-1])  # (B, Nk, Hkv, G, Dvp), a view
+        self.gqa_layout = None if hkv == h else ("grouped 5-D" if grouped else "repeated")
+        scale = d**-0.5 if scale is None else scale  # of the true head size, not the padded one
+
         empty = None
-        bias: Any = None
-        if key_padding_mask is not None or attn_mask is not None:
+        dense = key_padding_mask is not None or attn_mask is not None
+        bias: Any = None if dense else typed_bias(xops, nq, nk, causal=causal, window=window)
+        refusal = None if dense else self._choose(xops, fw, bw, qx, kx, vx, bias, scale, needs_grad)
+        if refusal is not None and bias is not None:  # no operator takes the type: a dense tensor
+            dense = True
+        if dense:
             bias, empty = additive_bias(
                 b,
                 h,
@@ -290,47 +425,48 @@ class XFormersAttention(AttentionVariant):
                 attn_mask=attn_mask,
                 dtype=q.dtype,
                 device=q.device,
+                window=window,
             )  # (B, H, Nq, Nk)
-        elif causal and nq == nk:
-            bias = xops.fmha.attn_bias.LowerTriangularMask()
-        elif causal and nq > 1:  # Nq < Nk: the queries are the last positions
-            bias = xops.fmha.attn_bias.LowerTriangularFromBottomRightMask()
-        # zero-pad unaligned head sizes: q.k and p.v are unchanged, the padded output columns dropped
-        if d % _ALIGN:
-            q = F.pad(q, (0, _ALIGN - d % _ALIGN))  # (B, H, Nq, Dp)
-            k = F.pad(k, (0, _ALIGN - d % _ALIGN))  # (B, H, Nk, Dp)
-        if dv % _ALIGN:
-            v = F.pad(v, (0, _ALIGN - dv % _ALIGN))  # (B, H, Nk, Dvp)
-        qx = q.transpose(1, 2)  # (B, Nq, H, Dp): xFormers' layout, a view with stride(-1) == 1
-        kx = k.transpose(1, 2)  # (B, Nk, H, Dp)
-        vx = v.transpose(1, 2)  # (B, Nk, H, Dvp)
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        scale = d**-0.5 if scale is None else scale  # of the true head size, not the padded one
-        self._record_ops(xops, qx, kx, vx, bias, scale, needs_grad)
+            if grouped:
+                bias = bias.unflatten(1, (hkv, h // hkv))  # (B, Hkv, G, Nq, Nk), a view
+            refusal = self._choose(xops, fw, bw, qx, kx, vx, bias, scale, needs_grad)
+        if refusal is not None:
+            raise Unsupported(
+                f"xformers{'' if fw is None else f' op={self.op}'} cannot run this input: {refusal}"
+            )
+        self.bias_kind = bias_kind(bias)
         try:
             with quiet_xformers():
-                out = xops.memory_efficient_attention(qx, kx, vx, attn_bias=bias, scale=scale)
-        except NotImplementedError as exc:
+                op = None if fw is None else (fw, bw)
+                out = xops.memory_efficient_attention(qx, kx, vx, attn_bias=bias, scale=scale, op=op)
+        except (NotImplementedError, ValueError) as exc:
             raise Unsupported(
                 f"xformers cannot run this input: {summarize_not_implemented(str(exc))}"
             ) from None
+        if grouped:
+            out = out.flatten(2, 3)  # (B, Nq, Hkv, G, Dvp) -> (B, Nq, H, Dvp)
         out = out.transpose(1, 2)[..., :dv]  # (B, Nq, H, Dvp) -> (B, H, Nq, Dv)
         if empty is not None:
             out = out.masked_fill(empty, 0.0)  # rows that see no key: zeros, and zero gradients
         return out
 
-    def _record_ops(
+    def _choose(
         self,
         xops: ModuleType,
+        fw: Any,
+        bw: Any,
         qx: torch.Tensor,
         kx: torch.Tensor,
         vx: torch.Tensor,
         bias: Any,
         scale: float,
         grad: bool,
-    ) -> None:
-        """Ask xFormers' dispatcher which operators it picks for these inputs (cached per layout)."""
+    ) -> str | None:
+        """Set :attr:`op_ran` / :attr:`op_bw_ran` to the operators that take these inputs (the
+        dispatcher's, or the forced family's); return why none does (one line), or None.
+        Cached per layout."""
         key = (
+            self.op,
             *(tuple(t.shape) + t.stride() for t in (qx, kx, vx)),
             qx.dtype,
             str(qx.device),
@@ -344,18 +480,30 @@ class XFormersAttention(AttentionVariant):
                 fmha = xops.fmha
                 inp = fmha.common.Inputs(query=qx, key=kx, value=vx, attn_bias=bias, scale=scale)
                 with quiet_xformers():
-                    fw = fmha.dispatch._dispatch_fw(inp, grad).NAME
-                    bw = fmha.dispatch._dispatch_bw(inp, varlen_lse_packed=None).NAME if grad else None
-                hit = (fw, bw)
-            except NotImplementedError:
-                return  # the call itself raises, with xFormers' reason
+                    if fw is None:
+                        f = fmha.dispatch._dispatch_fw(inp, grad).NAME
+                        b = fmha.dispatch._dispatch_bw(inp, varlen_lse_packed=None).NAME if grad else None
+                    else:
+                        reasons = [f"{fw.NAME}: {r}" for r in fw.not_supported_reasons(inp)]
+                        if grad:
+                            reasons += [f"{bw.NAME}: {r}" for r in bw.not_supported_reasons(inp)]
+                        if reasons:
+                            return "; ".join(" ".join(r.split()) for r in reasons)
+                        f, b = fw.NAME, bw.NAME if grad else None
+                hit = (f, b)
+            except NotImplementedError as exc:
+                return summarize_not_implemented(str(exc))
             except Exception as exc:
                 hit = (f"unknown ({type(exc).__name__} from xformers' dispatcher)", None)
             self._dispatch_cache[key] = hit
         self.op_ran, self.op_bw_ran = hit
+        return None
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
         d["op_ran"] = self.op_ran
         d["op_bw_ran"] = self.op_bw_ran
+        d["bias_kind"] = self.bias_kind
+        d["gqa_layout"] = self.gqa_layout
+        d["xformers_extension"] = self.extension
         return d
