@@ -1,4 +1,5 @@
-"""Pattern variants against FlexAttention with the same pattern and against dense SDPA (issue 12).
+"""Pattern variants against FlexAttention with the same pattern and against dense SDPA (issue 12);
+on CUDA also xFormers with the same window (issue 37).
 
 Contenders are timed interleaved, round by round, in one process; each cell is the median over the
 rounds and the min-max of the rounds. CPU: forward only (flex has no CPU backward), one wall-clock
@@ -39,6 +40,7 @@ def contenders(window: int, block: int, device: str) -> dict[str, variants.Atten
     if device == "cuda":
         c["local_window[sdpa]"] = variants.build("local_window", window=window, impl="sdpa")
         c["sparse[sdpa]"] = variants.build("sparse", block=block, impl="sdpa")
+        c["xformers window"] = variants.build("xformers", window=window)  # xFormers' local-attention type
     else:
         c["local_window[blocked]"] = variants.build("local_window", window=window, impl="blocked")
     return {name: attn.to(device) for name, attn in c.items()}
@@ -49,12 +51,16 @@ def visited_pairs(attn: variants.AttentionVariant, q: torch.Tensor, k: torch.Ten
     tiles), per (batch, head); None where the route that ran was not flex."""
     if attn.describe().get("impl_ran") != "flex":
         return None
-    bm = attn._flex.block_mask(q, k, False, None, None)
+    # sparse's global query rows are one dense call beside the kernel (variants/sparse.py)
+    dense_rows = min(getattr(attn, "global_blocks", 0) * getattr(attn, "block", 0), q.shape[2])
+    kernel = attn._flex_local if dense_rows else attn._flex
+    bm = kernel.block_mask(q, k, False, None, None)
     if bm is None:
         return None
     tiles = bm.kv_num_blocks.sum() + (bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0)
     qt, kt = bm.BLOCK_SIZE
-    return int(tiles) * qt * kt // (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
+    per_head = int(tiles) * qt * kt // (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
+    return per_head + dense_rows * k.shape[2]
 
 
 def call(

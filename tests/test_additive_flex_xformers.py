@@ -217,7 +217,9 @@ def _eager(name: str, **knobs) -> variants.AttentionVariant:
     """``name`` built with ``knobs``, its FlexAttention kernel run eagerly: this checks the wiring
     (pattern, tiles, masks), not the compiler."""
     attn = variants.build(name, **knobs)
-    attn._flex.compile = False
+    for kernel in ("_flex", "_flex_local"):  # sparse has a second kernel, without its global rows
+        if hasattr(attn, kernel):
+            getattr(attn, kernel).compile = False
     return attn
 
 
@@ -276,6 +278,27 @@ def test_flex_sparse_blocks_inside_larger_tiles_keep_their_exact_pattern(monkeyp
     assert attn.describe()["tile"] == 32
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
     assert not attn.pattern(100, 100, causal).all()  # a real sparse pattern, not full attention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_sparse_leaves_its_global_rows_to_one_dense_call(monkeypatch, causal):
+    # in the block mask the global rows' tile row would walk every key tile: it walks none, and those
+    # rows come from a dense call, as the layout says (the oracle) and with gradients
+    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device: 8)
+    n, block = 96, 8
+    attn = _eager("sparse", block=block, window_blocks=1, global_blocks=1, random_blocks=0, impl="flex")
+    q, k, v, kw = make_inputs(Case("g", b=1, h=2, nq=n, nk=n, d=8, dv=8, causal=causal, padding=True))
+    out = attn(q, k, v, **kw)
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+
+    def visited(kernel):  # key tiles each query tile visits, partial and full
+        bm = kernel.block_mask(q, k, causal, None, None)
+        full = bm.full_kv_num_blocks[0, 0] if bm.full_kv_num_blocks is not None else 0
+        return bm.kv_num_blocks[0, 0] + full
+
+    tiles = visited(attn._flex_local)
+    assert int(tiles[0]) == 0 and int(tiles.max()) <= 4  # global rows: none; others: window + global
+    assert int(visited(attn._flex)[0]) == (1 if causal else n // block)  # what the dense call spares
 
 
 def test_flex_tiles_on_cuda_and_block_sizes_the_gpu_kernel_cannot_take():
