@@ -94,6 +94,9 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, action="append", metavar=("B", "H", "D"))
     ap.add_argument("--min-run-time", type=float, default=0.2, help="CUDA: seconds per timing")
     ap.add_argument("--json", help="write every cell here")
+    ap.add_argument(
+        "--contenders", help="comma-separated names to time (default: all); 'sdpa (dense)' is always timed"
+    )
     args = ap.parse_args()
     if args.mode == "fwd_bwd" and args.device == "cpu":
         ap.error("--mode fwd_bwd needs --device cuda (flex has no CPU backward)")
@@ -116,6 +119,11 @@ def main() -> None:
                 for _ in range(3)
             )
             cs = contenders(args.window, args.block, args.device)
+            if args.contenders:
+                keep = {*args.contenders.split(","), "sdpa (dense)"}
+                if unknown := keep - cs.keys():
+                    ap.error(f"unknown contenders {sorted(unknown)}; known: {', '.join(cs)}")
+                cs = {name: attn for name, attn in cs.items() if name in keep}
             fns = {name: call(attn, q, k, v, args.mode) for name, attn in cs.items()}
             times: dict[str, list[float]] = {name: [] for name in cs}
             t_compile = {}
@@ -165,16 +173,21 @@ def main() -> None:
                     f"  {useful:8.3g} TFLOP/s useful{extra}; dense sdpa / this {med_dense / med:.2f}x",
                     flush=True,
                 )
-            for a, b in (("local_window", "flex window"), ("sparse", "flex sparse")):
-                ratio = statistics.median(times[a]) / statistics.median(times[b])
-                print(f"  ratio {a} / {b}: {ratio:.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"args": vars(args), "device_name": where, "torch": torch.__version__, "rows": rows},
-                f,
-                indent=1,
-            )
+            for a, b in (
+                ("local_window", "flex window"),
+                ("sparse", "flex sparse"),
+                ("xformers window", "local_window"),
+            ):
+                if a in times and b in times:
+                    ratio = statistics.median(times[a]) / statistics.median(times[b])
+                    print(f"  ratio {a} / {b}: {ratio:.2f}")
+            if args.json:  # after every length: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(
+                        {"args": vars(args), "device_name": where, "torch": torch.__version__, "rows": rows},
+                        f,
+                        indent=1,
+                    )
 
 
 if __name__ == "__main__":

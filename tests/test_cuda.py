@@ -90,3 +90,47 @@ def test_every_exact_variant_measures_ok_on_cuda(name):
         pytest.skip(res["reason"])
     assert res["status"] == "ok", res
     assert res["figures"]["valid"]
+
+
+XF_CASES = [
+    Case("causal", b=2, h=4, nq=200, nk=200, d=64, dv=64, causal=True),
+    Case("padding", b=2, h=4, nq=200, nk=200, d=64, dv=64, padding=True),
+    Case("gqa_short_q", b=2, h=8, hkv=2, nq=24, nk=300, d=128, dv=128, causal=True),
+    Case("decode_gqa", b=1, h=32, hkv=4, nq=1, nk=4096, d=128, dv=128, causal=True),
+    Case("window", b=1, h=4, hkv=2, nq=300, nk=300, d=64, dv=64, causal=True, window=17),
+    Case("window_both_ways", b=1, h=4, nq=300, nk=300, d=64, dv=64, window=17),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["auto", "cutlass", "flash", "triton_splitk"])
+@pytest.mark.parametrize("case", XF_CASES, ids=lambda c: c.id)
+def test_xformers_every_operator_against_the_oracle(op, case, dtype):
+    # a refusal is allowed only where xFormers itself has no operator for the input (its words)
+    attn = variants.build("xformers", op=op)
+    grad = op != "triton_splitk"  # split-K is forward-only
+    q, k, v, kw = make_inputs(case, dtype=dtype, requires_grad=grad, device="cuda")
+    try:
+        out = attn(q, k, v, **kw)
+    except variants.Unsupported as e:
+        assert op != "auto" and "cannot run this input" in str(e), e
+        pytest.skip(str(e))
+    assert attn.op_ran.startswith(
+        {"auto": "", "cutlass": "cutlassF", "flash": "fa2F", "triton_splitk": "triton"}[op]
+    )
+    assert attn.describe()["xformers_extension"] is not None
+    ref = variants.oracle(attn, *(t.detach().double() for t in (q, k, v)), **kw)
+    assert rel_err(out, ref) < 2e-2, (attn.op_ran, attn.bias_kind)
+    if grad:
+        out.float().pow(2).sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), attn.op_bw_ran
+
+
+def test_xformers_window_equals_local_window_on_cuda():
+    case = Case("w", b=1, h=8, nq=1024, nk=1024, d=64, dv=64, causal=True)
+    q, k, v, kw = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    xf = variants.build("xformers", window=100)
+    lw = variants.build("local_window", window=100)
+    a, b = xf(q, k, v, **kw), lw(q, k, v, **kw)
+    assert xf.bias_kind == "LowerTriangularFromBottomRightLocalAttentionMask"
+    assert rel_err(a, b) < 2e-2

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU checks of the open issues in one lease (a lent GPU machine runs this from the repo root;
+# results come back under $OUT). Each step has its own time limit, so one that overruns costs only
+# itself; the records so far are packed into $OUT/gpu.tar.gz after every step.
+#   OUT=/tmp/out bash scripts/device_checks.sh
+# Wheels of what the GPU image lacks (hydra-core, omegaconf, antlr4, xformers) are read from .whl/.
+set -u
+OUT=${OUT:-/tmp/out}
+W=/tmp/gpu  # records and logs, packed into $OUT/gpu.tar.gz
+mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+pack() { tar czf "$OUT/gpu.tar.gz" -C "$W" . ; }
+step() {  # step NAME SECONDS COMMAND...: its output in $W/NAME.log, its exit status in the summary
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$W/$name.log" 2>&1
+    local rc=$?
+    echo "step $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$W/summary.txt"
+    tail -n 25 "$W/$name.log"
+    pack
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$W/gpu.txt"
+python3 -c "import torch, triton, xformers; print('torch', torch.__version__, 'triton', triton.__version__, 'xformers', xformers.__version__)" 2>&1 | grep -v WARN | tee -a "$W/gpu.txt"
+R=$W/records
+step xformers_gpu 130 python3 run.py -m experiment=gpu_xformers min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers
+step sdpa_gpu 50 python3 run.py -m experiment=gpu variant=sdpa min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers
+step decode 90 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=sdpa,xformers seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_cuda
+step decode_splitk 60 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=xformers variant.op=triton_splitk seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_cuda
+step patterns_small 110 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --json $W/patterns_small.json
+step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --json $W/patterns_large.json
+step pytest_cuda $((575 - SECONDS)) python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
+grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40
+tail -n 5 "$W/pytest_cuda.log"
+cat "$W/summary.txt"
