@@ -140,7 +140,8 @@ def test_without_the_fact_prefill_and_step_refuse_and_the_cache_grows(vp):
     ids=param_id,
 )
 def test_a_bounded_reach_keeps_only_what_decoding_reads(vp):
-    """A variant that says a step reads only the last ``cache_len`` keys gives the same decoding rows
+    """A variant that says a step reads only ``cache_len`` cached keys (the last ones, and the first
+    ``sink_tokens`` where it keeps attention sinks: StreamingLLM's cache) gives the same decoding rows
     from that much of the cache as from all of it (against the float64 oracle on the whole cache)."""
     name, knobs = vp
     attn = _build(name, knobs, "cpu")
@@ -148,6 +149,8 @@ def test_a_bounded_reach_keeps_only_what_decoding_reads(vp):
     nq = 3  # the last three positions, decoded against the cache before them
     keep = attn.cache_len(CASE.nk - nq) + nq
     assert keep < CASE.nk, "the case must be long enough for the bound to cut the cache"
+    head = getattr(attn, "sink_tokens", 0)  # the first keys, kept with the last keep - head
+    idx = torch.cat([torch.arange(head), torch.arange(CASE.nk - keep + head, CASE.nk)])  # (keep,)
     want = oracle(attn, q[:, :, -nq:], k, v, causal=True)
-    got = attn(q[:, :, -nq:], k[:, :, -keep:], v[:, :, -keep:], causal=True)
+    got = attn(q[:, :, -nq:], k[:, :, idx], v[:, :, idx], causal=True)
     assert rel_err(got, want) <= 1e-5, oracle_hint(name, rel_err(got, want), 1e-5)

@@ -288,8 +288,9 @@ class AttentionVariant(nn.Module):
     supports_softcap: ClassVar[bool] = False
     #: ``window=w`` (a model's sliding window, in local_window's convention: key ``j`` is visible to
     #: the query at position ``p`` iff ``|p - j| <= w``) handled by ``_attend`` itself (local_window: the
-    #: narrower of its own window and the call's); otherwise :meth:`forward` folds the band into the
-    #: ``attn_mask`` of a variant that takes one (an ``(Nq, Nk)`` mask) and the others refuse it
+    #: narrower of its own window and the call's, its ``sink_tokens`` kept visible); otherwise
+    #: :meth:`forward` folds the band into the ``attn_mask`` of a variant that takes one (an ``(Nq,
+    #: Nk)`` mask) and the others refuse it
     native_window: ClassVar[bool] = False
     #: a gradient for the bias
     bias_backward: ClassVar[bool] = False
@@ -512,7 +513,8 @@ class AttentionVariant(nn.Module):
 
     def cache_len(self, nk: int) -> int:
         """Cached keys a decoding step reads after a context of ``nk`` positions: all of them, unless
-        the variant's reach is bounded (local_window: the last ``window``)."""
+        the variant's reach is bounded (local_window: the last ``window`` and the first
+        ``sink_tokens``)."""
         return nk
 
     def state_bytes(self, w: Workload) -> int:

@@ -1,35 +1,58 @@
 """``local_window``: sliding-window (banded) attention, computed block by block (Longformer's local
-attention; Beltagy et al., 2020, "Longformer: The Long-Document Transformer").
+attention; Beltagy et al., 2020, "Longformer: The Long-Document Transformer"), optionally with
+StreamingLLM's attention sinks (Xiao et al., 2023, "Efficient Streaming Language Models with
+Attention Sinks").
 
-Query ``i`` sees key ``j`` iff ``|i - j| <= window`` (and ``j <= i`` when causal). A window of ``N - 1``
-or more is full attention. Queries are cut into blocks of ``block`` rows; a block starting at ``s``
-can only see keys in ``[s - window, s + block - 1 + window]``, so each block is scored against that
-span of ``block + 2 * window`` keys (``block + window`` when causal: later keys are never visible).
+The query at position ``p = i + Nk - Nq`` (bottom-right: the queries are the last ``Nq`` positions)
+sees key ``j`` iff ``|p - j| <= window`` or ``j < sink_tokens``, and in both cases ``j <= p`` when
+causal; key padding applies on top. A key that is both in the band and among the sinks is one term of
+the softmax, never two. ``sink_tokens`` (default 0: the plain band, every code path as without it)
+keeps the first tokens of the sequence visible to every query, as StreamingLLM does (typically 4). It
+is a constructor knob and has nothing to do with the ``sinks=`` argument of ``forward`` (a learned
+logit per head that joins the softmax's denominator for a zero value, gpt-oss style), which this
+variant refuses. A window of ``N - 1`` or more is full attention.
+
+Queries are cut into blocks of ``block`` rows; a block starting at ``s`` can only see keys in ``[s -
+window, s + block - 1 + window]``, so each block is scored against that span of ``block + 2 *
+window`` keys (``block + window`` when causal: later keys are never visible).
 K and V are padded by ``window`` on both sides and to a multiple of ``block``, and the spans are
 strided views of them (``unfold``; the batched matmul copies each span once, ``(block + 2 window) /
 block`` times the size of K), so every block is scored in one batched matmul and no ``N x N``
-matrix exists, forward or backward.
+matrix exists, forward or backward. With sinks, the first ``sink_tokens`` keys and values are put in
+front of every block's span (``sink_tokens`` more slots per block); a sink slot is masked for a query
+whose band already holds that key (so it is counted once), for a query before it when causal, and
+where the key is padding.
 
 Three implementations of the same pattern, chosen by the ``impl`` knob (``impl_ran`` in the record):
 
 - ``sdpa``: the spans are copied out (``(block + 2 window) / block`` times the size of K and V) and
   every block is one "head" of PyTorch's fused ``scaled_dot_product_attention`` with an additive band
-  mask of shape ``(1, nb, block, span)`` shared by all batch elements and heads (4-D, so the CPU picks
-  its fused flash kernel; a 3-D mask sends it to the unfused math path, 2.6x slower here). Scores,
-  softmax and the weighted sum stay inside the kernel, forward and backward.
+  mask of shape ``(1, nb, block, sink_tokens + span)`` shared by all batch elements and heads (4-D,
+  so the CPU picks its fused flash kernel; a 3-D mask sends it to the unfused math path, 2.6x slower
+  here). Scores, softmax and the weighted sum stay inside the kernel, forward and backward.
 - ``blocked``: the same spans scored with batched matmuls and an in-place softmax in plain PyTorch
   (the reference implementation: every step visible).
-- ``flex``: FlexAttention's compiled kernel with the band as its block mask
+- ``flex``: FlexAttention's compiled kernel with the band OR the sinks as its block mask
   (:mod:`variants.flex_kernel`, the predicate from :mod:`variants.patterns`); no backward on the CPU;
   compiles once per shape.
 - ``auto`` (default): ``flex`` on CUDA (a Triton kernel that skips tiles outside the band), ``sdpa``
   on the CPU (no compile, and faster there than compiled flex at N=2048-8192).
 
-Shapes: ``q (B, H, N, D)``, ``k (B, H, N, D)``, ``v (B, H, N, Dv)`` -> ``(B, H, N, Dv)``; self-attention
-only (``Nq == Nk``), with causal and key padding masks, no arbitrary ``attn_mask``.
-Time ``O(B H N (block + 2 window) D)``; memory ``O(N (block + 2 window))`` for the shared mask
-(``O(B H N (block + 2 window))`` with key padding, or for the ``blocked`` scores): linear in ``N`` at a
-fixed window. ``blocked`` accumulates low-precision inputs in float32.
+Decoding (``Nq < Nk``, the queries the last ``Nq`` positions of the keys' sequence) reads only the
+keys in reach: from ``lo = Nk - Nq - window`` on, plus the first ``sink_tokens`` (the two slices
+concatenated: the rest of the cache is never touched, so a step costs ``O(window + sink_tokens)``, and
+:meth:`LocalWindowAttention.cache_len` is ``min(Nk, window + sink_tokens)``). The concatenated cache
+is itself a valid input: renumbered, its sinks stay the first keys and every band keeps its keys, so
+a cache that holds only the sinks and the last ``window`` keys (StreamingLLM's rolling cache) gives
+the same output as the whole one. A call's ``window=`` narrower than the knob narrows the band; the
+sinks stay.
+
+Shapes: ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` -> ``(B, H, Nq, Dv)``;
+self-attention only (``Nq <= Nk``), with causal and key padding masks, no arbitrary ``attn_mask``.
+Time ``O(B H N (block + 2 window + sink_tokens) D)``; memory ``O(N (block + 2 window +
+sink_tokens))`` for the shared mask (``O(B H N (block + 2 window + sink_tokens))`` with key padding,
+or for the ``blocked`` scores): linear in ``N`` at a fixed window. ``blocked`` accumulates
+low-precision inputs in float32.
 """
 
 from __future__ import annotations
@@ -48,7 +71,11 @@ IMPLS = ("auto", "sdpa", "blocked", "flex")
 
 @register("local_window")
 class LocalWindowAttention(AttentionVariant):
-    """Sliding-window attention of radius ``window``, scored in query blocks of ``block`` rows."""
+    """Sliding-window attention of radius ``window``, scored in query blocks of ``block`` rows, plus the
+    first ``sink_tokens`` keys visible to every query (StreamingLLM's attention sinks; 0: none).
+
+    ``sink_tokens`` is a structural knob (which keys are seen), unrelated to the ``sinks=`` argument of
+    ``forward`` (learned sink logits, refused here: ``supports_sinks`` is False)."""
 
     exact = False  # an approximation of full attention; its oracle is the softmax over the band
     supports_attn_mask = False
@@ -60,12 +87,19 @@ class LocalWindowAttention(AttentionVariant):
         {"window": 5},
         {"window": 2, "block": 5},
         {"window": 3, "block": 4, "impl": "blocked"},
+        # StreamingLLM's sinks: the first keys outside the band at N=24 (sdpa, then the reference)
+        {"window": 3, "block": 4, "sink_tokens": 2},
+        {"window": 2, "block": 5, "sink_tokens": 3, "impl": "blocked"},
     )
 
-    def __init__(self, window: int = 128, block: int | None = None, impl: str = "auto") -> None:
+    def __init__(
+        self, window: int = 128, block: int | None = None, impl: str = "auto", sink_tokens: int = 0
+    ) -> None:
         super().__init__()
         if window < 0:
             raise ValueError(f"window must be >= 0 (a radius in tokens), got {window}")
+        if sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0 (first keys every query sees), got {sink_tokens}")
         if block is not None and block < 1:
             raise ValueError(f"block must be >= 1 or None, got {block}")
         if impl not in IMPLS:
@@ -73,6 +107,7 @@ class LocalWindowAttention(AttentionVariant):
         self.window = window
         self.block = block
         self.impl = impl
+        self.sink_tokens = sink_tokens
         self.impl_ran: str | None = None
         self._narrower: dict[int, LocalWindowAttention] = {}  # for calls with a narrower window
         # tiles of 128 (or the block, if given): the band is the predicate, the tile only how much
@@ -80,7 +115,12 @@ class LocalWindowAttention(AttentionVariant):
         self._flex = FlexKernel(self._band, block or CUDA_TILE)
 
     def knobs(self) -> dict[str, object]:
-        return {"window": self.window, "block": self.block, "impl": self.impl}
+        return {
+            "window": self.window,
+            "block": self.block,
+            "impl": self.impl,
+            "sink_tokens": self.sink_tokens,
+        }
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
@@ -109,8 +149,10 @@ class LocalWindowAttention(AttentionVariant):
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, window=None):
         if window is not None and window < self.window:  # the call's band lies inside this one
             narrower = self._narrower.get(window)
-            if narrower is None:
-                narrower = self._narrower[window] = LocalWindowAttention(window, self.block, self.impl)
+            if narrower is None:  # the call narrows the band only: the sinks stay
+                narrower = self._narrower[window] = LocalWindowAttention(
+                    window, self.block, self.impl, sink_tokens=self.sink_tokens
+                )
             out = narrower._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=None)
             self.impl_ran = narrower.impl_ran
             return out
@@ -119,9 +161,20 @@ class LocalWindowAttention(AttentionVariant):
             # the queries are the last Nq positions: only keys from (first position - window) on can
             # be seen, so the rest of the cache is never touched (decoding costs O(window), not O(Nk))
             lo = max(0, nk - nq - self.window)
-            k, v = k[:, :, lo:], v[:, :, lo:]  # (B, Hkv, Nk - lo, D|Dv), views
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask[:, lo:]  # (B, Nk - lo)
+            s = self.sink_tokens
+            if s and lo > s:
+                # and the sinks: the first s keys joined to those in reach (small copies, O(s + window)).
+                # Renumbered, the sinks are still keys 0..s-1 and every query's band starts at or after
+                # key s (position - window >= lo maps to >= s), so the same pattern applies unchanged
+                k = torch.cat([k[:, :, :s], k[:, :, lo:]], 2)  # (B, Hkv, s + Nk - lo, D)
+                v = torch.cat([v[:, :, :s], v[:, :, lo:]], 2)  # (B, Hkv, s + Nk - lo, Dv)
+                if key_padding_mask is not None:
+                    key_padding_mask = torch.cat([key_padding_mask[:, :s], key_padding_mask[:, lo:]], 1)
+            elif not s:
+                k, v = k[:, :, lo:], v[:, :, lo:]  # (B, Hkv, Nk - lo, D|Dv), views
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask[:, lo:]  # (B, Nk - lo)
+            # (else the sinks reach the first band: every key is in reach, nothing to cut)
         impl = self.choose_impl(Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask))
         self.impl_ran = impl
         if impl == "sdpa" and nq < nk and nq <= (self.block or max(self.window, 16)):
@@ -135,12 +188,15 @@ class LocalWindowAttention(AttentionVariant):
 
     def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask):
         """Fewer queries than keys, all within one query block (decoding, a short prefill onto a cache):
-        one fused SDPA call on the keys in reach (``k``, ``v`` already cut to them) with the band as its
-        mask, grouped K/V heads left to SDPA (no copy, no padding, no spans). ``O(Nq (Nq + window))``."""
+        one fused SDPA call on the keys in reach (``k``, ``v`` already cut to them, the sinks first) with
+        the band OR the sinks as its mask, grouped K/V heads left to SDPA (no copy, no padding, no
+        spans). ``O(Nq (Nq + window + sink_tokens))``."""
         nq, nk = q.shape[2], k.shape[2]
         p = torch.arange(nk - nq, nk, device=q.device)[:, None]  # (Nq, 1): positions of the queries
         j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
         blocked = (p - j).abs() > self.window
+        if self.sink_tokens:  # a sink is seen even outside the band (one mask entry: counted once)
+            blocked = blocked & (j >= self.sink_tokens)
         if causal:
             blocked = blocked | (j > p)
         blocked = blocked[None, None]  # (1, 1, Nq, Nk)
@@ -162,11 +218,17 @@ class LocalWindowAttention(AttentionVariant):
         right = off + (nb - 1) * b + span - w - nk
         return w, b, nb, n_pad, span, off, right
 
+    def _sink_slots(self, nk: int, w: int) -> int:
+        """How many sink slots go in front of each block's span: ``sink_tokens`` (at most ``Nk``), or 0
+        when the clipped window ``w`` reaches every key (every sink is in every band already)."""
+        return 0 if w >= nk - 1 else min(self.sink_tokens, nk)
+
     def _blocked_mask(
         self, nq: int, nk: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
     ) -> torch.Tensor:
-        """True where query row ``r`` of block ``c`` may not see span slot ``t``: ``(nb, b, span)``, or
-        ``(B, 1, nb, b, span)`` with key padding."""
+        """True where query row ``r`` of block ``c`` may not see slot ``t`` of its keys (the ``ns`` sink
+        slots, then the span): ``(nb, b, ns + span)``, or ``(B, 1, nb, b, ns + span)`` with key
+        padding (``ns`` from :meth:`_sink_slots`, 0 without sinks)."""
         w, b, nb, n_pad, span, off, right = self._geometry(nq, nk, causal)
         # query r of a block vs span slot t: i - j = r + w - t, independent of the block, so the
         # band is one (b, span) matrix shared by all blocks
@@ -180,8 +242,23 @@ class LocalWindowAttention(AttentionVariant):
             absent = absent | ~F.pad(key_padding_mask.to(device), (w, right))  # (B, Lp)
         absent = absent[..., off:].unfold(-1, span, b)  # (nb, span) or (B, nb, span)
         if absent.dim() == 3:
-            return outside | absent[:, None, :, None, :]  # (B, 1, nb, b, span)
-        return outside | absent[:, None, :]  # (nb, b, span)
+            blocked = outside | absent[:, None, :, None, :]  # (B, 1, nb, b, span)
+        else:
+            blocked = outside | absent[:, None, :]  # (nb, b, span)
+        ns = self._sink_slots(nk, w)
+        if not ns:
+            return blocked
+        # sink slot u (key u) for query row r of block c, at position p = off + c*b + r, depends on the
+        # block (unlike the band): hidden where the band already shows key u (counted once), after p
+        # when causal, and where key u is padding
+        p = off + torch.arange(n_pad, device=device).view(nb, b, 1)  # (nb, b, 1): query positions
+        u = torch.arange(ns, device=device)  # (ns,): sink keys
+        hide = (p - u).abs() <= w  # (nb, b, ns)
+        if causal:
+            hide = hide | (u > p)
+        if key_padding_mask is not None:
+            hide = hide | ~key_padding_mask.to(device)[:, None, None, None, :ns]  # (B, 1, nb, b, ns)
+        return torch.cat([hide, blocked], -1)  # (nb, b, ns + span) or (B, 1, nb, b, ns + span)
 
     def _spans(self, x: torch.Tensor, nq: int, causal: bool) -> torch.Tensor:
         """``x (B, H, Nk, E)`` padded and cut into the overlapping key spans of ``Nq`` queries:
@@ -195,16 +272,18 @@ class LocalWindowAttention(AttentionVariant):
     def _sdpa_attend(self, q, k, v, *, causal, key_padding_mask):
         bsz, h, n, d = q.shape
         dv = v.shape[-1]
-        _, b, nb, n_pad, span, _, _ = self._geometry(n, k.shape[2], causal)
+        w, b, nb, n_pad, span, _, _ = self._geometry(n, k.shape[2], causal)
+        ns = self._sink_slots(k.shape[2], w)
+        width = ns + span  # keys each block is scored against: the sinks, then its span
         qp = F.pad(q, (0, 0, 0, n_pad - n)) if n_pad > n else q  # (B, H, Np, D)
         qb = qp.reshape(bsz, h, nb, b, d)  # (B, H, nb, b, D)
         ku = self._spans(k, n, causal)  # (B, H, nb, D, span), a view
         vu = self._spans(v, n, causal)  # (B, H, nb, Dv, span), a view
         blocked = self._blocked_mask(
             n, k.shape[2], causal, key_padding_mask, q.device
-        )  # (nb|B, ..., b, span)
+        )  # (nb|B, ..., b, width)
         # spans are copied out a chunk of blocks at a time (see masks.CHUNK_BYTES)
-        per_block = bsz * h * (span * (d + dv) + b * span) * q.element_size()
+        per_block = bsz * h * (width * (d + dv) + b * width) * q.element_size()
         step = blocks_per_chunk(per_block, nb)
         outs = []
         # chunks by split, not by slicing: the backward of a slice is a zero tensor the size of the
@@ -213,12 +292,18 @@ class LocalWindowAttention(AttentionVariant):
         pieces = zip(ku.split(step, dim=2), vu.split(step, dim=2), qb.split(step, dim=2), strict=True)
         for s, (kc, vc, qc) in zip(range(0, nb, step), pieces, strict=True):
             m = kc.shape[2]
-            kc = kc.transpose(-2, -1).reshape(bsz * h, m, span, d)  # (B*H, m, span, D)
-            vc = vc.transpose(-2, -1).reshape(bsz * h, m, span, dv)  # (B*H, m, span, Dv)
-            if blocked.dim() == 5:  # key padding: one mask per batch element, repeated over heads
-                bc = blocked[:, :, s : s + m].expand(bsz, h, m, b, span).reshape(bsz * h, m, b, span)
+            if ns:  # the sinks in front of every span: one copy, the concatenation (contiguous)
+                kc = torch.cat([k[:, :, None, :ns].expand(bsz, h, m, ns, d), kc.transpose(-2, -1)], 3)
+                vc = torch.cat([v[:, :, None, :ns].expand(bsz, h, m, ns, dv), vc.transpose(-2, -1)], 3)
+                kc = kc.reshape(bsz * h, m, width, d)  # (B, H, m, ns + span, D) -> (B*H, m, width, D)
+                vc = vc.reshape(bsz * h, m, width, dv)  # (B*H, m, width, Dv)
             else:
-                bc = blocked[None, s : s + m]  # (1, m, b, span): 4-D, the CPU's fused kernel takes it
+                kc = kc.transpose(-2, -1).reshape(bsz * h, m, span, d)  # (B*H, m, span, D)
+                vc = vc.transpose(-2, -1).reshape(bsz * h, m, span, dv)  # (B*H, m, span, Dv)
+            if blocked.dim() == 5:  # key padding: one mask per batch element, repeated over heads
+                bc = blocked[:, :, s : s + m].expand(bsz, h, m, b, width).reshape(bsz * h, m, b, width)
+            else:
+                bc = blocked[None, s : s + m]  # (1, m, b, width): 4-D, the CPU's fused kernel takes it
             # each block is one "head" of SDPA
             out = sdpa_blocked(qc.reshape(bsz * h, m, b, d), kc, vc, bc)  # (B*H, m, b, Dv)
             outs.append(out.reshape(bsz, h, m * b, dv))  # CUDA SDPA may return a non-contiguous view
@@ -227,7 +312,8 @@ class LocalWindowAttention(AttentionVariant):
 
     def _blocked_attend(self, q, k, v, *, causal, key_padding_mask):
         bsz, h, n, d = q.shape
-        _, b, nb, n_pad, _, _, _ = self._geometry(n, k.shape[2], causal)
+        w, b, nb, n_pad, _, _, _ = self._geometry(n, k.shape[2], causal)
+        ns = self._sink_slots(k.shape[2], w)
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         # scale q before the matmul: in low precision q k^T could overflow first
         qs = q.to(work) * d**-0.5  # (B, H, N, D)
@@ -236,24 +322,40 @@ class LocalWindowAttention(AttentionVariant):
         qb = qs.reshape(bsz, h, nb, b, d)  # (B, H, nb, b, D)
         ku = self._spans(k.to(work), n, causal)  # (B, H, nb, D, span): already K^T per block
         vu = self._spans(v.to(work), n, causal).transpose(-2, -1)  # (B, H, nb, span, Dv)
+        if ns:  # the sinks in front of every block's span (ns keys each, copied with the spans)
+            sk = k[:, :, None, :ns].to(work).transpose(-2, -1)  # (B, H, 1, D, ns)
+            sv = v[:, :, None, :ns].to(work)  # (B, H, 1, ns, Dv)
+            ku = torch.cat([sk.expand(bsz, h, nb, d, ns), ku], -1)  # (B, H, nb, D, ns + span)
+            vu = torch.cat([sv.expand(bsz, h, nb, ns, v.shape[-1]), vu], -2)  # (B, H, nb, ns + span, Dv)
         blocked = self._blocked_mask(n, k.shape[2], causal, key_padding_mask, q.device)
         # the scores are not kept: softmax overwrites them, and only p is needed afterwards
-        p = softmax_blocked_(qb @ ku, blocked)  # (B, H, nb, b, span)
+        p = softmax_blocked_(qb @ ku, blocked)  # (B, H, nb, b, ns + span)
         out = zero_empty_rows(p @ vu, blocked)  # (B, H, nb, b, Dv)
         out = out.reshape(bsz, h, n_pad, v.shape[-1])  # (B, H, Np, Dv)
         return out[:, :, :n].to(q.dtype)  # padded queries dropped
 
     def cache_len(self, nk: int) -> int:
-        """Decoding reads the last ``window`` cached keys (and the new one): older keys can go."""
-        return min(nk, self.window)
+        """Cached keys a decoding step reads after a context of ``nk`` positions: the last ``window``
+        (besides the new key) and the first ``sink_tokens``, all ``nk`` where the two overlap. The
+        others can go: a cache of the sinks and the last ``window`` keys gives the same output."""
+        return min(nk, self.window + self.sink_tokens)
 
     def _band(self, nq: int, nk: int, causal: bool, device: torch.device) -> MaskMod:
-        """The band of a call as FlexAttention's predicate (:data:`variants.flex_kernel.Pattern`)."""
-        return band_mask_mod(nq, nk, self.window, causal)
+        """The band and the sinks of a call as FlexAttention's predicate
+        (:data:`variants.flex_kernel.Pattern`)."""
+        return band_mask_mod(nq, nk, self.window, causal, self.sink_tokens)
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
-        """``|p - j| <= window`` (and ``j <= p`` if causal) for the query at position ``p = i + Nk - Nq``."""
-        return band_pattern(nq, nk, self.window, causal)
+        """``|p - j| <= window`` or ``j < sink_tokens`` (and ``j <= p`` if causal) for the query at
+        position ``p = i + Nk - Nq``: boolean ``(Nq, Nk)``."""
+        return band_pattern(nq, nk, self.window, causal, self.sink_tokens)
+
+    def window_exempt(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
+        """The pairs a call's ``window=`` leaves visible outside its band: the sinks (``j <
+        sink_tokens``, and ``j <= p`` if causal), as boolean ``(Nq, Nk)``. A call's window narrows the
+        band and keeps the sinks this instance was built with; the float64 oracle reads this."""
+        return self.pattern(nq, nk, causal) & (torch.arange(nk) < self.sink_tokens)[None, :]
 
     def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
-        return band_pairs(nq, nk, self.window, causal)
+        """Pairs of :meth:`pattern`, counted in ``O(window + sink_tokens)``."""
+        return band_pairs(nq, nk, self.window, causal, self.sink_tokens)

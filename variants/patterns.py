@@ -13,7 +13,9 @@ masking keeps key ``j`` iff ``j <= i + Nk - Nq``. (With ``Nq > Nk``, which neith
 takes, query ``i`` is position ``i``.)
 
 - The sliding-window **band** (``local_window``; Longformer, Beltagy et al., 2020): the query at
-  position ``p`` sees key ``j`` iff ``|p - j| <= window``.
+  position ``p`` sees key ``j`` iff ``|p - j| <= window``; with ``sink_tokens = s > 0`` also every key
+  ``j < s`` (StreamingLLM's attention sinks, Xiao et al., 2023: the first tokens stay visible to every
+  query), a key in both counted once.
 - The **block-sparse layout** (``sparse``; BigBird, Zaheer et al., 2020, plus the Sparse Transformer's
   strided blocks, Child et al., 2019): a table of key blocks per query block (:func:`block_layout`),
   its ``(nb, nb)`` block matrix (:func:`layout_blocks`), and the token-level pattern of that matrix.
@@ -49,32 +51,48 @@ def causal_mask_mod(nq: int, nk: int) -> MaskMod:
 
 
 # ------------------------------------------------------------------------------------ the band
-def band_mask_mod(nq: int, nk: int, window: int, causal: bool) -> MaskMod:
+def band_mask_mod(nq: int, nk: int, window: int, causal: bool, sink_tokens: int = 0) -> MaskMod:
     """The band as a predicate: the query at position ``p = i + Nk - Nq`` sees key ``j`` iff ``|p - j|
-    <= window`` (and ``j <= p`` if causal). ``O(1)`` per pair."""
+    <= window`` or ``j < sink_tokens`` (the attention sinks), and ``j <= p`` if causal. ``O(1)`` per
+    pair."""
     off = _first_position(nq, nk)
+
+    def seen(qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        near = (qi + off - ki).abs() <= window
+        # band OR sinks in one predicate: a key in both is one pair, never two
+        return near | (ki < sink_tokens) if sink_tokens > 0 else near
+
     if not causal:
-        return lambda qi, ki: (qi + off - ki).abs() <= window
+        return seen
     past = causal_mask_mod(nq, nk)
-    return lambda qi, ki: ((qi + off - ki).abs() <= window) & past(qi, ki)
+    return lambda qi, ki: seen(qi, ki) & past(qi, ki)
 
 
-def band_pattern(nq: int, nk: int, window: int, causal: bool) -> torch.Tensor:
-    """The band on every pair: boolean ``(Nq, Nk)`` (:func:`band_mask_mod`). ``O(Nq Nk)``."""
-    return dense(band_mask_mod(nq, nk, window, causal), nq, nk)
+def band_pattern(nq: int, nk: int, window: int, causal: bool, sink_tokens: int = 0) -> torch.Tensor:
+    """The band (and sinks) on every pair: boolean ``(Nq, Nk)`` (:func:`band_mask_mod`). ``O(Nq Nk)``."""
+    return dense(band_mask_mod(nq, nk, window, causal, sink_tokens), nq, nk)
 
 
-def band_pairs(nq: int, nk: int, window: int, causal: bool) -> int:
-    """Number of pairs (query position ``p``, key ``j < nk``) with ``|p - j| <= window`` (and ``j <= p``
-    if causal), the queries at positions ``off .. off + nq - 1`` with ``off = max(0, nk - nq)``.
+def band_pairs(nq: int, nk: int, window: int, causal: bool, sink_tokens: int = 0) -> int:
+    """Number of pairs (query position ``p``, key ``j < nk``) with ``|p - j| <= window`` or ``j <
+    sink_tokens`` (and ``j <= p`` if causal), the queries at positions ``off .. off + nq - 1`` with
+    ``off = max(0, nk - nq)``.
 
-    Summed diagonal by diagonal (``d = p - j``): diagonal ``d`` holds ``min(off + nq, nk + d) -
-    max(off, d)`` pairs, so the cost is ``O(window)``, not ``O(nq * nk)``.
+    The band is summed diagonal by diagonal (``d = p - j``): diagonal ``d`` holds ``min(off + nq, nk +
+    d) - max(off, d)`` pairs. Each sink key ``j`` then adds the queries outside its band: ``p > j +
+    window`` (always after ``j``, so causal keeps them all) and, not causal, ``p < j - window``. Cost
+    ``O(window + sink_tokens)``, not ``O(nq * nk)``.
     """
     off = _first_position(nq, nk)
+    end = off + nq  # one past the last query position
     lo = 0 if causal else -min(window, nk - 1)  # causal keeps d >= 0; diagonals past the edge are empty
-    hi = min(window, off + nq - 1)
-    return sum(max(0, min(off + nq, nk + d) - max(off, d)) for d in range(lo, hi + 1))
+    hi = min(window, end - 1)
+    pairs = sum(max(0, min(end, nk + d) - max(off, d)) for d in range(lo, hi + 1))
+    for j in range(min(sink_tokens, nk)):  # sink keys: the queries whose band misses them
+        pairs += max(0, end - max(off, j + window + 1))
+        if not causal:
+            pairs += max(0, min(end, j - window) - off)
+    return pairs
 
 
 # ------------------------------------------------------------------------- the block-sparse layout

@@ -84,7 +84,9 @@ def oracle(
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
 
-    ``window=w`` keeps only keys ``j`` with ``|p - j| <= w`` (``p`` the query's position).
+    ``window=w`` keeps only keys ``j`` with ``|p - j| <= w`` (``p`` the query's position), and the pairs
+    of the variant's ``window_exempt(nq, nk, causal)`` where it defines one (local_window's attention
+    sinks, which a call's window does not hide).
 
     ``softcap=c`` turns each score ``s`` (scaled, before the bias) into ``c tanh(s / c)``.
 
@@ -114,7 +116,11 @@ def oracle(
     nq, nk = q.shape[2], k.shape[2]
     allowed = variant.pattern(nq, nk, causal).to(q.device)  # (Nq, Nk)
     if window is not None:
-        allowed = allowed & _window_band(nq, nk, window, q.device)
+        band = _window_band(nq, nk, window, q.device)
+        exempt = getattr(variant, "window_exempt", None)  # pairs a call's window leaves in place
+        if exempt is not None:  # (local_window: its attention sinks)
+            band = band | exempt(nq, nk, causal).to(q.device)
+        allowed = allowed & band
     allowed = _rows_of(allowed, rows, nq)[None, None]  # (1, 1, R, Nk)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, R, Nk)
