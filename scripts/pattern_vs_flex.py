@@ -52,7 +52,7 @@ def visited_pairs(attn: variants.AttentionVariant, q: torch.Tensor, k: torch.Ten
     if attn.describe().get("impl_ran") != "flex":
         return None
     # sparse's global query rows are one dense call beside the kernel (variants/sparse.py)
-    dense_rows = min(getattr(attn, "global_blocks", 0) * getattr(attn, "block", 0), q.shape[2])
+    dense_rows = min(attn.global_blocks * attn.block, q.shape[2]) if hasattr(attn, "_flex_local") else 0
     kernel = attn._flex_local if dense_rows else attn._flex
     bm = kernel.block_mask(q, k, False, None, None)
     if bm is None:

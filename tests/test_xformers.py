@@ -200,15 +200,28 @@ def fake_xformers(monkeypatch):
             )
         return SimpleNamespace(NAME="fakeF")
 
+    def forward_only(q, k, v, op=None):  # what the probe calls, with xFormers' gate and refusals
+        if not fake.fmha.common._built_with_cuda:
+            raise NotImplementedError(
+                "No operator found for `memory_efficient_attention_forward` with inputs:\n"
+                "`cutlassF-pt` is not supported because:\n"
+                f"    {xf.GATE_WORDS}\n"
+            )
+        reasons = [] if op is None else op.not_supported_reasons({"query": q, "attn_bias": None})
+        if reasons:
+            raise ValueError(
+                "Operator `memory_efficient_attention` does not support inputs:\n"
+                f"`{op.NAME}` is not supported because:\n    " + "\n    ".join(reasons) + "\n"
+            )
+        return memory_efficient_attention(q, k, v, scale=1.0)
+
     fake = SimpleNamespace(
         memory_efficient_attention=memory_efficient_attention_grouped,
-        memory_efficient_attention_forward=lambda q, k, v, op=None: memory_efficient_attention(
-            q, k, v, scale=1.0
-        ),
+        memory_efficient_attention_forward=forward_only,
         calls=calls,
         fmha=SimpleNamespace(
             attn_bias=ab,
-            common=SimpleNamespace(Inputs=lambda **kw: kw),
+            common=SimpleNamespace(Inputs=lambda **kw: kw, _built_with_cuda=True),
             dispatch=SimpleNamespace(
                 _dispatch_fw=dispatch_fw,
                 _dispatch_bw=lambda inp, varlen_lse_packed: SimpleNamespace(NAME="fakeB"),
@@ -393,8 +406,34 @@ def test_no_operator_that_runs_is_unavailable_in_xformers_words_with_the_extensi
     assert "\n" not in msg
     assert msg.startswith("xformers cannot run on this machine: No operator found")
     assert "cutlassF-pt: operator wasn't built" in msg and "built for torch 2.10.0+cu128 (CUDA 12.8)" in msg
-    with pytest.raises(Unavailable, match="^xformers op=cutlass is not available here"):
+    with pytest.raises(Unavailable, match="^xformers op=cutlass cannot run on this machine"):
         variants.build("xformers", op="cutlass").check(CUDA_FP16)
+
+
+def test_xformers_gate_refuses_everything_until_lifted(fake_xformers, monkeypatch):
+    # seen on an H200: xFormers 0.0.35 built for torch 2.10, torch 2.11: its gate refuses every CUDA
+    # operator, also those that call PyTorch's kernels; lift_gate=true lets those run, and says so
+    monkeypatch.setattr(xf, "extension_failure", lambda: BUILT_FOR_OTHER_TORCH)
+    fake_xformers.fmha.common._built_with_cuda = False
+    with pytest.raises(Unavailable) as e:
+        variants.build("xformers").check(CUDA_FP16)
+    msg = str(e.value)
+    assert xf.GATE_WORDS in msg and msg.endswith(xf.GATE_HINT) and "\n" not in msg
+    attn = variants.build("xformers", lift_gate=True)
+    attn.check(CUDA_FP16)
+    assert fake_xformers.fmha.common._built_with_cuda is True
+    assert attn.describe()["xformers_extension"].endswith(
+        "CUDA gate lifted for this process (lift_gate=true)"
+    )
+    assert attn.knobs()["lift_gate"] is True
+    # once the operator runs here, a dtype it does not take is unsupported, in its words
+    w32 = variants.Workload(1, 2, 4, 4, 8, 8, device="cuda", dtype=torch.float32)
+    with pytest.raises(
+        Unsupported, match=r"^xformers op=flash cannot run float32: .*fa2F@2.8-pt: dtype=torch.float32"
+    ):
+        variants.build("xformers", op="flash", lift_gate=True).check(w32)
+    with pytest.raises(ValueError, match="lift_gate must be true or false"):
+        variants.build("xformers", lift_gate="yes")
 
 
 def test_xformers_bias_keeps_the_broadcast_shape_for_key_padding():

@@ -37,13 +37,20 @@ Time ``O(B H Nq Nk D)`` (``O(B H Nq w D)`` with a window, for operators that ski
 memory ``O(B H N D)`` plus a dense bias when one is used.
 
 xFormers is imported lazily (never when ``variants`` is imported) with its import-time warning
-silenced. Whether it runs is decided by a real call (:func:`probe`), not by whether its compiled
-extension loaded: xFormers 0.0.35's ``cutlass`` and ``flash`` operators call PyTorch's own kernels
-and ``triton_splitk`` is Triton, so they run with an extension built for another torch. The record's
-``xformers_extension`` says whether the extension loaded (and if not, what it was built for).
-Not installed, not importable, or with no operator that runs a plain call on this machine it is
-:class:`Unavailable`, in xFormers' words; on the CPU it is :class:`Unsupported` (xFormers has no
-CPU operator).
+silenced. Whether it runs is decided by real calls (:func:`probe`: can the operator run a plain
+fp16 call here at all, then in the job's dtype), not by whether its compiled extension loaded. The
+record's ``xformers_extension`` says whether the extension loaded (and if not, what it was built
+for). Not installed, not importable, or with no operator that runs a plain call on this machine it is
+:class:`Unavailable`, in xFormers' words; an operator that runs but not in this dtype is
+:class:`Unsupported`; on the CPU it is :class:`Unsupported` (xFormers has no CPU operator).
+
+xFormers' gate: its ``cutlass`` and ``flash`` operators call PyTorch's own kernels and
+``triton_splitk`` is Triton, so they need no compiled extension of xFormers' own; but every operator
+refuses ("xFormers wasn't build with CUDA support") when the build's CUDA version is unknown, and it is
+read from that extension: with an xFormers built for another torch nothing runs (seen on an H200 with
+xFormers 0.0.35 for torch 2.10 and torch 2.11). ``lift_gate=true`` sets the gate for the process
+(:func:`lift_cuda_gate`; the record says so), and then those operators run (the same H200: cutlass,
+flash and split-K within bf16 rounding of the float64 reference).
 """
 
 from __future__ import annotations
@@ -195,21 +202,48 @@ def operators(xops: ModuleType, op: str) -> tuple[Any, Any]:
     return family.FwOp, getattr(family, "BwOp", None)
 
 
-_PROBED: dict[tuple[str, torch.dtype, str], str | None] = {}
+_PROBED: dict[tuple, str | None] = {}
+
+
+_PROBE_HEAD = 64  # a head size every operator family takes (split-K refuses 8)
 
 
 def probe_input(device: str, dtype: torch.dtype) -> torch.Tensor:
-    """The probe's query, key and value: ``(1, 8, 1, 8)`` (B, N, H, D) on ``device``."""
-    return torch.zeros(1, 8, 1, _ALIGN, device=device, dtype=dtype)
+    """The probe's query, key and value: ``(1, 8, 1, 64)`` (B, N, H, D) on ``device``."""
+    return torch.zeros(1, 8, 1, _PROBE_HEAD, device=device, dtype=dtype)
+
+
+#: the words of xFormers' gate: every CUDA operator refuses when the build's CUDA version is unknown,
+#: which is the case whenever its compiled extension did not load (the version is read from it)
+GATE_WORDS = "xFormers wasn't build with CUDA support"
+GATE_HINT = (
+    "xFormers refuses every CUDA operator when its compiled extension did not load, also those that "
+    "call PyTorch's own kernels (cutlass, flash) or Triton (triton_splitk); variant.lift_gate=true "
+    "lets those run"
+)
+
+
+def lift_cuda_gate(xops: ModuleType) -> bool:
+    """Let xFormers' operators that need no compiled extension of its own run when that extension did
+    not load: sets ``xformers.ops.fmha.common._built_with_cuda`` (private; read by every operator's
+    ``not_supported_reasons``, forward and backward) for the rest of the process. Operators that do
+    need the extension (flash3, ck) still refuse with "operator wasn't built". True if it was lifted
+    now or before."""
+    common = getattr(getattr(xops, "fmha", None), "common", None)
+    if common is None or not hasattr(common, "_built_with_cuda"):
+        return False
+    common._built_with_cuda = True  # the process's other xFormers calls see it too (said in the record)
+    return True
 
 
 def probe(device: str, dtype: torch.dtype, op: str = "auto") -> str | None:
     """Why xFormers cannot run on ``(device, dtype)`` with operator family ``op`` (its own words), or
-    None if a tiny call works. Cached per ``(device, dtype, op)``; the call is on a ``(1, 8, 1, 8)``
-    input, forward only."""
-    key = (device, dtype, op)
+    None if a tiny call works. Cached per ``(device, dtype, op)`` and state of xFormers' CUDA gate; the
+    call is forward only, on :func:`probe_input`."""
+    xops = load_xformers()
+    common = getattr(getattr(xops, "fmha", None), "common", None)
+    key = (device, dtype, op, getattr(common, "_built_with_cuda", None))  # the gate may be lifted since
     if key not in _PROBED:
-        xops = load_xformers()
         fw, _ = operators(xops, op)
         x = probe_input(device, dtype)  # (B, N, H, D)
         try:
@@ -218,8 +252,8 @@ def probe(device: str, dtype: torch.dtype, op: str = "auto") -> str | None:
             _PROBED[key] = None
         except NotImplementedError as exc:  # the dispatcher found no operator
             _PROBED[key] = summarize_not_implemented(str(exc))
-        except ValueError as exc:  # a forced operator refused: its reasons, one line
-            _PROBED[key] = " ".join(str(exc).split())
+        except ValueError as exc:  # a forced operator refused: its reasons, in the same layout
+            _PROBED[key] = summarize_not_implemented(str(exc))
         except RuntimeError as exc:
             _PROBED[key] = f"{type(exc).__name__}: {_first_line(exc)}"
     return _PROBED[key]
@@ -309,21 +343,26 @@ class XFormersAttention(AttentionVariant):
     native_scale = True
     native_gqa = True  # xFormers' grouped 5-D layout (forward), or repeated K/V (backward)
     native_window = True  # xFormers' local attention masks; the narrower of the knob and a call's
-    example_knobs = ({"window": 3}, {"op": "cutlass"})
+    # lift_gate: on a GPU whose torch the installed xFormers was not built for, the registry-wide
+    # tests still run its PyTorch-backed operators
+    example_knobs = ({"window": 3, "lift_gate": True}, {"op": "cutlass", "lift_gate": True})
 
     #: set after each call: the forward / backward operator that ran
     op_ran: str | None
     op_bw_ran: str | None
     _dispatch_cache: ClassVar[dict[tuple, tuple[str, str | None]]] = {}
 
-    def __init__(self, op: str = "auto", window: int | None = None) -> None:
+    def __init__(self, op: str = "auto", window: int | None = None, lift_gate: bool = False) -> None:
         super().__init__()
         if op not in OPS:
             raise ValueError(f"xformers op must be one of {', '.join(OPS)}; got '{op}'")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
             raise ValueError(f"window must be an integer >= 0 (a radius in tokens) or None, got {window!r}")
+        if not isinstance(lift_gate, bool):
+            raise ValueError(f"lift_gate must be true or false, got {lift_gate!r}")
         self.op = op
         self.window = window
+        self.lift_gate = lift_gate
         self.op_ran = None
         self.op_bw_ran = None
         self.bias_kind: str | None = None
@@ -334,7 +373,7 @@ class XFormersAttention(AttentionVariant):
         self.exact = window is None
 
     def knobs(self) -> dict[str, object]:
-        return {"op": self.op, "window": self.window}
+        return {"op": self.op, "window": self.window, "lift_gate": self.lift_gate}
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
         """Every pair (bottom-right causal), or local_window's band with the ``window`` knob."""
@@ -365,17 +404,22 @@ class XFormersAttention(AttentionVariant):
         if w.backward and fw is not None and bw is None:
             raise Unsupported(f"xformers op={self.op} has no backward operator (forward only: decoding)")
         failure = extension_failure()
-        # decided by a real call: operators that need no compiled extension of xFormers' own run anyway
-        reason = probe(w.device, w.dtype, self.op)
+        lifted = failure is not None and self.lift_gate and lift_cuda_gate(xops)
+        # decided by real calls: can the operator(s) run at all here (fp16, which every family
+        # takes), then in this dtype
+        who = "xformers" if self.op == "auto" else f"xformers op={self.op}"
+        reason = probe(w.device, torch.float16, self.op)
         if reason is not None:
             reason += _extension_note()
-            if self.op == "auto":
-                raise Unavailable(f"xformers cannot run on this machine: {reason}")
-            if "wasn't built" in reason or "not built" in reason:
-                raise Unavailable(f"xformers op={self.op} is not available here: {reason}")
-            dtype = str(w.dtype).replace("torch.", "")
-            raise Unsupported(f"xformers op={self.op} cannot run {dtype}: {reason}")
+            if GATE_WORDS in reason:
+                reason += f"; {GATE_HINT}"
+            raise Unavailable(f"{who} cannot run on this machine: {reason}")
+        reason = probe(w.device, w.dtype, self.op)
+        if reason is not None:
+            raise Unsupported(f"{who} cannot run {str(w.dtype).replace('torch.', '')}: {reason}")
         self.extension = "loaded" if failure is None else f"not loaded: {failure}"
+        if lifted:
+            self.extension += "; xFormers' CUDA gate lifted for this process (lift_gate=true)"
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, window=None):
         xops = load_xformers()
