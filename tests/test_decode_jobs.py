@@ -123,6 +123,25 @@ def test_decode_tables_put_the_key_length_on_the_axis_and_split_by_query_length(
     assert sec.data["pct_of_copy"].tolist() == pytest.approx([25.0] * 3 + [400.0] * 3)
 
 
+def test_decode_bandwidth_is_shown_against_the_read_ceiling_and_the_tighter_roofline():
+    # one query against 4096 keys: 5e6 bytes in 1 ms; 16 queries: the same bytes, 16x the FLOPs
+    df = _decode_frame().assign(roofline_read_bytes_per_s=40e9, roofline_gemm_flops_per_s=100e9)
+    df["flops"] = 4 * 32 * df["seq_len"] * df["kv_len"] * 128  # 4 FLOPs per (query head, key, dim)
+    sec = bandwidth_table(df)
+    assert sec.parts[0][1].loc["sdpa", "Nk=4096"] == "5.00 (25% / 12%)"  # of a 20 GB/s copy, 40 GB/s read
+    data = sec.data.set_index(["seq_len", "kv_len"])
+    one, many = data.loc[(1, 4096)], data.loc[(16, 4096)]
+    # memory: 5e6 B / 40e9 B/s = 0.125 ms against 67 MFLOP / 100 GFLOP/s = 0.67 ms: compute binds
+    assert one["bound"] == "compute" and one["roofline_ms"] == pytest.approx(
+        4 * 32 * 4096 * 128 / 100e9 * 1e3
+    )
+    assert one["pct_of_roofline"] == pytest.approx(100 * one["roofline_ms"] / 1.0)
+    assert many["bound"] == "compute" and many["roofline_ms"] == pytest.approx(16 * one["roofline_ms"])
+    small = bandwidth_table(df.assign(flops=1e3)).data
+    assert set(small["bound"]) == {"memory"}
+    assert small["roofline_ms"].tolist() == pytest.approx([5e6 / 40e9 * 1e3] * 6)
+
+
 def test_self_attention_sweeps_keep_the_query_length_axis():
     df = _decode_frame().assign(kv_len=None)
     df = df[df["kv_len"].isna()].drop_duplicates("seq_len")

@@ -24,7 +24,8 @@ def test_the_gemm_size_is_fixed_whatever_the_machine_is_doing(monkeypatch):
     assert roof["gemm_n"] == 2048
     assert roof["gemm_flops_per_s"] == pytest.approx(2 * 2048**3)  # 2 n^3 FLOPs in the 1 s it took
     assert roof["copy_bytes_per_s"] == pytest.approx(2 * 2**20)  # 1 MiB read and written in 1 s
-    assert len(seen) == 2
+    assert roof["read_bytes_per_s"] == pytest.approx(2**20)  # 1 MiB read in 1 s
+    assert len(seen) == 3
     assert roofline.gemm_n("cpu", torch.bfloat16) == roofline.gemm_n("cpu", torch.float16) == 512
     assert roofline.gemm_n("cpu", torch.float64) == 2048 and roofline.gemm_n("cuda", torch.bfloat16) == 8192
 

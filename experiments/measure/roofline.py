@@ -1,5 +1,8 @@
 """The machine's own ceilings, measured in the same run as the variants: a large matrix multiply's
-FLOP/s and a large copy's bandwidth, for one device and dtype.
+FLOP/s, a large copy's bandwidth and a large sum's (read-only) bandwidth, for one device and dtype.
+
+A decode reads its cache and writes almost nothing, so the read bandwidth is its true ceiling; the
+copy (read + write) is the conventional one.
 
 Attention's useful FLOP/s divided by the same run's GEMM FLOP/s says how close a variant comes to
 what the hardware does on the friendliest dense workload, on this machine, under this load; a
@@ -66,9 +69,18 @@ def copy_bytes_per_s(device: str, mib: int, min_run_time: float = 0.5) -> float:
     return 2 * src.numel() / t.median_s
 
 
+def read_bytes_per_s(device: str, mib: int, min_run_time: float = 0.5) -> float:
+    """Bytes per second read by ``src.sum()`` over ``mib`` MiB of float32 (one pass, nothing written
+    but the scalar)."""
+    src = torch.ones(mib * 2**18, dtype=torch.float32, device=device)  # mib MiB of 4-byte floats
+    t = time_call(lambda: src.sum(), device, min_run_time)
+    return src.numel() * 4 / t.median_s
+
+
 def measure_roofline(device: str, dtype: str, min_run_time: float = 0.5) -> dict[str, Any]:
-    """``{"device", "dtype", "gemm_n", "gemm_flops_per_s", "copy_mib", "copy_bytes_per_s", "threads"}``
-    for ``device`` and ``dtype`` (a name from :data:`experiments.measure.inputs.DTYPES`)."""
+    """``{"device", "dtype", "gemm_n", "gemm_flops_per_s", "copy_mib", "copy_bytes_per_s",
+    "read_bytes_per_s", "threads"}`` for ``device`` and ``dtype`` (a name from
+    :data:`experiments.measure.inputs.DTYPES`)."""
     n, mib = gemm_n(device, DTYPES[dtype]), _COPY_MIB[device]
     return {
         "device": device,
@@ -77,5 +89,6 @@ def measure_roofline(device: str, dtype: str, min_run_time: float = 0.5) -> dict
         "gemm_flops_per_s": gemm_flops_per_s(device, DTYPES[dtype], n, min_run_time),
         "copy_mib": mib,
         "copy_bytes_per_s": copy_bytes_per_s(device, mib, min_run_time),
+        "read_bytes_per_s": read_bytes_per_s(device, mib, min_run_time),
         "threads": torch.get_num_threads(),
     }

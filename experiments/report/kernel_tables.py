@@ -202,19 +202,25 @@ def bandwidth_table(df: pd.DataFrame) -> Section:
     sec = Section(
         "bandwidth",
         "Bandwidth (decoding and prefill onto a cache)",
-        "A forward call with fewer queries than keys is bound by the bytes it moves, not by FLOPs: it must "
-        "read K and V (the cache, with its own number of heads), q and the bias and write the output. "
-        "GB/s = those bytes / median forward time (GB = 1e9 bytes); the percentage divides by the copy "
-        "bandwidth measured on the same device in the same sweep (bytes read + written per second). "
-        "The bytes are full attention's: a pattern variant that reads only part of the cache (a window, "
-        "sparse blocks) can pass 100%, which says it reads less, not that it moves bytes faster.",
+        "A forward call with fewer queries than keys must read K and V (the cache, with its own number "
+        "of heads), q and the bias and write the output. GB/s = those bytes / median forward time (GB = "
+        "1e9 bytes); the percentages divide by the copy bandwidth (bytes read + written per second) and "
+        "the read bandwidth (a sum over a large tensor: a decode's true ceiling) measured on the same "
+        "device in the same sweep. With many query heads per K/V head a decode also does 4 FLOPs per "
+        "cached element per query head, and on a CPU that can be the tighter bound: the data's "
+        "`roofline_ms` is the larger of FLOPs / GEMM rate and bytes / read rate, `bound` says which, and "
+        "`pct_of_roofline` is that time over the measured one. The bytes are full attention's: a pattern "
+        "variant that reads only part of the cache (a window, sparse blocks) can pass 100%, which says "
+        "it reads less, not that it moves bytes faster.",
     )
     nk = _col(df, "kv_len")
     dec = df[(nk > pd.to_numeric(df["seq_len"], errors="coerce")) & (df["mode"] == "fwd")]
     if "min_bytes" not in dec or dec.empty:
         return sec
     for title, sub in groups(dec, keys):
-        sec.parts.append((f"{title}: GB/s (% of copy bandwidth)", pivot_cells(sub, _value_cell(_gbps_text))))
+        sec.parts.append(
+            (f"{title}: GB/s (% of copy / % of read bandwidth)", pivot_cells(sub, _value_cell(_gbps_text)))
+        )
     sec.data = _numbers(
         dec,
         keys,
@@ -223,9 +229,29 @@ def bandwidth_table(df: pd.DataFrame) -> Section:
             "gbytes_per_s": _col(dec, "bytes_per_s") / 1e9,
             "pct_of_copy": pct_of_copy(dec),
             "copy_gbytes_per_s": _col(dec, "roofline_copy_bytes_per_s") / 1e9,
+            "pct_of_read": 100 * _col(dec, "bytes_per_s") / _col(dec, "roofline_read_bytes_per_s"),
+            "read_gbytes_per_s": _col(dec, "roofline_read_bytes_per_s") / 1e9,
+            **decode_roofline(dec),
         },
     )
     return sec
+
+
+def decode_roofline(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Per row: ``roofline_ms``, the larger of the time its FLOPs take at the sweep's GEMM rate and the
+    time its bytes take at the sweep's read bandwidth; ``bound`` ("compute" or "memory"), which one;
+    ``pct_of_roofline``, that time over the measured forward time (NaN where a ceiling is missing)."""
+    compute_s = _col(df, "flops") / _col(df, "roofline_gemm_flops_per_s")
+    memory_s = _col(df, "min_bytes") / _col(df, "roofline_read_bytes_per_s")
+    floor_s = np.fmax(compute_s, memory_s).where(compute_s.notna() & memory_s.notna())
+    bound = pd.Series(np.where(compute_s > memory_s, "compute", "memory"), index=df.index).where(
+        floor_s.notna()
+    )
+    return {
+        "roofline_ms": floor_s * 1e3,
+        "bound": bound,
+        "pct_of_roofline": 100 * floor_s / _col(df, "fwd_median_s"),
+    }
 
 
 def pct_of_copy(df: pd.DataFrame) -> pd.Series:
@@ -237,7 +263,10 @@ def _gbps_text(row: pd.Series) -> str:
     bps = pd.to_numeric(row.get("bytes_per_s", np.nan), errors="coerce")
     text = num(bps / 1e9)
     pct = 100 * bps / pd.to_numeric(row.get("roofline_copy_bytes_per_s", np.nan), errors="coerce")
-    return text if pd.isna(pct) else f"{text} ({pct:.0f}%)"
+    if pd.isna(pct):
+        return text
+    read = 100 * bps / pd.to_numeric(row.get("roofline_read_bytes_per_s", np.nan), errors="coerce")
+    return f"{text} ({pct:.0f}%)" if pd.isna(read) else f"{text} ({pct:.0f}% / {read:.0f}%)"
 
 
 def decode_table(df: pd.DataFrame) -> Section:

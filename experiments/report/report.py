@@ -61,7 +61,8 @@ def _machines(df: pd.DataFrame) -> list[str]:
 
 
 def _ceilings(df: pd.DataFrame) -> list[str]:
-    """One line per (host, device, dtype) roofline in the store: GEMM FLOP/s and copy bandwidth."""
+    """One line per (host, device, dtype) roofline in the store: GEMM FLOP/s, copy bandwidth and (where
+    measured) read bandwidth."""
     cols = ["env_host", "roofline_device", "roofline_dtype"]
     if not all(c in df for c in cols) or "roofline_gemm_flops_per_s" not in df:
         return []
@@ -69,12 +70,14 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
     for (host, device, dtype), sub in df.dropna(subset=cols[1:]).groupby(cols, dropna=False):
         gemm = pd.to_numeric(sub["roofline_gemm_flops_per_s"], errors="coerce")
         copy = pd.to_numeric(sub.get("roofline_copy_bytes_per_s"), errors="coerce")
+        read = pd.to_numeric(sub.get("roofline_read_bytes_per_s", pd.Series(dtype=float)), errors="coerce")
+        read_text = f", read {read.median() / 1e9:.3g} GB/s" if read.notna().any() else ""
         n = sub["roofline_gemm_n"].iloc[0] if "roofline_gemm_n" in sub else "?"
         lo, hi = gemm.min() / 1e9, gemm.max() / 1e9
         spread = f" (sweeps ranged {lo:.3g}-{hi:.3g})" if gemm.nunique() > 1 else ""
         lines.append(
             f"- {host} {device} {dtype}: GEMM {gemm.median() / 1e9:.3g} GFLOP/s (n={n}){spread}, "
-            f"copy {copy.median() / 1e9:.3g} GB/s"
+            f"copy {copy.median() / 1e9:.3g} GB/s{read_text}"
         )
     return lines
 
