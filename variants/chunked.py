@@ -13,6 +13,15 @@ Time ``O(B H Nq Nk D)`` (backward about 2.5x forward: it recomputes ``S``); memo
 ``O(B H (Nq (D + Dv) + q_chunk * k_chunk))``. Low-precision inputs are accumulated in float32, as the
 fused kernels do. A float ``bias`` is added block by block (no gradient for it); causal with
 ``Nq < Nk`` is aligned bottom-right.
+
+Decoding (fewer queries than keys, float32 on the CPU, no gradient, causal masking only): with
+``decode=auto`` (default) the same online softmax runs as a split-K C kernel
+(:mod:`variants.decode_kernel`: the keys of each K/V head split across threads, merged by
+log-sum-exp, grouped query heads reading each cached row once), built on first use with the system's
+C compiler; where it cannot be built, or ``decode=torch``, the PyTorch path above runs. The record's
+``decode_ran`` says which (``kernel``, ``torch``; None when the call is not a decode the kernel
+takes), ``decode_note`` why the kernel did not run. ``decode=kernel`` refuses what the kernel cannot
+take instead of falling back.
 """
 
 from __future__ import annotations
@@ -21,8 +30,11 @@ from typing import Any
 
 import torch
 
-from .base import AttentionVariant
+from . import decode_kernel
+from .base import AttentionVariant, Unavailable, Unsupported, Workload, repeat_kv
 from .registry import register
+
+DECODE = ("auto", "kernel", "torch")
 
 
 def _allowed(
@@ -160,22 +172,61 @@ class ChunkedAttention(AttentionVariant):
     supports_sinks = True  # one more key in front (base.forward)
     supports_softcap = True  # block by block, forward and backward
     native_scale = True
+    native_gqa = True  # the decode kernel reads grouped K/V heads as they are; the PyTorch path repeats them
 
-    def __init__(self, query_chunk: int = 512, key_chunk: int = 512) -> None:
+    def __init__(self, query_chunk: int = 512, key_chunk: int = 512, decode: str = "auto") -> None:
         super().__init__()
         if query_chunk < 1 or key_chunk < 1:
             raise ValueError(
                 f"chunk sizes must be >= 1, got query_chunk={query_chunk}, key_chunk={key_chunk}"
             )
+        if decode not in DECODE:
+            raise ValueError(f"chunked decode must be one of {', '.join(DECODE)}; got '{decode}'")
         self.query_chunk = query_chunk
         self.key_chunk = key_chunk
+        self.decode = decode
+        self.decode_ran: str | None = None
+        self.decode_note: str | None = None
 
     def knobs(self) -> dict[str, object]:
-        return {"query_chunk": self.query_chunk, "key_chunk": self.key_chunk}
+        return {"query_chunk": self.query_chunk, "key_chunk": self.key_chunk, "decode": self.decode}
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d["decode_ran"] = self.decode_ran
+        d["decode_note"] = self.decode_note
+        return d
+
+    def check(self, w: Workload) -> None:
+        super().check(w)
+        if self.decode != "kernel":
+            return
+        q = torch.empty(w.batch, w.heads, w.nq, w.head_dim, device="meta", dtype=w.dtype)
+        k = torch.empty(w.batch, w.hkv, w.nk, w.head_dim, device="meta", dtype=w.dtype)
+        v = torch.empty(w.batch, w.hkv, w.nk, w.v_head_dim, device="meta", dtype=w.dtype)
+        masked = w.key_padding or w.attn_mask or w.bias or w.softcap is not None  # sinks: one more key
+        why = decode_kernel.refusal(q, k, v, grad=w.backward, masked=masked, device=w.device)
+        if why is not None:
+            raise Unsupported(f"chunked decode=kernel: {why}")
+        if decode_kernel.kernel() is None:
+            raise Unavailable(f"chunked decode=kernel: {decode_kernel.build_error()}")
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None):
-        am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        self.decode_ran = self.decode_note = None
+        if self.decode != "torch" and q.shape[2] < k.shape[2]:
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            masked = any(t is not None for t in (key_padding_mask, attn_mask, bias, softcap))
+            why = decode_kernel.refusal(q, k, v, grad=grad, masked=masked)
+            if why is None and decode_kernel.kernel() is None:
+                why = decode_kernel.build_error()
+            if why is None:
+                self.decode_ran = "kernel"
+                return decode_kernel.decode(q, k, v, causal=causal, scale=scale)  # (B, H, Nq, Dv)
+            self.decode_ran, self.decode_note = "torch", why
+        h = q.shape[1]
+        k, v = repeat_kv(k, h), repeat_kv(v, h)  # (B, H, Nk, D|Dv): the PyTorch path's heads
+        am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
         return _ChunkedAttention.apply(
             q, k, v, key_padding_mask, am, bias4, causal, self.query_chunk, self.key_chunk, scale, softcap
         )  # (B, H, Nq, Dv)

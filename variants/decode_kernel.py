@@ -1,0 +1,162 @@
+"""Split-K decoding on the CPU (flash-decoding, Dao et al. 2023): a C kernel (``decode_kernel.c``)
+built on first use with the system's C compiler and called through ``ctypes``.
+
+A decode step's few queries against a long cache leave PyTorch's kernels little to parallelise and
+run their products at a fraction of the GEMM rate (B=1, 32 query heads on 4 K/V heads, D=128, 64k
+keys, fp32: fused SDPA at a quarter of the copy bandwidth on this project's 2-core VM). The kernel
+splits every K/V head's keys into ranges, one task per (head, range) over all threads, reads each
+cached row once for all the query heads that share it (grouped heads are not repeated), keeps an
+online softmax per range and merges the ranges by log-sum-exp.
+
+Built once per machine into ``$ATTNBENCH_CACHE`` (default ``~/.cache/attnbench``), named by a hash of
+the source, the flags and the compiler, with ``$CC`` (default ``cc``) and ``-O3 -march=native
+-ffast-math -fopenmp``. Where it cannot be built, :func:`kernel` returns None and :func:`build_error`
+says why: the caller falls back to PyTorch and its record says which ran.
+
+Time ``O(B Hkv R Nk (D + Dv))`` for ``R`` query rows per K/V head; memory ``O(B Hkv splits R Dv)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_kernel.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+MAX_ROWS = 64  # query rows per K/V head (G * Nq) the kernel takes (MAX_ROWS in the C source)
+MAX_DIM = 256  # head sizes it takes (MAX_DIM)
+_MIN_KEYS_PER_SPLIT = 512  # a range shorter than this costs more to merge than it saves
+
+_LIB: ctypes.CDLL | None = None
+_ERROR: str | None = None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ATTNBENCH_CACHE", Path.home() / ".cache" / "attnbench"))
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The built kernel (built now if needed, once per process), or None if it cannot be built."""
+    global _LIB, _ERROR
+    if _LIB is not None or _ERROR is not None:
+        return _LIB
+    cc = os.environ.get("CC", "cc")
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"decode_kernel-{tag}.so"
+    try:
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            # built beside its final name and renamed: jobs starting together never load half a file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+            os.close(fd)
+            cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if run.returncode != 0:
+                os.unlink(tmp)
+                first = (run.stderr.strip().splitlines() or ["no message"])[0]
+                _ERROR = f"{cc} could not build {SOURCE.name}: {first}"
+                return None
+            os.replace(tmp, lib)
+        _LIB = ctypes.CDLL(str(lib))
+    except (OSError, subprocess.SubprocessError) as exc:
+        _ERROR = f"the decode kernel could not be built or loaded with {cc}: {exc}"
+        return None
+    f = _LIB.decode_splitk
+    f.restype = ctypes.c_int
+    f.argtypes = [
+        *(ctypes.c_void_p,) * 4,
+        ctypes.c_long,
+        *(ctypes.c_int,) * 2,
+        ctypes.c_long,
+        *(ctypes.c_int,) * 2,
+        *(ctypes.c_long,) * 4,
+        ctypes.c_float,
+        *(ctypes.c_int,) * 3,
+    ]
+    return _LIB
+
+
+def build_error() -> str | None:
+    """Why the kernel could not be built (after :func:`kernel` returned None), else None."""
+    return _ERROR
+
+
+def refusal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    grad: bool,
+    masked: bool,
+    device: str | None = None,
+) -> str | None:
+    """Why the kernel cannot take this call (one line), or None. ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk,
+    D)``, ``v (B, Hkv, Nk, Dv)`` (only their shapes and dtype are read; ``device`` stands for theirs
+    when given); ``masked``: a padding mask, an ``attn_mask``, a bias, soft-capping or sinks come with
+    it. ``O(1)``."""
+    b, h, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    device = device or q.device.type
+    if device != "cpu" or q.dtype != torch.float32:
+        dtype = str(q.dtype).replace("torch.", "")
+        return f"the decode kernel takes float32 CPU tensors, not {dtype} on {device}"
+    if grad:
+        return "the decode kernel has no backward"
+    if masked:
+        return "the decode kernel takes causal masking only (no padding mask, attn_mask, bias or softcap)"
+    if nq >= nk:
+        return f"the decode kernel is for fewer queries than keys (Nq={nq}, Nk={nk})"
+    if (h // hkv) * nq > MAX_ROWS:
+        return f"the decode kernel takes at most {MAX_ROWS} query rows per K/V head, not {(h // hkv) * nq}"
+    if max(d, dv) > MAX_DIM:
+        return f"the decode kernel takes head sizes up to {MAX_DIM}, not {max(d, dv)}"
+    return None
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+    """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (float32, CPU,
+    no gradient, query head ``h`` on K/V head ``h // (H / Hkv)``; causal bottom-right):
+    ``(B, H, Nq, Dv)``. The caller checked :func:`refusal` and that :func:`kernel` is not None."""
+    lib = kernel()
+    assert lib is not None, "kernel() returned None: the caller must fall back"
+    b, h, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = h // hkv
+    qr = q.reshape(b * hkv, g * nq, d).contiguous()  # (B*Hkv, G*Nq, D): row r is query r % Nq
+    # the kernel steps from one (batch, K/V head) pair to the next by one stride: true of a contiguous
+    # cache and of a view of one along N; anything else is copied once
+    k = k if k.stride(-1) == 1 and k.stride(0) == hkv * k.stride(1) else k.contiguous()
+    v = v if v.stride(-1) == 1 and v.stride(0) == hkv * v.stride(1) else v.contiguous()
+    out = torch.empty(b * hkv, g * nq, dv, dtype=torch.float32)  # (B*Hkv, G*Nq, Dv)
+    threads = torch.get_num_threads()
+    splits = max(1, min(nk // _MIN_KEYS_PER_SPLIT, -(-8 * threads // (b * hkv))))
+    rc = lib.decode_splitk(
+        qr.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        b * hkv,
+        g * nq,
+        nq,
+        nk,
+        d,
+        dv,
+        k.stride(1),
+        k.stride(2),
+        v.stride(1),
+        v.stride(2),
+        scale,
+        int(causal),
+        splits,
+        threads,
+    )
+    if rc != 0:
+        raise RuntimeError(f"decode kernel refused sizes it was checked for (rc={rc})")
+    return out.view(b, h, nq, dv)  # (B*Hkv, G*Nq, Dv) -> (B, H, Nq, Dv): head hkv*G + g
