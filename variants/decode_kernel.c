@@ -25,11 +25,50 @@
 #define MAX_ROWS 64
 #define MAX_DIM 256
 
+/* 16 floats, loaded and stored at any alignment: gcc and clang split it into the vectors the target
+ * has (one AVX-512 register, two AVX2 ones, four SSE ones) */
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+#define VL 16
+
+static inline float hsum(vf x) {
+    float t = 0.0f;
+    for (int i = 0; i < VL; i++) t += x[i];
+    return t;
+}
+
+/* s[r][t] = scale * q_r . k_t for rows r0 .. r0+nr-1 (nr <= 8) of one key: eight independent
+ * accumulators held in registers (a fixed count: rows past the last repeat it, unstored), so the
+ * FMAs pipeline instead of waiting on one another */
+static inline void dots(const float *q, const float *kt, int r0, int nr, int D, float scale, int t,
+                        float s[][TILE]) {
+    const float *qp[8];
+    for (int i = 0; i < 8; i++) qp[i] = q + (long)(r0 + (i < nr ? i : nr - 1)) * D;
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    int d = 0;
+    for (; d + VL <= D; d += VL) {
+        vf kv = *(const vf *)(kt + d);
+        a0 += *(const vf *)(qp[0] + d) * kv;
+        a1 += *(const vf *)(qp[1] + d) * kv;
+        a2 += *(const vf *)(qp[2] + d) * kv;
+        a3 += *(const vf *)(qp[3] + d) * kv;
+        a4 += *(const vf *)(qp[4] + d) * kv;
+        a5 += *(const vf *)(qp[5] + d) * kv;
+        a6 += *(const vf *)(qp[6] + d) * kv;
+        a7 += *(const vf *)(qp[7] + d) * kv;
+    }
+    float out[8] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3), hsum(a4), hsum(a5), hsum(a6), hsum(a7)};
+    for (int i = 0; i < nr; i++) {
+        float tail = 0.0f;
+        for (int dd = d; dd < D; dd++) tail += qp[i][dd] * kt[dd];
+        s[r0 + i][t] = (out[i] + tail) * scale;
+    }
+}
+
 static void task(const float *q, const float *k, const float *v, long n, long j0, long j1, int R,
                  int nq, int D, int Dv, long k_row, long v_row, float scale, int causal, float *m,
                  float *l, float *acc) {
     float s[MAX_ROWS][TILE];
-    int limit_off = (int)(n - nq); /* query i sees keys j <= limit_off + i */
+    long limit_off = n - nq; /* query i sees keys j <= limit_off + i */
     for (int r = 0; r < R; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -37,15 +76,10 @@ static void task(const float *q, const float *k, const float *v, long n, long j0
     }
     for (long t0 = j0; t0 < j1; t0 += TILE) {
         int tn = (int)(j1 - t0 < TILE ? j1 - t0 : TILE);
-        /* scores of the tile: s[r][t] = scale * q_r . k_t (masked: -inf) */
+        /* scores of the tile, each key row read once for all the rows */
         for (int t = 0; t < tn; t++) {
             const float *kt = k + (t0 + t) * k_row;
-            for (int r = 0; r < R; r++) {
-                const float *qr = q + (long)r * D;
-                float dot = 0.0f;
-                for (int d = 0; d < D; d++) dot += qr[d] * kt[d];
-                s[r][t] = dot * scale;
-            }
+            for (int r0 = 0; r0 < R; r0 += 8) dots(q, kt, r0, R - r0 < 8 ? R - r0 : 8, D, scale, t, s);
         }
         if (causal) {
             for (int r = 0; r < R; r++) {
@@ -54,11 +88,14 @@ static void task(const float *q, const float *k, const float *v, long n, long j0
                     if (t0 + t > last) s[r][t] = -INFINITY;
             }
         }
-        /* online softmax: rescale what the row has, add the tile */
+        /* online softmax: rescale what the row has, add the tile (p = 0 where masked) */
         for (int r = 0; r < R; r++) {
             float mt = -INFINITY;
             for (int t = 0; t < tn; t++) mt = s[r][t] > mt ? s[r][t] : mt;
-            if (mt == -INFINITY) continue; /* no key of this tile is visible to the row */
+            if (mt == -INFINITY) { /* no key of this tile is visible to the row */
+                for (int t = 0; t < tn; t++) s[r][t] = 0.0f;
+                continue;
+            }
             float mn = m[r] > mt ? m[r] : mt;
             float corr = expf(m[r] - mn); /* 0 for the first visible tile (m = -inf) */
             float sum = 0.0f;
@@ -72,14 +109,31 @@ static void task(const float *q, const float *k, const float *v, long n, long j0
             if (corr != 1.0f)
                 for (int d = 0; d < Dv; d++) ar[d] *= corr;
         }
-        /* acc_r += sum_t p[r][t] v_t, each value row read once per tile */
-        for (int t = 0; t < tn; t++) {
-            const float *vt = v + (t0 + t) * v_row;
-            for (int r = 0; r < R; r++) {
-                float p = s[r][t];
-                if (m[r] == -INFINITY || p == 0.0f) continue;
-                float *ar = acc + (long)r * Dv;
-                for (int d = 0; d < Dv; d++) ar[d] += p * vt[d];
+        /* acc_r += sum_t p[r][t] v_t: four vectors of a row's acc stay in registers over the tile's
+         * keys (four independent chains), the tile's value rows are re-read from L1 */
+        for (int r = 0; r < R; r++) {
+            float *ar = acc + (long)r * Dv;
+            int d = 0;
+            for (; d + 4 * VL <= Dv; d += 4 * VL) {
+                vf a0 = *(vf *)(ar + d), a1 = *(vf *)(ar + d + VL), a2 = *(vf *)(ar + d + 2 * VL),
+                   a3 = *(vf *)(ar + d + 3 * VL);
+                for (int t = 0; t < tn; t++) {
+                    const float *vt = v + (t0 + t) * v_row + d;
+                    float p = s[r][t];
+                    a0 += p * *(const vf *)vt;
+                    a1 += p * *(const vf *)(vt + VL);
+                    a2 += p * *(const vf *)(vt + 2 * VL);
+                    a3 += p * *(const vf *)(vt + 3 * VL);
+                }
+                *(vf *)(ar + d) = a0;
+                *(vf *)(ar + d + VL) = a1;
+                *(vf *)(ar + d + 2 * VL) = a2;
+                *(vf *)(ar + d + 3 * VL) = a3;
+            }
+            for (; d < Dv; d++) {
+                float a = ar[d];
+                for (int t = 0; t < tn; t++) a += s[r][t] * v[(t0 + t) * v_row + d];
+                ar[d] = a;
             }
         }
     }
