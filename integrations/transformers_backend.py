@@ -75,11 +75,17 @@ already built on it must not change): other knobs get a name of their own, ``reg
 "local_window", window=64)`` -> ``attnbench_w64``, or ``implementation_for("local_window", {"window":
 64})`` -> ``attnbench_local_window@window=64``. flex compiles per shape by default, so decoding (a new key
 length every token) recompiles: pass ``{"flex": {"compile": False}}`` on the CPU.
+
+Two variants in one model (stateless ones): :func:`register_layers` puts one on the layers whose mask
+is a sliding window (Gemma2/3, Qwen2, Mistral, Ministral with ``layer_types``) and another on the rest
+(:func:`implementation_for_roles` names a pair by its settings);
+:func:`register_by_layer` (or :func:`implementation_for_layers`) picks one per layer index, for a
+model without sliding layers of its own (a local/global mix imposed on a BERT encoder).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -100,6 +106,8 @@ _KNOBS: dict[str, dict[str, Any]] = {}
 _SHARED: dict[str, AttentionVariant] = {}
 # a registered name that mixes two variants: one for sliding-window layers, one for the others
 _LAYERS: dict[str, dict[str, AttentionVariant]] = {}
+# a registered name that runs one variant per layer index (the attention module's layer_idx)
+_BY_INDEX: dict[str, list[AttentionVariant]] = {}
 
 
 def implementation(name: str) -> str:
@@ -487,7 +495,12 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
             attention_mask = _only_indexed(attention_mask, kwargs["indices"], key.shape[2])
         kw = _mask_args(module, attention_mask, query.shape[2], key.shape[2], kwargs.get("is_causal"))
         mix = _LAYERS.get(name)
-        variant = _variant_for(module, name) if mix is None else mix["sliding" if "window" in kw else "full"]
+        if mix is not None:
+            variant = mix["sliding" if "window" in kw else "full"]
+        elif name in _BY_INDEX:
+            variant = _by_index(name, module)
+        else:
+            variant = _variant_for(module, name)
         masked = kw.get("attn_mask") is not None
         if is_cross_attention(module, bool(kw.get("causal")), query.shape[2], key.shape[2], masked):
             kw["cross"] = True  # the keys are the encoder's: no decoder position stands among them
@@ -560,20 +573,94 @@ def register_layers(
     or ``(name, knobs)``; stateless variants only. Gemma's local/global mix with any pair, e.g.
     ``register_layers("mix", ("local_window", {"window": 4096}), "sdpa")``. Fixed once registered,
     as in :func:`register`. Returns the implementation name."""
-    parts = {}
-    for role, spec in (("sliding", sliding), ("full", full)):
-        name, knobs = (spec, {}) if isinstance(spec, str) else spec
-        cls = get(name)
-        check_knobs(cls, dict(knobs), name)
-        if cls.has_params:
-            raise ValueError(
-                f"register_layers: {name} has learned parameters (one set per layer): use attach()"
-            )
-        parts[role] = (name, dict(knobs))
+    roles = (("sliding", sliding), ("full", full))
+    parts = {role: _stateless_part(spec, "register_layers") for role, spec in roles}
     if _registered_as(alias, "layers", parts, "another alias"):
         return implementation(alias)
     _LAYERS[alias] = {role: build(n, **k) for role, (n, k) in parts.items()}
     return _install(alias)
+
+
+def register_by_layer(alias: str, layers: Sequence[str | tuple[str, dict[str, Any]]]) -> str:
+    """Register ``attnbench_<alias>``: the attention layer with index ``i`` (its module's
+    ``layer_idx``, which transformers' decoders and BERT-style encoders set) runs ``layers[i]``, a name
+    or ``(name, knobs)``; stateless variants only. A local/global mix on a model that has no sliding
+    layers of its own, e.g. ``register_by_layer("ends", ["sdpa", *["local_window"] * 4, "sdpa"])``
+    for a 6-layer encoder. A layer without an index, or with one past the list, is refused in one line
+    when it runs. Fixed once registered, as in :func:`register`. Returns the implementation name."""
+    parts = [_stateless_part(spec, "register_by_layer") for spec in layers]
+    if not parts:
+        raise ValueError("register_by_layer: give one variant per layer (an empty list was given)")
+    if _registered_as(alias, "by_layer", {"layers": parts}, "another alias"):
+        return implementation(alias)
+    instances: dict[tuple[str, str], AttentionVariant] = {}  # layers with the same setting share one
+    for n, k in parts:
+        instances.setdefault((n, repr(sorted(k.items()))), build(n, **k))
+    _BY_INDEX[alias] = [instances[(n, repr(sorted(k.items())))] for n, k in parts]
+    return _install(alias)
+
+
+def implementation_for_roles(
+    sliding: str | tuple[str, dict[str, Any]], full: str | tuple[str, dict[str, Any]]
+) -> str:
+    """The ``attn_implementation`` that runs ``sliding`` on a model's sliding-window layers and
+    ``full`` on the others (:func:`register_layers`), registered if need be under a name spelled from
+    the settings (``sliding:<name>[@k=v,...]+full:<name>[@...]``)."""
+    parts = [_stateless_part(spec, "implementation_for_roles") for spec in (sliding, full)]
+    (s, sk), (f, fk) = parts
+    alias = f"sliding:{_alias_for(s, sk) if sk else s}+full:{_alias_for(f, fk) if fk else f}"
+    return register_layers(alias, (s, sk), (f, fk))
+
+
+def implementation_for_layers(layers: Sequence[str | tuple[str, dict[str, Any]]]) -> str:
+    """The ``attn_implementation`` that runs ``layers[i]`` on layer ``i`` (:func:`register_by_layer`),
+    registered if need be under a name spelled from the settings (``layers:`` and ``<name>[@k=v,...]``
+    per layer, joined by ``+``), so that no two layer lists share a name."""
+    parts = [_stateless_part(spec, "implementation_for_layers") for spec in layers]
+    alias = "layers:" + "+".join(_alias_for(n, k) if k else n for n, k in parts)
+    return register_by_layer(alias, parts)
+
+
+def _stateless_part(spec: str | tuple[str, dict[str, Any]], who: str) -> tuple[str, dict[str, Any]]:
+    """``(name, knobs)`` of a layer map's entry (a name or ``(name, knobs)``), its knobs checked; a
+    one-line ``ValueError`` for a learned variant (one set of parameters per layer: ``attach``)."""
+    name, knobs = (spec, {}) if isinstance(spec, str) else spec
+    cls = get(name)  # UnknownVariant (one line) lists the known names
+    check_knobs(cls, dict(knobs), name)
+    if cls.has_params:
+        raise ValueError(f"{who}: {name} has learned parameters (one set per layer): use attach()")
+    return name, dict(knobs)
+
+
+def layer_roles(name: str) -> dict[str, AttentionVariant]:
+    """The instances a :func:`register_layers` name calls: ``{"sliding": ..., "full": ...}``, for
+    records (``describe()``) and what each kind of layer reads. ``name`` is the registered name or its
+    implementation string; one-line ``ValueError`` for any other name."""
+    name = name_of(name) if name.startswith(PREFIX) else name
+    if name not in _LAYERS:
+        raise ValueError(f"{implementation(name)} is not a register_layers name (sliding and full layers)")
+    return dict(_LAYERS[name])
+
+
+def layer_list(name: str) -> list[AttentionVariant]:
+    """The instances a :func:`register_by_layer` name calls, by layer index (layers with the same
+    setting share one), for each layer's ``pattern()`` and ``describe()``. ``name`` is the registered
+    name or its implementation string; one-line ``ValueError`` for any other name."""
+    name = name_of(name) if name.startswith(PREFIX) else name
+    if name not in _BY_INDEX:
+        raise ValueError(f"{implementation(name)} is not a register_by_layer name (one variant per layer)")
+    return list(_BY_INDEX[name])
+
+
+def _by_index(name: str, module: nn.Module) -> AttentionVariant:
+    """The variant a :func:`register_by_layer` name runs on ``module`` (by its ``layer_idx``)."""
+    layers = _BY_INDEX[name]
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(idx, int) or not 0 <= idx < len(layers):
+        raise Unsupported(
+            f"{_where(name, module)} maps {len(layers)} layers by index; this layer's layer_idx is {idx!r}"
+        )
+    return layers[idx]
 
 
 def _registered_as(alias: str, variant: str, knobs: dict[str, Any], hint: str) -> bool:
@@ -701,5 +788,9 @@ def layer_variants(model: nn.Module) -> dict[str, AttentionVariant]:
         raise ValueError(f"model uses attn_implementation={impl!r}, not an attnbench one")
     name = name_of(impl)
     if name in _LAYERS:
-        raise ValueError(f"{impl} picks its variant per call (sliding or full layer): see register_layers")
+        raise ValueError(
+            f"{impl} picks its variant per call (sliding or full layer): see register_layers, layer_roles"
+        )
+    if name in _BY_INDEX:
+        return {qn: _by_index(name, m) for qn, m in _attention_modules(model)}
     return {qn: _variant_for(m, name) for qn, m in _attention_modules(model)}

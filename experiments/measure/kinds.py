@@ -38,7 +38,14 @@ class KindRules:
 
 
 def _model_label(spec: JobSpec) -> str:
-    return f"model(L={spec.model.get('layers')}, +{spec.model.get('new_tokens')} tokens)"
+    m = spec.model
+    bits = [f"L={m.get('layers')}", f"+{m.get('new_tokens')} tokens"]
+    if m.get("sliding_window"):  # a local/global mix: which layers slide, what runs the full ones
+        bits.append(f"sliding_window={m['sliding_window']}")
+        bits += [f"{k}={m[k]}" for k in ("full_every", "full_variant") if m.get(k) is not None]
+    if m.get("rolling_cache"):
+        bits.append("rolling_cache")
+    return f"model({', '.join(bits)})"
 
 
 KINDS: dict[Kind, KindRules] = {

@@ -274,7 +274,8 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
     df["round"] = pd.to_numeric(df["round"], errors="coerce").fillna(0).astype("Int64")
     # the machine's speed around each job against its fastest in the store (host, threads)
     df["machine_slowdown"] = slowdown(df)
-    df["newest"], values = shown_rows(df, CELL_KEYS, newest_mask(df, [*CELL_KEYS, "round"]))
+    keys = cell_keys(df)
+    df["newest"], values = shown_rows(df, keys, newest_mask(df, [*keys, "round"]))
     for col, by_row in values.items():  # a sweep run in rounds: its median figures on the shown row
         if col not in df:
             df[col] = pd.Series(None, index=df.index, dtype=object)
@@ -286,11 +287,18 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def cell_keys(df: pd.DataFrame) -> list[str]:
+    """A measurement's identity in ``df``: :data:`CELL_KEYS`, and a model job's model (its layers,
+    its layer mix, its cache) where ``df`` has model records: the same variant on two models is two
+    configurations. Not a column added to stores without one (their saved frames stay as they were)."""
+    return [*CELL_KEYS, "model"] if "model" in df.columns else list(CELL_KEYS)
+
+
 def newest_mask(df: pd.DataFrame, keys: list[str] | None = None) -> pd.Series:
     """True for the latest measurement (by start time, then finish time, then file, those of them
-    ``df`` has) of each ``keys`` (default :data:`CELL_KEYS`); a section whose rows are told apart by
+    ``df`` has) of each ``keys`` (default :func:`cell_keys`); a section whose rows are told apart by
     other config (a task, an encoder) passes its own keys."""
-    keys = keys or CELL_KEYS
+    keys = keys or cell_keys(df)
     order = df.sort_values([c for c in ("started_at", "finished_at", "path") if c in df], na_position="first")
     last = order.groupby(keys, dropna=False, sort=False).tail(1).index
     return pd.Series(df.index.isin(last), index=df.index)
@@ -306,7 +314,7 @@ def select(df: pd.DataFrame, all_measurements: bool = False) -> pd.DataFrame:
     stamp = out["started_at"].dt.strftime("%Y-%m-%d %H:%M:%S").astype(object)
     out["run"] = run.where(run.notna(), stamp)
     # the same configuration twice in one sweep folder: the older ones get their own row, by start time
-    twice = out.sort_values("started_at").duplicated([*CELL_KEYS, "run"], keep="last").reindex(out.index)
+    twice = out.sort_values("started_at").duplicated([*cell_keys(out), "run"], keep="last").reindex(out.index)
     out.loc[twice, "run"] = out.loc[twice, "run"].astype(str) + " @ " + stamp[twice].astype(str)
     return out
 

@@ -41,7 +41,8 @@ _IDENT = ["env_host", "device", "dtype", "pretrained", "variant_key", "seq_len"]
 GROUP = ["env_host", "device", "dtype", "_encoder", "_corpus"]
 # columns the figures of a pretrained record fill (absent when no job of the store got that far)
 _FIGURES = [
-    "kept_pairs", "mass_inside_mean", "mass_inside", "mass_first_token", "mass_band", "band", "cosine_mean",
+    "kept_pairs", "kept_pairs_layers", "mass_inside_mean", "mass_inside", "mass_first_token", "mass_band",
+    "band", "cosine_mean",
     "cosine_p5", "cosine_min", "top1_agreement", "top5_agreement", "retrieval_top1", "retrieval_top1_ref",
     "batch_ms_median", "batch_ms_iqr", "batch_ms_unstable", "batch_texts", "tokens_per_s", "peak_mib",
     "texts", "texts_available", "subsampled", "beyond_trained", "trained_len", "corpus_sha256",
@@ -49,14 +50,27 @@ _FIGURES = [
 ]  # fmt: skip
 
 
+def _full_layers(v: object) -> list[int]:
+    """The ``full_layers`` of a record's encoder settings (``pretrained``, as JSON text): [] for none."""
+    return list((obj(v) or {}).get("full_layers") or [])
+
+
+def _mix_suffix(v: object) -> str:
+    """What a row's label adds for a local/global layer mix: `` + sdpa on layers 0,5``; empty without."""
+    full = _full_layers(v)
+    return f" + sdpa on layers {','.join(str(i) for i in full)}" if full else ""
+
+
 def pretrained_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """The pretrained records, the newest measurement of each (host, device, dtype, encoder, variant
-    and knobs, N), with every figure column present (NaN where a job did not get that far) and the
-    grouping columns ``_encoder`` (the encoder's name) and ``_corpus`` (the corpus hash, short)."""
+    """The pretrained records, the newest measurement of each (host, device, dtype, encoder settings,
+    variant and knobs, N), with every figure column present (NaN where a job did not get that far),
+    the label ``variant`` naming a layer mix's full layers, and the grouping columns ``_encoder`` (the
+    encoder's name) and ``_corpus`` (the corpus hash, short)."""
     rows = of_kind(df, Kind.pretrained)
     rows = rows[newest_mask(rows, _IDENT)] if len(rows) else rows
     rows = rows.reindex(columns=[*rows.columns, *(c for c in _FIGURES if c not in rows.columns)])
     return rows.assign(
+        variant=rows["variant"].astype(str) + rows["pretrained"].map(_mix_suffix),
         _encoder=rows["pretrained"].map(lambda v: str((obj(v) or {}).get("name", "?"))),
         # a job that did not run has no hash: it joins the table of the corpus its length was run on
         _corpus=rows["corpus_sha256"]
@@ -144,25 +158,51 @@ def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return out
 
 
-def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Each ok record with ``global_blocks > 0`` beside the record with the same variant, knobs, N
-    and workload but ``global_blocks = 0``: cosine, top-1 agreement and attention mass inside, with
-    and without the global block. Empty when the store has no such pair."""
+#: the ablations the report pairs up: title -> (where the setting lives, its name). A record with the
+#: setting on is shown beside the record that differs only by the setting off (0, or no layers)
+ABLATIONS = {
+    "the global block": ("knob", "global_blocks"),
+    "the sink tokens": ("knob", "sink_tokens"),
+    "full-attention layers": ("pretrained", "full_layers"),
+}
+
+
+def _without(r: pd.Series, where: str, key: str) -> tuple[str, str] | None:
+    """``(knobs, pretrained)`` JSON of the record that is ``r`` with the setting off; None when ``r``
+    has it off already."""
+    knobs, enc = json.loads(r["knobs"]), obj(r["pretrained"]) or {}
+    if where == "knob":
+        if not knobs.get(key):
+            return None
+        knobs = {**knobs, key: 0}
+    else:
+        if not enc.get(key):
+            return None
+        enc = {**enc, key: []}
+    return json.dumps(knobs, sort_keys=True), json.dumps(enc, sort_keys=True, default=str)
+
+
+def ablation_table(df: pd.DataFrame, setting: str = "the global block") -> pd.DataFrame:
+    """Each ok record with ``setting`` on (:data:`ABLATIONS`: sparse's ``global_blocks``,
+    local_window's ``sink_tokens``, the encoder's ``full_layers``) beside the record with the same
+    variant, knobs, encoder settings, N and workload but the setting off: cosine, top-1 agreement,
+    attention mass inside and pairs kept, with and without. Empty when the store has no such pair."""
+    where, key = ABLATIONS[setting]
     rows = pretrained_rows(df)
     rows = rows[rows["status"] == "ok"]
+    enc_json = rows["pretrained"].map(lambda v: json.dumps(obj(v) or {}, sort_keys=True, default=str))
     found = []
     for _, r in rows.iterrows():
-        knobs = json.loads(r["knobs"])
-        if not knobs.get("global_blocks"):
+        off = _without(r, where, key)
+        if off is None:
             continue
-        without = json.dumps({**knobs, "global_blocks": 0}, sort_keys=True)
         match = rows[
-            (rows["knobs"] == without)
+            (rows["knobs"] == off[0])
+            & (enc_json == off[1])
             & (rows["variant_name"] == r["variant_name"])
             & (rows["seq_len"] == r["seq_len"])
             & (rows["device"] == r["device"])
             & (rows["dtype"] == r["dtype"])
-            & (rows["pretrained"] == r["pretrained"])
             & (rows["env_host"] == r["env_host"])
             & (rows["_corpus"] == r["_corpus"])
         ]
@@ -170,12 +210,17 @@ def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
             continue
         m = match.iloc[-1]
         beyond = bool(r["beyond_trained"]) if pd.notna(r["beyond_trained"]) else False
+        value = (
+            json.loads(r["knobs"])[key]
+            if where == "knob"
+            else ",".join(map(str, _full_layers(r["pretrained"])))
+        )
         found.append(
             {
                 "variant": r["variant"],
                 "N": f"{int(r['seq_len'])}" + (" (beyond training)" if beyond else ""),
                 "_n": int(r["seq_len"]),
-                "global blocks": knobs["global_blocks"],
+                key.replace("_", " "): value,
                 "cosine with / without": f"{_dec(r['cosine_mean'], 4)} / {_dec(m['cosine_mean'], 4)}",
                 "top-1 agree % with / without": f"{_pct(r['top1_agreement'])} / {_pct(m['top1_agreement'])}",
                 "attn mass inside % with / without": (
@@ -184,7 +229,9 @@ def ablation_table(df: pd.DataFrame) -> pd.DataFrame:
                 "pairs kept % with / without": f"{_pct(r['kept_pairs'])} / {_pct(m['kept_pairs'])}",
             }
         )
-    return pd.DataFrame(found).sort_values(["variant", "_n"]).drop(columns="_n") if found else pd.DataFrame()
+    if not found:
+        return pd.DataFrame()
+    return pd.DataFrame(found).sort_values(["variant", "_n", key.replace("_", " ")]).drop(columns="_n")
 
 
 def _csv_frame(df: pd.DataFrame) -> pd.DataFrame:
@@ -226,7 +273,12 @@ def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     ns = sorted(int(n) for n in rows["seq_len"].unique())
     names = sorted(rows["variant"].unique())
     colors = palette(names)
-    fig, axes = plt.subplots(2, len(ns), figsize=(3.4 * len(ns) + 2.4, 6.6), squeeze=False, sharey=True)
+    # room for the legend: about 0.062 inch per character of the longest label at font size 8 (a
+    # layer mix's label is long), at least the 2.2 inches a plain variant's needs
+    legend_in = max(2.2, 0.062 * max(len(n) for n in names) + 0.5)
+    fig, axes = plt.subplots(
+        2, len(ns), figsize=(3.4 * len(ns) + legend_in + 0.2, 6.6), squeeze=False, sharey=True
+    )
     axes_x = [("batch_ms_median", "ms per batch (whole model)"), ("kept_pairs", "share of pairs kept")]
     for col, n in enumerate(ns):
         sub = rows[rows["seq_len"] == n]
@@ -256,7 +308,7 @@ def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
         f"{title}: fidelity against cost (filled: on the frontier, nothing is both cheaper and closer)",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 0.95))
+    fig.tight_layout(rect=(0, 0, 1 - legend_in / fig.get_figwidth(), 0.95))
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
@@ -311,7 +363,8 @@ def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
 
 # ---------------------------------------------------------------------------------------------- report
 NOTE = (
-    "Each variant replaces the attention of the pretrained encoder in every layer, with no training. "
+    "Each variant replaces the attention of the pretrained encoder in every layer, with no training "
+    "(a label ending `+ sdpa on layers i,j`: a local/global mix, those layers keep full attention). "
     "cosine: of each text's mean-pooled embedding to the unmodified model's (mean and 5th percentile "
     "over the texts); top-1 / top-5 agree: retrieval (a sentence of each text as the query, the texts "
     "as the collection), share of queries whose nearest text is the same as the unmodified model's, "
@@ -329,9 +382,10 @@ def report_markdown(df: pd.DataFrame) -> str:
     parts = ["## Fidelity inside a pretrained model", "", NOTE, ""]
     for title, tab in fidelity_table(df):
         parts += [f"**{title}**", "", markdown(tab), ""]
-    abl = ablation_table(df)
-    if len(abl):
-        parts += ["**Ablation: the global block**", "", markdown(abl.set_index("variant")), ""]
+    for setting in ABLATIONS:
+        abl = ablation_table(df, setting)
+        if len(abl):
+            parts += [f"**Ablation: {setting}**", "", markdown(abl.set_index("variant")), ""]
     rows = pretrained_rows(df)
     ok = rows[rows["status"] == "ok"]
     for corpus_hash, sub in ok.groupby("corpus_sha256"):

@@ -36,7 +36,7 @@ from . import kernel_tables as K
 from .compare import baseline_table
 from .format import Section, render
 from .grouping import workload_line
-from .model_section import model_table
+from .model_section import model_table, plot_context
 
 DEFAULT_INPUT = "outputs/records"
 
@@ -235,6 +235,9 @@ def report_paths(
         # plots always show the newest measurement: several runs on one line would zigzag; model jobs
         # get a table, no plots
         written += write_all(store.select(store.of_kind(df, Kind.kernel)), out)
+        # model jobs at several prompt lengths: decoding cost and K/V bytes against the context
+        context = plot_context(store.of_kind(shown, Kind.model), out / "model_context.png")
+        written += [context] if context is not None else []
     print(f"report written to {out}: {', '.join(p.name for p in written)}")
     return written
 

@@ -6,7 +6,7 @@ sweep runs it (isolation, resume, records folder, report)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -87,6 +87,8 @@ def validate(conf: BenchConfig) -> None:
         _validate_pretrained(conf)
     elif conf.kind is not Kind.kernel:
         _refuse_kernel_knobs(conf)
+    if conf.kind is Kind.model:
+        _validate_model(conf)
     if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
         raise ValueError("variant must be chosen: variant=<name> (docs/variants.md lists them)")
 
@@ -106,6 +108,41 @@ def _refuse_kernel_knobs(conf: BenchConfig) -> None:
         )
 
 
+def _validate_model(conf: BenchConfig) -> None:
+    """A model job's layer mix and cache settings (``ModelSettings``): a window of at least one key,
+    full layers and their variant only with a window, a registered stateless variant there, a boolean
+    rolling cache. What depends on the job's variant (a rolling cache needs local_window somewhere)
+    is the job's to refuse, as ``unsupported``."""
+    import variants
+
+    from ..measure.model_job import ModelSettings
+
+    m = {**asdict(ModelSettings()), **dict(conf.model)}
+    window, every, full = m["sliding_window"], m["full_every"], m["full_variant"]
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"model.sliding_window must be an integer >= 1 (keys per query) or null, got {window!r}"
+        )
+    if window is None and (every is not None or full is not None):
+        raise ValueError(
+            "model.full_every and model.full_variant need model.sliding_window (without it every layer "
+            "is full)"
+        )
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise ValueError(f"model.full_every must be an integer >= 1 or null, got {every!r}")
+    if full is not None:
+        if full not in variants.available():
+            raise ValueError(
+                f"model.full_variant={full!r} is not a variant; known: {', '.join(variants.available())}"
+            )
+        if variants.get(full).has_params:
+            raise ValueError(
+                f"model.full_variant={full!r} has learned parameters: a mix takes stateless variants"
+            )
+    if not isinstance(m["rolling_cache"], bool):
+        raise ValueError(f"model.rolling_cache must be true or false, got {m['rolling_cache']!r}")
+
+
 def _validate_pretrained(conf: BenchConfig) -> None:
     """A pretrained job encodes whole texts with the encoder's own heads: the workload knobs it
     ignores must be at their defaults, and the retrieval task needs its 5 neighbours."""
@@ -123,3 +160,8 @@ def _validate_pretrained(conf: BenchConfig) -> None:
         raise ValueError(f"pretrained.batch must be a positive integer, got {p['batch']!r}")
     if not isinstance(p["band"], int) or p["band"] < 0:
         raise ValueError(f"pretrained.band must be an integer >= 0, got {p['band']!r}")
+    full = list(p["full_layers"] or [])
+    if not all(isinstance(i, int) and i >= 0 for i in full) or len(set(full)) != len(full):
+        raise ValueError(
+            f"pretrained.full_layers must be distinct layer indices >= 0 (e.g. [0,5]), got {full!r}"
+        )

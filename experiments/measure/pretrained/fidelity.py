@@ -82,11 +82,16 @@ def mass_inside(attn: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 class MassTally:
     """Running per-layer means of the attention mass on the first key, on a diagonal band and inside a
-    variant's pattern, over the texts of several batches (texts of equal length, no padding)."""
+    variant's pattern, over the texts of several batches (texts of equal length, no padding).
 
-    def __init__(self, layers: int, keep: torch.Tensor, radius: int) -> None:
-        n = keep.shape[-1]
-        self.keep, self.band, self.radius = keep, band(n, radius, keep.device), radius
+    ``keep``: the pattern ``(N, N)`` every layer runs, or one per layer (a local/global layer mix)."""
+
+    def __init__(self, layers: int, keep: torch.Tensor | list[torch.Tensor], radius: int) -> None:
+        keeps = list(keep) if isinstance(keep, (list, tuple)) else [keep] * layers
+        if len(keeps) != layers:
+            raise ValueError(f"MassTally: {len(keeps)} patterns for {layers} layers")
+        n = keeps[0].shape[-1]
+        self.keeps, self.band, self.radius = keeps, band(n, radius, keeps[0].device), radius
         self.first = torch.zeros(layers, dtype=torch.float64)
         self.diag = torch.zeros(layers, dtype=torch.float64)
         self.inside = torch.zeros(layers, dtype=torch.float64)
@@ -97,7 +102,7 @@ class MassTally:
         for layer, attn in enumerate(attentions):
             self.first[layer] += float(attn[..., 0].double().mean(dim=(1, 2)).sum())  # weight on key 0
             self.diag[layer] += float(mass_inside(attn, self.band).sum())
-            self.inside[layer] += float(mass_inside(attn, self.keep).sum())
+            self.inside[layer] += float(mass_inside(attn, self.keeps[layer]).sum())
         self.texts += attentions[0].shape[0]
 
     def figures(self) -> dict[str, list[float]]:

@@ -10,12 +10,15 @@ Steps, each recorded:
    attention weights give, per layer, the mass on the first token ([CLS]), on the band
    ``|i - j| <= band`` and inside the variant's pattern (``variant.pattern(N, N)``).
 3. The model with the variant (``attn_implementation='attnbench_<name>'``, see
-   :mod:`integrations.transformers_backend`) encodes the same: one untimed warm-up batch (compilation
+   :mod:`integrations.transformers_backend`; with ``full_layers`` a local/global mix: those layers
+   run sdpa, the others the variant, ``register_by_layer``, and the pattern of step 2 is each
+   layer's own) encodes the same: one untimed warm-up batch (compilation
    included: ``first_call_s``), then every batch timed (``batch_ms_*``: whole-model forward of
    ``batch`` texts; queries are padded to a multiple of 8), then the peak memory of one batch (CPU:
    allocator events; CUDA: the allocator's peak), above the weights and inputs.
 4. Figures: cosine of each text's embedding to the unmodified one (mean, 5th percentile, min), top-1
-   and top-5 neighbour agreement of the retrieval task, the share of pairs the pattern keeps.
+   and top-5 neighbour agreement of the retrieval task, the share of pairs the pattern keeps (mean
+   over layers, and per layer).
 
 Variants with learned parameters (additive) are ``unsupported``: the checkpoint has no weights for
 them. ``N`` above the model's position embeddings is ``unsupported``; ``N`` above the length it was
@@ -56,6 +59,9 @@ class PretrainedSettings:
     texts: int = 64  # texts per length, spread evenly over the corpus (fewer if it has fewer)
     batch: int = 8  # texts per forward pass; each pass is one timing sample
     band: int = 8  # radius of the diagonal band whose attention mass the report plots
+    # layers (from 0) that keep full attention (sdpa, the model's own softmax) while the variant runs
+    # on the others: a local/global layer mix; empty: the variant on every layer
+    full_layers: tuple[int, ...] = ()
 
 
 DEFAULTS: dict[str, Any] = asdict(PretrainedSettings())
@@ -92,13 +98,24 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     # follow the padded length), and axial has a grid (a prime length has none)
     q_width = -(-max(len(q) for q in texts.queries) // 8) * 8
 
-    impl = hf.implementation_for(name, knobs)  # its own name if another job registered other knobs
-    variant = hf.shared(impl)
-    keep = variant.pattern(n, n).to(device)  # (N, N): the pairs it lets interact
+    full = sorted(set(cfg["full_layers"]))
+    if any(i >= enc.layers for i in full):
+        raise ValueError(f"pretrained.full_layers={full} names a layer past the encoder's {enc.layers}")
+    if full:  # a local/global mix: sdpa on the full layers, the variant on the others
+        impl = hf.implementation_for_layers(
+            ["sdpa" if i in full else (name, knobs) for i in range(enc.layers)]
+        )
+        per_layer = hf.layer_list(impl)
+        variant = next((v for i, v in enumerate(per_layer) if i not in full), per_layer[0])
+    else:
+        impl = hf.implementation_for(name, knobs)  # its own name if another job registered other knobs
+        variant = hf.shared(impl)
+        per_layer = [variant] * enc.layers
+    keeps = [v.pattern(n, n).to(device) for v in per_layer]  # (N, N) per layer: the pairs it lets interact
 
     # the unmodified model: embeddings, and where its attention mass goes
     enc.model.set_attn_implementation("eager")
-    tally = MassTally(enc.layers, keep, cfg["band"])
+    tally = MassTally(enc.layers, keeps, cfg["band"])
     ref_t, _ = encode(enc, texts.texts, batch, attentions=tally.add)
     ref_q, _ = encode(enc, texts.queries, batch, width=q_width)
 
@@ -120,7 +137,9 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
         {
             **cosine_stats(ref_t, got_t),
             **retrieval_agreement(ref_q, ref_t, got_q, got_t, k=TOP_K),
-            "kept_pairs": kept_share(keep),
+            "kept_pairs": sum(kept_share(k) for k in keeps) / enc.layers,  # mean over layers
+            "kept_pairs_layers": [kept_share(k) for k in keeps],
+            "full_layers": full,
             **mass,
             "mass_inside_mean": float(sum(mass["mass_inside"]) / enc.layers),
             "band": cfg["band"],
