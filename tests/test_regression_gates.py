@@ -84,7 +84,7 @@ def test_committed_baseline_records_what_this_machine_cannot_run():
     entries = BASELINE["entries"]
     unsupported = {k for k, e in entries.items() if e["status"] == "unsupported"}
     # xformers is CUDA-only and FlexAttention has no CPU backward: recorded, not left out
-    assert {"xformers/fwd", "xformers/fwd_bwd"} <= unsupported
+    assert {c.key for c in gates.cases() if c.name == "xformers"} <= unsupported
     assert any(k.startswith("flex") and k.endswith("/fwd_bwd") for k in unsupported)
     assert all(entries[k]["reason"] for k in unsupported)
 
@@ -96,8 +96,8 @@ def test_committed_baseline_is_for_the_current_settings():
 
 def test_unsupported_case_still_says_so():
     attn = gates.build("xformers", gates.bench_knobs("xformers"))
-    for mode in gates.MODES:
-        key = f"xformers/{mode}"
+    for case in (c for c in gates.cases() if c.name == "xformers"):
+        key, mode = case.key, case.mode
         entry = gates.measure_static(attn, mode)
         assert entry["status"] == "unsupported" and entry["reason"]
         assert gates.compare_static(key, entry, committed(key)) == []
