@@ -156,27 +156,27 @@ class MaskSpec:
         """Itself (transformers calls ``.contiguous()`` on pre-built masks)."""
         return self
 
-    def dense(self) -> torch.Tensor:
+    def dense(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The mask as transformers' sdpa path gets it: boolean ``(B|1, 1, Nq, Nk)``, True = may
-        attend (a static cache's empty slots False). ``O(Nq Nk)``: only for a model that reads the
-        mask itself."""
+        attend (a static cache's empty slots False); ``rows`` (query indices, ``(R,)``): only those
+        rows, ``(B|1, 1, R, Nk)``. ``O(Nq Nk)`` (``O(R Nk)``): only for a model that reads the mask
+        itself, and for checking a window against a model's mask."""
         if self.attn_mask is not None:
-            return self.attn_mask
+            return self.attn_mask if rows is None else self.attn_mask[:, :, rows.to(self.attn_mask.device)]
         device = self.device if self.key_padding_mask is None else self.key_padding_mask.device
         keys = torch.arange(self.kv_length, device=device)[None, :]  # (1, Nk)
-        pos = torch.arange(self.q_length, device=device)[:, None] + (
-            self.keys_used - self.q_length
-        )  # (Nq, 1)
-        seen = (keys < self.keys_used).expand(self.q_length, -1)  # (Nq, Nk); query i is position pos[i]
+        idx = torch.arange(self.q_length, device=device) if rows is None else rows.to(device)  # (R,)
+        pos = idx[:, None] + (self.keys_used - self.q_length)  # (R, 1)
+        seen = (keys < self.keys_used).expand(len(idx), -1)  # (R, Nk); query idx[i] is position pos[i]
         if self.causal:  # bottom-right over the keys used
             seen = seen & (keys <= pos)
         if self.window is not None:  # comparisons of (Nq, 1) with (1, Nk): booleans only, no int tensor
             seen = seen & (keys >= pos - self.window) & (keys <= pos + self.window)
-        seen = seen[None, None]  # (1, 1, Nq, Nk)
+        seen = seen[None, None]  # (1, 1, R, Nk)
         if self.key_padding_mask is not None:
             pad = torch.ones(self.key_padding_mask.shape[0], self.kv_length, dtype=torch.bool, device=device)
             pad[:, : self.keys_used] = self.key_padding_mask
-            seen = seen & pad[:, None, None, :]  # (B, 1, Nq, Nk)
+            seen = seen & pad[:, None, None, :]  # (B, 1, R, Nk)
         return seen
 
     def __getitem__(self, index: Any) -> torch.Tensor:
@@ -272,6 +272,10 @@ def _as_window(
     if not radii or full is None:
         return None
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    # a few rows first (the first, last and some between): a candidate that differs there is dropped
+    # at O(rows Nk); only one that matches them is compared whole (O(Nq Nk), about 1 GiB of booleans
+    # at 32k: checking every candidate whole took 13 s of a 32k prefill)
+    rows = torch.unique(torch.linspace(0, q_length - 1, min(q_length, 9)).round().long()).to(full.device)
     for causal in (True, False):
         used = min(q_end - kv_offset, kv_length) if causal else kv_length
         if used <= 0 or (causal and q_end != kv_offset + used):
@@ -280,6 +284,9 @@ def _as_window(
         pad = None if pad is None or bool(pad.all()) else pad
         for radius in radii:
             spec = MaskSpec(causal, pad, None, q_length, kv_length, used, radius, full.device)
+            some = full.expand(-1, -1, q_length, -1)[:, :, rows]  # (B|1, 1, R, Nk)
+            if not torch.equal(spec.dense(rows).expand_as(some), some):
+                continue
             if torch.equal(spec.dense().expand_as(full), full):
                 return spec
     return None

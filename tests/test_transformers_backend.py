@@ -729,3 +729,32 @@ def test_registered_names_stay_what_they_were():
     assert "flash" not in hf.implementation_for("sdpa", {"backend": "flash"})  # read as FlashAttention
     spec = hf.MaskSpec(True, None, None, 3, 5, 5, 2, torch.device("meta"))
     assert spec.dense().device.type == "meta"
+
+
+def test_a_window_is_recognised_by_a_few_rows_first_and_checked_whole_once(monkeypatch):
+    # the candidates that differ in the sampled rows never build their (Nq, Nk) mask; the one that
+    # matches is compared whole (a band that differs only outside the sampled rows is not a window)
+    from types import SimpleNamespace
+
+    n, w = 64, 4
+    pos = torch.arange(n)
+    band = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= pos[:, None] - w)  # (Nq, Nk): causal, radius 4
+    whole = []
+    dense = hf.MaskSpec.dense
+
+    def counting(self, rows=None):
+        if rows is None:
+            whole.append(self.window)
+        return dense(self, rows)
+
+    monkeypatch.setattr(hf.MaskSpec, "dense", counting)
+    config = SimpleNamespace(sliding_window=w + 1)  # radii tried: 4 (causal W - 1) and 2 (W // 2)
+    spec = hf._as_window(band[None, None], config, None, n, n, n, 0)
+    assert spec is not None and spec.window == w and spec.causal and whole == [w]
+    odd = band.clone()
+    odd[5, 0] = True  # row 5 is not among the sampled rows: found only by the whole comparison
+    whole.clear()
+    assert hf._as_window(odd[None, None], config, None, n, n, n, 0) is None
+    assert whole == [w]
+    rows = torch.tensor([0, 7, 63])
+    assert torch.equal(dense(spec, rows), dense(spec)[:, :, rows])  # a row's mask is the whole's row
