@@ -201,11 +201,7 @@ class ChunkedAttention(AttentionVariant):
         super().check(w)
         if self.decode != "kernel":
             return
-        q = torch.empty(w.batch, w.heads, w.nq, w.head_dim, device="meta", dtype=w.dtype)
-        k = torch.empty(w.batch, w.hkv, w.nk, w.head_dim, device="meta", dtype=w.dtype)
-        v = torch.empty(w.batch, w.hkv, w.nk, w.v_head_dim, device="meta", dtype=w.dtype)
-        masked = w.key_padding or w.attn_mask or w.bias or w.softcap is not None  # sinks: one more key
-        why = decode_kernel.refusal(q, k, v, grad=w.backward, masked=masked, device=w.device)
+        why = decode_kernel.refusal(w)  # sinks are one more key and feature: the kernel takes them
         if why is not None:
             raise Unsupported(f"chunked decode=kernel: {why}")
         if decode_kernel.kernel() is None:
@@ -215,9 +211,10 @@ class ChunkedAttention(AttentionVariant):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         self.decode_ran = self.decode_note = None
         if self.decode != "torch" and q.shape[2] < k.shape[2]:
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            masked = any(t is not None for t in (key_padding_mask, attn_mask, bias, softcap))
-            why = decode_kernel.refusal(q, k, v, grad=grad, masked=masked)
+            w = Workload.of(
+                q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap
+            )
+            why = decode_kernel.refusal(w)
             if why is None and decode_kernel.kernel() is None:
                 why = decode_kernel.build_error()
             if why is None:

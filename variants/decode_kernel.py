@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .base import Workload
+
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS = 64  # query rows per K/V head (G * Nq) the kernel takes (MAX_ROWS in the C source)
@@ -88,35 +90,22 @@ def build_error() -> str | None:
     return _ERROR
 
 
-def refusal(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    grad: bool,
-    masked: bool,
-    device: str | None = None,
-) -> str | None:
-    """Why the kernel cannot take this call (one line), or None. ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk,
-    D)``, ``v (B, Hkv, Nk, Dv)`` (only their shapes and dtype are read; ``device`` stands for theirs
-    when given); ``masked``: a padding mask, an ``attn_mask``, a bias, soft-capping or sinks come with
-    it. ``O(1)``."""
-    b, h, nq, d = q.shape
-    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    device = device or q.device.type
-    if device != "cpu" or q.dtype != torch.float32:
-        dtype = str(q.dtype).replace("torch.", "")
-        return f"the decode kernel takes float32 CPU tensors, not {dtype} on {device}"
-    if grad:
+def refusal(w: Workload) -> str | None:
+    """Why the kernel cannot take the call ``w`` (one line), or None. ``O(1)``."""
+    if w.device != "cpu" or w.dtype != torch.float32:
+        dtype = str(w.dtype).replace("torch.", "")
+        return f"the decode kernel takes float32 CPU tensors, not {dtype} on {w.device}"
+    if w.backward:
         return "the decode kernel has no backward"
-    if masked:
+    if w.key_padding or w.attn_mask or w.bias or w.softcap is not None:
         return "the decode kernel takes causal masking only (no padding mask, attn_mask, bias or softcap)"
-    if nq >= nk:
-        return f"the decode kernel is for fewer queries than keys (Nq={nq}, Nk={nk})"
-    if (h // hkv) * nq > MAX_ROWS:
-        return f"the decode kernel takes at most {MAX_ROWS} query rows per K/V head, not {(h // hkv) * nq}"
-    if max(d, dv) > MAX_DIM:
-        return f"the decode kernel takes head sizes up to {MAX_DIM}, not {max(d, dv)}"
+    if w.nq >= w.nk:
+        return f"the decode kernel is for fewer queries than keys (Nq={w.nq}, Nk={w.nk})"
+    rows = w.heads // w.hkv * w.nq
+    if rows > MAX_ROWS:
+        return f"the decode kernel takes at most {MAX_ROWS} query rows per K/V head, not {rows}"
+    if max(w.head_dim, w.v_head_dim) > MAX_DIM:
+        return f"the decode kernel takes head sizes up to {MAX_DIM}, not {max(w.head_dim, w.v_head_dim)}"
     return None
 
 

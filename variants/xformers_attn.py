@@ -288,12 +288,12 @@ def additive_bias(
         while am.dim() < 4:
             am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
         allowed = allowed & am
-    # bottom-right: query i is position p = i + Nk - Nq
-    offset = torch.arange(nq, device=device)[:, None] + (nk - nq) - torch.arange(nk, device=device)  # p - j
-    if causal:  # folded in: a typed mask cannot be combined with the empty-row fix below
-        allowed = allowed & (offset >= 0)  # (.., Nq, Nk)
+    # folded in (bottom-right: query i is position i + Nk - Nq): a typed mask cannot be combined with
+    # the empty-row fix below
     if window is not None:
-        allowed = allowed & (offset.abs() <= window)  # (.., Nq, Nk)
+        allowed = allowed & band_pattern(nq, nk, window, causal).to(device)  # (.., Nq, Nk)
+    elif causal:
+        allowed = allowed & torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq)  # (.., Nq, Nk)
     empty = ~allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Nq|1, 1)
     has_empty = bool(empty.any())
     if has_empty:
@@ -425,9 +425,7 @@ class XFormersAttention(AttentionVariant):
         xops = load_xformers()
         b, h, nq, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-        window = (
-            self.window if window is None else window if self.window is None else min(window, self.window)
-        )
+        window = min((r for r in (window, self.window) if r is not None), default=None)  # the narrower
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         fw, bw = operators(xops, self.op)
         if needs_grad and fw is not None and bw is None:
