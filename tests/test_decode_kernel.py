@@ -106,8 +106,8 @@ def test_decode_kernel_refuses_in_one_line_what_it_cannot_take():
 
 
 def test_without_a_compiler_chunked_falls_back_and_decode_kernel_is_unavailable(monkeypatch, tmp_path):
-    monkeypatch.setattr(dk, "_LIB", None)
-    monkeypatch.setattr(dk, "_ERROR", None)
+    monkeypatch.setattr(dk._KERNEL, "lib", None)
+    monkeypatch.setattr(dk._KERNEL, "error", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
     g = torch.Generator().manual_seed(3)
@@ -129,12 +129,12 @@ def test_without_a_compiler_chunked_falls_back_and_decode_kernel_is_unavailable(
 
 @needs_kernel
 def test_the_kernel_is_built_once_into_the_cache_named_by_its_source(monkeypatch, tmp_path):
-    monkeypatch.setattr(dk, "_LIB", None)
-    monkeypatch.setattr(dk, "_ERROR", None)
+    monkeypatch.setattr(dk._KERNEL, "lib", None)
+    monkeypatch.setattr(dk._KERNEL, "error", None)
     monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path))
     assert dk.kernel() is not None
     built = list(tmp_path.glob("decode_kernel-*.so"))
     assert len(built) == 1 and not list(tmp_path.glob("*.tmp*"))
-    monkeypatch.setattr(dk, "_LIB", None)
+    monkeypatch.setattr(dk._KERNEL, "lib", None)
     mtime = built[0].stat().st_mtime_ns
     assert dk.kernel() is not None and built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt

@@ -375,7 +375,9 @@ def test_sparse_impl_choice_and_its_limits():
         == "sdpa"
     )
     assert BlockSparseAttention().choose_impl(Workload(1, 2, 64, 64, 8, 8, device="cuda")) == "sdpa"
-    assert BlockSparseAttention().choose_impl(Workload(1, 2, 64, 64, 64, 64)) == "sdpa"
+    # the CPU: the C kernel for a float32 forward (where it builds), the fused SDPA route otherwise
+    assert BlockSparseAttention().choose_impl(Workload(1, 2, 64, 64, 64, 64, backward=True)) == "sdpa"
+    assert BlockSparseAttention().choose_impl(Workload(1, 2, 64, 64, 8, 8, dtype=torch.float64)) == "sdpa"
     flex = BlockSparseAttention(impl="flex")
     with pytest.raises(Unsupported, match="no backward on the CPU"):
         flex.check(Workload(1, 2, 64, 64, 8, 8, backward=True))

@@ -8,10 +8,8 @@ splits every K/V head's keys into ranges, one task per (head, range) over all th
 cached row once for all the query heads that share it (grouped heads are not repeated), keeps an
 online softmax per range and merges the ranges by log-sum-exp.
 
-Built once per machine into ``$ATTNBENCH_CACHE`` (default ``~/.cache/attnbench``), named by a hash of
-the source, the flags and the compiler, with ``$CC`` (default ``cc``) and ``-O3 -march=native
--ffast-math -fopenmp``. Where it cannot be built, :func:`kernel` returns None and :func:`build_error`
-says why: the caller falls back to PyTorch and its record says which ran.
+Built once per machine (:mod:`variants.ckernel`). Where it cannot be built, :func:`kernel` returns
+None and :func:`build_error` says why: the caller falls back to PyTorch and its record says which ran.
 
 Time ``O(B Hkv R Nk (D + Dv))`` for ``R`` query rows per K/V head; memory ``O(B Hkv splits R Dv)``.
 """
@@ -19,58 +17,19 @@ Time ``O(B Hkv R Nk (D + Dv))`` for ``R`` query rows per K/V head; memory ``O(B 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from .base import Workload
+from .ckernel import CKernel
 
-SOURCE = Path(__file__).with_name("decode_kernel.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS = 64  # query rows per K/V head (G * Nq) the kernel takes (MAX_ROWS in the C source)
 MAX_DIM = 256  # head sizes it takes (MAX_DIM)
 _MIN_KEYS_PER_SPLIT = 512  # a range shorter than this costs more to merge than it saves
 
-_LIB: ctypes.CDLL | None = None
-_ERROR: str | None = None
 
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("ATTNBENCH_CACHE", Path.home() / ".cache" / "attnbench"))
-
-
-def kernel() -> ctypes.CDLL | None:
-    """The built kernel (built now if needed, once per process), or None if it cannot be built."""
-    global _LIB, _ERROR
-    if _LIB is not None or _ERROR is not None:
-        return _LIB
-    cc = os.environ.get("CC", "cc")
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"decode_kernel-{tag}.so"
-    try:
-        if not lib.exists():
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            # built beside its final name and renamed: jobs starting together never load half a file
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-            os.close(fd)
-            cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if run.returncode != 0:
-                os.unlink(tmp)
-                first = (run.stderr.strip().splitlines() or ["no message"])[0]
-                _ERROR = f"{cc} could not build {SOURCE.name}: {first}"
-                return None
-            os.replace(tmp, lib)
-        _LIB = ctypes.CDLL(str(lib))
-    except (OSError, subprocess.SubprocessError) as exc:
-        _ERROR = f"the decode kernel could not be built or loaded with {cc}: {exc}"
-        return None
-    f = _LIB.decode_splitk
+def _declare(lib: ctypes.CDLL) -> None:
+    f = lib.decode_splitk
     f.restype = ctypes.c_int
     f.argtypes = [
         *(ctypes.c_void_p,) * 4,
@@ -82,12 +41,19 @@ def kernel() -> ctypes.CDLL | None:
         ctypes.c_float,
         *(ctypes.c_int,) * 3,
     ]
-    return _LIB
+
+
+_KERNEL = CKernel("decode_kernel.c", "the decode kernel", _declare)
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The built kernel (built now if needed, once per process), or None if it cannot be built."""
+    return _KERNEL.load()
 
 
 def build_error() -> str | None:
     """Why the kernel could not be built (after :func:`kernel` returned None), else None."""
-    return _ERROR
+    return _KERNEL.error
 
 
 def refusal(w: Workload) -> str | None:

@@ -51,13 +51,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionVariant, Unsupported, Workload
+from . import sparse_kernel
+from .base import AttentionVariant, Unavailable, Unsupported, Workload
 from .flex_kernel import FlexKernel, flex_refusal
 from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .patterns import MaskMod, block_layout, layout_blocks, layout_mask_mod, layout_pairs, layout_pattern
 from .registry import register
 
-IMPLS = ("auto", "sdpa", "blocked", "flex")
+IMPLS = ("auto", "kernel", "sdpa", "blocked", "flex")
 
 
 def tail_bound(batch_heads: int, tiles_per_head: float, key_tiles: int, sms: int) -> bool:
@@ -79,6 +80,7 @@ class BlockSparseAttention(AttentionVariant):
         {"block": 5, "window_blocks": 0, "global_blocks": 1, "random_blocks": 2, "seed": 3},
         {"block": 3, "window_blocks": 1, "global_blocks": 0, "random_blocks": 1, "stride_blocks": 3},
         {"block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "impl": "blocked"},
+        {"block": 4, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "impl": "sdpa"},
     )
 
     def __init__(
@@ -109,6 +111,8 @@ class BlockSparseAttention(AttentionVariant):
         self.stride_blocks = stride_blocks
         self.impl = impl
         self.impl_ran: str | None = None
+        self.impl_note: str | None = None  # why auto did not take the kernel on the CPU
+        self._rows: dict[tuple[int, int, bool], list[tuple[int, list[int]]]] = {}
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._flex = FlexKernel(self._layout_mask_mod, block)
         # the layout without its global query rows, which are one dense SDPA call instead (see _attend)
@@ -131,17 +135,33 @@ class BlockSparseAttention(AttentionVariant):
         """The implementation that runs ``w`` (``auto`` resolved, see the module docstring)."""
         if self.impl != "auto":
             return self.impl
+        if w.device == "cpu":
+            return "kernel" if self._kernel_refusal(w) is None else "sdpa"
         flex_ok = w.device == "cuda" and flex_refusal(w, layout_block=self.block) is None
         return "flex" if flex_ok else "sdpa"
+
+    @staticmethod
+    def _kernel_refusal(w: Workload) -> str | None:
+        """Why the C kernel cannot run ``w`` (it cannot take it, or it could not be built), or None."""
+        why = sparse_kernel.refusal(w)
+        if why is None and sparse_kernel.kernel() is None:
+            why = sparse_kernel.build_error()
+        return why
 
     def check(self, w: Workload) -> None:
         super().check(w)
         if self.choose_impl(w) == "flex" and (why := flex_refusal(w, layout_block=self.block)):
             raise Unsupported(f"sparse impl=flex {why}")
+        if self.impl == "kernel":
+            if why := sparse_kernel.refusal(w):
+                raise Unsupported(f"sparse impl=kernel: {why}")
+            if sparse_kernel.kernel() is None:
+                raise Unavailable(f"sparse impl=kernel: {sparse_kernel.build_error()}")
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
         d["impl_ran"] = self.impl_ran
+        d["impl_note"] = self.impl_note
         d["tile"] = (self._flex.tile_ran or self._flex_local.tile_ran) if self.impl_ran == "flex" else None
         d["global_rows"] = self.global_rows_ran if self.impl_ran == "flex" else None
         return d
@@ -177,8 +197,21 @@ class BlockSparseAttention(AttentionVariant):
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
         self.impl_ran = self.choose_impl(w)
+        self.impl_note = self._kernel_refusal(w) if self.impl == "auto" and w.device == "cpu" else None
         if self.impl_ran == "flex":
             return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        if self.impl_ran == "kernel":
+            rows = self._kernel_rows(q.shape[2], k.shape[2], causal)
+            return sparse_kernel.forward(
+                q,
+                k,
+                v,
+                rows,
+                self.block,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                scale=q.shape[-1] ** -0.5,
+            )  # (B, H, Nq, Dv)
         bsz, h, nq, d = q.shape
         n, dv = k.shape[2], v.shape[-1]
         off = n - nq  # query i is position i + off of the layout of length N
@@ -299,6 +332,19 @@ class BlockSparseAttention(AttentionVariant):
             out = out.reshape(bsz, h, nr * b, dv)  # (B, H, nr*b, Dv)
             outs.append(out[:, :, lead : lead + n - max(ng, off)])  # lead and padded rows dropped
         return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, Nq, Dv)
+
+    def _kernel_rows(self, nq: int, nk: int, causal: bool) -> list[tuple[int, list[int]]]:
+        """The C kernel's layout: every query block holding a query with the key blocks it sees
+        (causal: none after its own), the longest rows (the global ones) first so they start first.
+        Cached per ``(Nq, Nk, causal)``; ``O(nb^2)`` once."""
+        if (nq, nk, causal) not in self._rows:
+            blocks = self.block_pattern(nk, causal)  # (nb, nb)
+            if causal:
+                blocks = blocks.tril()
+            first = (nk - nq) // self.block  # the block of the first query
+            rows = [(r, blocks[r].nonzero().flatten().tolist()) for r in range(first, blocks.shape[0])]
+            self._rows[nq, nk, causal] = sorted(rows, key=lambda row: -len(row[1]))
+        return self._rows[nq, nk, causal]
 
     def _flex_attend(self, q, k, v, *, causal, key_padding_mask):
         """The layout on FlexAttention's kernel, its global query rows apart: those ``g * block`` rows

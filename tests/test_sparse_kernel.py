@@ -1,0 +1,133 @@
+"""sparse's block-sparse C kernel (variants/sparse_kernel.c) against a float64 formula written here
+from the kernel's contract (each query block sees the key blocks listed for it), through the variant
+against its own layout, its fallback where it cannot be built or take a call, and its refusals with
+``impl=kernel``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import variants
+from variants import Unavailable, Unsupported, Workload
+from variants import sparse_kernel as sk
+
+
+def _expected(q, k, v, rows, block, causal, kpm) -> torch.Tensor:
+    """softmax over the listed key blocks (and causal, padding) in float64, query ``i`` at position
+    ``i + Nk - Nq``, query head ``h`` on K/V head ``h // (H / Hkv)``; a row seeing nothing is zero."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    pos = torch.arange(nq) + (nk - nq)  # (Nq,) each query's position
+    allowed = torch.zeros(nq, nk, dtype=torch.bool)
+    for r, cols in rows:
+        for c in cols:
+            allowed[(pos // block == r)[:, None] & (torch.arange(nk) // block == c)[None, :]] = True
+    if causal:
+        allowed &= torch.arange(nk)[None, :] <= pos[:, None]
+    allowed = allowed.expand(b, 1, nq, nk)
+    if kpm is not None:
+        allowed = allowed & kpm[:, None, None, :]  # (B, 1, Nq, Nk)
+    kk = k.double().repeat_interleave(h // hkv, dim=1)  # (B, H, Nk, D)
+    vv = v.double().repeat_interleave(h // hkv, dim=1)  # (B, H, Nk, Dv)
+    s = (q.double() @ kk.transpose(-2, -1) * d**-0.5).masked_fill(~allowed, float("-inf"))  # (B, H, Nq, Nk)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no allowed key: all NaN -> 0
+    return p @ vv
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+needs_kernel = pytest.mark.skipif(sk.kernel() is None, reason=f"no C compiler here: {sk.build_error()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "b, h, hkv, nq, nk, d, dv, block, causal, padded",
+    [
+        (1, 8, 8, 512, 512, 64, 64, 64, False, False),  # the benchmark's shape, smaller
+        (2, 4, 2, 300, 300, 64, 128, 64, True, True),  # GQA, Dv != D, a partial last block
+        (1, 2, 1, 1, 200, 16, 24, 32, True, False),  # decoding: one query onto the cache
+        (2, 3, 3, 70, 250, 20, 20, 100, False, True),  # Nq < Nk, two query chunks per block, odd D
+        (1, 2, 2, 37, 37, 8, 8, 5, True, True),  # tiny blocks: partial vectors everywhere
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_kernel_matches_the_float64_formula(b, h, hkv, nq, nk, d, dv, block, causal, padded, threads):
+    g = torch.Generator().manual_seed(nk + block)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
+    kpm = torch.rand(b, nk, generator=g) > 0.3 if padded else None
+    if padded:
+        kpm[0, :block] = False  # query block 0's own keys all padded: rows that see (almost) nothing
+    nb = -(-nk // block)
+    first = (nk - nq) // block
+    # any set of key blocks per query block: the diagonal, block 0, and a random few; with more than
+    # one query block, the next to last sees none
+    rows = []
+    for r in range(first, nb):
+        cols = {r, 0, *torch.randint(nb, (2,), generator=g).tolist()}
+        rows.append((r, sorted(cols) if r != nb - 2 else []))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = sk.forward(q, k, v, rows, block, causal=causal, key_padding_mask=kpm, scale=d**-0.5)
+    finally:
+        torch.set_num_threads(old)
+    want = _expected(q, k, v, rows, block, causal, kpm)
+    assert _rel(out, want) <= 1e-5
+    assert not out.isnan().any()
+    empty = (want == 0).all(dim=-1)  # rows with no visible key come out exactly zero
+    assert (out[empty] == 0).all() and (empty.any() or len(rows) == 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("causal", [False, True])
+def test_sparse_runs_its_layout_on_the_kernel_by_default_on_the_cpu(causal):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 400, 32, generator=g) for _ in range(3))
+    knobs = {"block": 32, "window_blocks": 1, "global_blocks": 2, "random_blocks": 2, "stride_blocks": 4}
+    attn, ref = variants.build("sparse", **knobs), variants.build("sparse", **knobs, impl="sdpa")
+    with torch.no_grad():
+        out, want = attn(q, k, v, causal=causal), ref(q, k, v, causal=causal)
+        dec = attn(q[:, :, -3:], k, v, causal=causal)  # three queries onto the cache
+    assert attn.describe()["impl_ran"] == "kernel" and attn.describe()["impl_note"] is None
+    assert _rel(out, want.double()) <= 1e-5
+    assert _rel(dec, want[:, :, -3:].double()) <= 1e-5
+    # with a gradient the kernel cannot run: the SDPA route, and the record says why
+    q.requires_grad_(True)
+    attn(q, k, v, causal=causal).sum().backward()
+    assert attn.describe()["impl_ran"] == "sdpa"
+    assert attn.describe()["impl_note"] == "the block-sparse kernel has no backward"
+
+
+def test_the_kernel_refuses_in_one_line_what_it_cannot_take():
+    attn = variants.build("sparse", impl="kernel")
+    with pytest.raises(Unsupported, match="^sparse impl=kernel: the block-sparse kernel takes float32 CPU"):
+        attn.check(Workload(1, 2, 64, 64, 16, 16, dtype=torch.float64))
+    with pytest.raises(Unsupported, match="^sparse impl=kernel: the block-sparse kernel has no backward$"):
+        attn.check(Workload(1, 2, 64, 64, 16, 16, backward=True))
+    with pytest.raises(Unsupported, match="takes head sizes up to 256, not 512"):
+        attn.check(Workload(1, 2, 64, 64, 512, 512))
+    with pytest.raises(ValueError, match="sparse impl must be one of auto, kernel, sdpa, blocked, flex"):
+        variants.build("sparse", impl="c")
+
+
+def test_without_a_compiler_sparse_falls_back_and_impl_kernel_is_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setattr(sk._KERNEL, "lib", None)
+    monkeypatch.setattr(sk._KERNEL, "error", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 50, 8, generator=g) for _ in range(3))
+    attn = variants.build("sparse", block=8)
+    with torch.no_grad():
+        out = attn(q, k, v)
+    assert attn.describe()["impl_ran"] == "sdpa"
+    assert attn.describe()["impl_note"].startswith(
+        "the block-sparse kernel could not be built or loaded with"
+    )
+    rows = [(r, attn.block_pattern(50)[r].nonzero().flatten().tolist()) for r in range(7)]
+    assert _rel(out, _expected(q, k, v, rows, 8, False, None)) <= 1e-5
+    with pytest.raises(Unavailable, match="^sparse impl=kernel: the block-sparse kernel could not be built"):
+        variants.build("sparse", impl="kernel").check(Workload(1, 2, 50, 50, 8, 8))

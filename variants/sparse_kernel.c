@@ -1,0 +1,259 @@
+/* Block-sparse attention forward on the CPU: each query block against only its listed key blocks.
+ *
+ * Built on first use by variants/sparse_kernel.py with the system's C compiler (-O3 -march=native
+ * -ffast-math -fopenmp) and called through ctypes on the tensors' memory; nothing here knows torch.
+ *
+ * Inputs (float32, contiguous): q (B, H, nq, D), k (B, Hkv, nk, D), v (B, Hkv, nk, Dv); out
+ * (B, H, nq, Dv). Query i is position i + nk - nq of a layout of length nk cut into blocks of `blk`
+ * tokens. The layout is a list of rows, one per query block: row x is query block qblock[x] and sees
+ * key blocks cols[rowptr[x] .. rowptr[x + 1]) (no repeats). Causal: the query at position p sees
+ * keys j <= p. kpm: (B, nk) bytes, 0 = a padded key, or NULL. Query head h reads K/V head
+ * h / (H / Hkv). A row that sees no key comes out zero.
+ *
+ * Work: one task per (row, batch, head, chunk of up to ROWS queries), over all threads, rows in the
+ * order given (the caller lists the heavy ones first). A task holds its queries transposed, scaled by
+ * scale * log2(e), and walks its key blocks in tiles of KT keys with an online softmax in base 2:
+ * scores S^T (keys x queries, the queries along the vector lanes, so the softmax's max and sum over
+ * keys are lane-wise), then acc += P V. Keys and values are read in place, never gathered.
+ * Time O(B H pairs (D + Dv)); memory O(threads ROWS (D + KT + Dv)) besides the inputs.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* VL floats, loaded and stored at any alignment, in the target's widest vector registers: the
+ * register tiles below are sized for them (a vector wider than the target's is split by the
+ * compiler into pieces that no longer fit the registers: 20x slower) */
+#if defined(__AVX512F__)
+#define VB 64
+#elif defined(__AVX__)
+#define VB 32
+#else
+#define VB 16
+#endif
+typedef float vf __attribute__((vector_size(VB), aligned(4)));
+typedef int vi __attribute__((vector_size(VB), aligned(4)));
+#define VL (VB / 4)
+#define ROWS 64 /* queries per task: RV vectors */
+#define RV (ROWS / VL)
+#define KT 64 /* keys per tile */
+#define MAX_DIM 256
+/* register tiles: scores take KS keys x RG query vectors at a time, the weighted sum WR query rows x
+ * 4 value vectors; KS * RG and 4 * WR accumulators fit beside their operands in the 16 registers of
+ * AVX2 and the 32 of AVX-512 or NEON */
+#define RG 4
+#define KS (VB == 32 ? 2 : 4)
+#define WR (VB == 32 ? 2 : 4)
+#define LOG2E 1.4426950408889634f
+
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf select_v(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vf max_v(vf a, vf b) { return select_v(a > b, a, b); }
+
+/* 2^x per lane, exactly 0 where x < -126 (x = -inf included): x = n + f, |f| <= 1/2, 2^f by its
+ * Taylor series to f^7 (relative error below 2e-7), 2^n put in the exponent bits */
+static inline vf exp2_v(vf x) {
+    vi dead = x < -126.0f;
+    x = max_v(x, splat(-126.0f));
+    vf y = x + 0.5f;
+    vi n = __builtin_convertvector(y, vi);            /* truncated toward zero */
+    n += (vi)(__builtin_convertvector(n, vf) > y);    /* floor: -1 where truncation rounded up */
+    vf f = (x - __builtin_convertvector(n, vf)) * 0.6931471805599453f; /* f ln 2 */
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    vf r = (vf)((vi)p + (n << 23));
+    return (vf)((vi)r & ~dead);
+}
+
+/* s[t][x0 ..] = k_t . qt over rg vectors of queries from vector x0, for the tile's nt keys (rows of
+ * k, stride D): KS keys at a time, KS * rg accumulators in registers */
+static inline __attribute__((always_inline)) void scores_group(const float *k, int nt, int D, const float *qt,
+                                                               float s[KT][ROWS], int x0, const int rg) {
+    int t = 0;
+    for (; t + KS <= nt; t += KS) {
+        vf a[KS][RG];
+        for (int i = 0; i < KS; i++)
+            for (int x = 0; x < rg; x++) a[i][x] = splat(0.0f);
+        const float *k0 = k + (long)t * D;
+        for (int d = 0; d < D; d++) {
+            const float *qd = qt + d * ROWS + x0 * VL;
+            for (int x = 0; x < rg; x++) {
+                vf qv = *(const vf *)(qd + x * VL);
+                for (int i = 0; i < KS; i++) a[i][x] += k0[i * D + d] * qv;
+            }
+        }
+        for (int i = 0; i < KS; i++)
+            for (int x = 0; x < rg; x++) *(vf *)(s[t + i] + (x0 + x) * VL) = a[i][x];
+    }
+    for (; t < nt; t++) {
+        vf a[RG];
+        for (int x = 0; x < rg; x++) a[x] = splat(0.0f);
+        const float *kr = k + (long)t * D;
+        for (int d = 0; d < D; d++)
+            for (int x = 0; x < rg; x++) a[x] += kr[d] * *(const vf *)(qt + d * ROWS + (x0 + x) * VL);
+        for (int x = 0; x < rg; x++) *(vf *)(s[t] + (x0 + x) * VL) = a[x];
+    }
+}
+
+/* s[t][.] = k_t . qt for the first rv query vectors, in groups of RG */
+static void scores(const float *k, int nt, int D, const float *qt, float s[KT][ROWS], int rv) {
+    for (int x0 = 0; x0 < rv; x0 += RG) {
+        switch (rv - x0) {
+        case 1: scores_group(k, nt, D, qt, s, x0, 1); break;
+        case 2: scores_group(k, nt, D, qt, s, x0, 2); break;
+        case 3: scores_group(k, nt, D, qt, s, x0, 3); break;
+        default: scores_group(k, nt, D, qt, s, x0, 4); break;
+        }
+    }
+}
+
+/* acc[r][:] += sum_t p[t][r] v_t for rows r < nr: WR rows by four value vectors in registers over
+ * the tile's keys; the tile's value rows are re-read from L1 */
+static void weighted_sum(const float *v, int nt, int Dv, float p[KT][ROWS], int nr, float *acc) {
+    for (int r = 0; r < nr; r += WR) {
+        int rn = nr - r < WR ? nr - r : WR;
+        int d = 0;
+        for (; d + 4 * VL <= Dv; d += 4 * VL) {
+            vf a[WR][4];
+            for (int i = 0; i < WR; i++)
+                for (int c = 0; c < 4; c++) a[i][c] = *(vf *)(acc + (long)(r + (i < rn ? i : 0)) * Dv + d + c * VL);
+            for (int t = 0; t < nt; t++) {
+                const float *vt = v + (long)t * Dv + d;
+                vf v0 = *(const vf *)vt, v1 = *(const vf *)(vt + VL), v2 = *(const vf *)(vt + 2 * VL),
+                   v3 = *(const vf *)(vt + 3 * VL);
+                for (int i = 0; i < WR; i++) {
+                    float w = p[t][r + i]; /* rows past nr are computed and not stored */
+                    a[i][0] += w * v0;
+                    a[i][1] += w * v1;
+                    a[i][2] += w * v2;
+                    a[i][3] += w * v3;
+                }
+            }
+            for (int i = 0; i < rn; i++)
+                for (int c = 0; c < 4; c++) *(vf *)(acc + (long)(r + i) * Dv + d + c * VL) = a[i][c];
+        }
+        for (; d + VL <= Dv; d += VL)
+            for (int i = 0; i < rn; i++) {
+                vf a = *(vf *)(acc + (long)(r + i) * Dv + d);
+                for (int t = 0; t < nt; t++) a += p[t][r + i] * *(const vf *)(v + (long)t * Dv + d);
+                *(vf *)(acc + (long)(r + i) * Dv + d) = a;
+            }
+        for (; d < Dv; d++)
+            for (int i = 0; i < rn; i++) {
+                float a = acc[(long)(r + i) * Dv + d];
+                for (int t = 0; t < nt; t++) a += p[t][r + i] * v[(long)t * Dv + d];
+                acc[(long)(r + i) * Dv + d] = a;
+            }
+    }
+}
+
+typedef struct {
+    float qt[MAX_DIM * ROWS];      /* the task's queries, transposed (D x ROWS), scaled */
+    float s[KT][ROWS];             /* scores, then probabilities, of one tile (keys x queries) */
+    float acc[ROWS * MAX_DIM];     /* running weighted sums (ROWS x Dv) */
+    float m[ROWS], l[ROWS];        /* running max (base 2) and sum per query */
+} scratch;
+
+/* one task: queries q0 .. q0+nr-1 (positions p0 ..) of one (batch, head) against key blocks cols */
+static void task(const float *q, const float *k, const float *v, float *out, const unsigned char *kpm,
+                 const int *cols, int ncols, int nr, long p0, int nk, int D, int Dv, int blk,
+                 float scale2, int causal, scratch *w) {
+    const int rv = (nr + VL - 1) / VL;
+    for (int d = 0; d < D; d++)
+        for (int r = 0; r < ROWS; r++) w->qt[d * ROWS + r] = r < nr ? q[(long)r * D + d] * scale2 : 0.0f;
+    for (int r = 0; r < ROWS; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    memset(w->acc, 0, sizeof(float) * ROWS * Dv);
+    vf pos[RV]; /* each query's position, for the causal test */
+    for (int x = 0; x < RV; x++)
+        for (int i = 0; i < VL; i++) pos[x][i] = (float)(p0 + x * VL + i);
+    long last = p0 + nr - 1;
+    for (int c = 0; c < ncols; c++) {
+        long k0 = (long)cols[c] * blk, k1 = k0 + blk < nk ? k0 + blk : nk;
+        if (causal && k1 - 1 > last) k1 = last + 1; /* keys after the last query are never seen */
+        for (long j0 = k0; j0 < k1; j0 += KT) {
+            int nt = (int)(k1 - j0 < KT ? k1 - j0 : KT);
+            scores(k + j0 * D, nt, D, w->qt, w->s, rv);
+            /* masks: a padded key for every query, a key after the query's position */
+            for (int t = 0; t < nt; t++) {
+                long j = j0 + t;
+                if (kpm && !kpm[j]) {
+                    for (int x = 0; x < rv; x++) *(vf *)(w->s[t] + x * VL) = splat(-INFINITY);
+                } else if (causal && j > p0) {
+                    for (int x = 0; x < rv; x++)
+                        *(vf *)(w->s[t] + x * VL) = select_v(pos[x] < (float)j, splat(-INFINITY), *(vf *)(w->s[t] + x * VL));
+                }
+            }
+            /* online softmax, lane-wise over the queries */
+            for (int x = 0; x < rv; x++) {
+                vf mt = splat(-INFINITY);
+                for (int t = 0; t < nt; t++) mt = max_v(mt, *(vf *)(w->s[t] + x * VL));
+                vf mo = *(vf *)(w->m + x * VL);
+                vf mn = max_v(mo, mt);
+                vf base = select_v(mn == -INFINITY, splat(0.0f), mn); /* a query that has seen nothing */
+                vf corr = exp2_v(mo - base);                           /* 0 while m = -inf */
+                vf sum = splat(0.0f);
+                for (int t = 0; t < nt; t++) {
+                    vf pt = exp2_v(*(vf *)(w->s[t] + x * VL) - base);
+                    *(vf *)(w->s[t] + x * VL) = pt;
+                    sum += pt;
+                }
+                *(vf *)(w->l + x * VL) = *(vf *)(w->l + x * VL) * corr + sum;
+                *(vf *)(w->m + x * VL) = mn;
+                for (int i = 0; i < VL && x * VL + i < nr; i++) {
+                    float ci = corr[i];
+                    if (ci != 1.0f) {
+                        float *a = w->acc + (long)(x * VL + i) * Dv;
+                        for (int d = 0; d < Dv; d++) a[d] *= ci;
+                    }
+                }
+            }
+            weighted_sum(v + j0 * Dv, nt, Dv, w->s, nr, w->acc);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f;
+        for (int d = 0; d < Dv; d++) out[(long)r * Dv + d] = w->acc[(long)r * Dv + d] * inv;
+    }
+}
+
+/* Returns 0, or -1 if a size is outside what this kernel takes (the caller falls back). */
+int sparse_fwd(const float *q, const float *k, const float *v, float *out, const unsigned char *kpm,
+               const int *qblock, const int *rowptr, const int *cols, int nrows, int B, int H, int Hkv,
+               int nq, int nk, int D, int Dv, int blk, float scale, int causal, int threads) {
+    if (D > MAX_DIM || Dv > MAX_DIM || D < 1 || Dv < 1 || blk < 1 || nq > nk || Hkv < 1 || H % Hkv)
+        return -1;
+    const long off = nk - nq;
+    const int chunks = (blk + ROWS - 1) / ROWS;
+    const long tasks = (long)nrows * B * H * chunks;
+    const int grp = H / Hkv;
+    const float scale2 = scale * LOG2E;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        scratch *w = aligned_alloc(64, sizeof(scratch));
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long x = 0; x < tasks; x++) {
+            if (!w) continue;
+            long row = x / ((long)B * H * chunks), rest = x % ((long)B * H * chunks);
+            int b = (int)(rest / (H * chunks)), h = (int)(rest / chunks % H), ch = (int)(rest % chunks);
+            long s = (long)qblock[row] * blk, e = s + blk < nk ? s + blk : nk;
+            s = s > off ? s : off; /* positions before the first query are not queries */
+            long p0 = s + (long)ch * ROWS;
+            if (p0 >= e) continue;
+            int nr = (int)(e - p0 < ROWS ? e - p0 : ROWS);
+            int hk = h / grp;
+            task(q + (((long)b * H + h) * nq + (p0 - off)) * D, k + ((long)b * Hkv + hk) * nk * D,
+                 v + ((long)b * Hkv + hk) * nk * Dv, out + (((long)b * H + h) * nq + (p0 - off)) * Dv,
+                 kpm ? kpm + (long)b * nk : NULL, cols + rowptr[row], rowptr[row + 1] - rowptr[row], nr,
+                 p0, nk, D, Dv, blk, scale2, causal, w);
+        }
+        free(w);
+    }
+    return failed ? -1 : 0;
+}
