@@ -54,7 +54,8 @@ import torch.nn.functional as F
 from . import sparse_kernel
 from .base import AttentionVariant, Unavailable, Unsupported, Workload
 from .flex_kernel import FlexKernel, flex_refusal
-from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
+from .gathered_sdpa import gathered_sdpa
+from .masks import sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .patterns import MaskMod, block_layout, layout_blocks, layout_mask_mod, layout_pairs, layout_pattern
 from .registry import register
 
@@ -285,50 +286,20 @@ class BlockSparseAttention(AttentionVariant):
                 blocked = blocked[:, None]  # (B, 1, nr, b|1, S*b)
             blocked = blocked.expand(*blocked.shape[:-2], b, slots * b)  # (..., nr, b, S*b)
 
-            # gathered a chunk of query blocks at a time (see masks.CHUNK_BYTES)
-            per_block = bsz * h * slots * b * (d + dv + b) * q.element_size()
-            step = blocks_per_chunk(per_block, nr) if sdpa else nr
-            outs_r = []
-            # with autograd, every block is gathered at once and the chunks are split off: the
-            # backward of a gather (or a slice) is a zero tensor the size of its whole input, so one
-            # per chunk made fwd+bwd grow faster than N; split's backward concatenates once
-            once = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or q.requires_grad)
-            qbs = qb.split(step, dim=2)  # (B, H, m, b, D) each
-            if once:
-                kgs = kx.index_select(2, key_idx.reshape(-1)).split(step * slots * b, dim=2)
-                vgs = vx.index_select(2, key_idx.reshape(-1)).split(step * slots * b, dim=2)
-                # (B, Hkv, m*S*b, D|Dv) each
-            for c, s in enumerate(range(0, nr, step)):
-                m = min(step, nr - s)
-                if once:
-                    kg, vg = kgs[c], vgs[c]
-                else:  # index_select copies whole rows; it is faster than advanced indexing here
-                    ii = key_idx[s : s + m].reshape(-1)  # (m*S*b,)
-                    kg, vg = kx.index_select(2, ii), vx.index_select(2, ii)  # (B, Hkv, m*S*b, D|Dv)
-                kg = kg.view(bsz, hkv, 1, m, slots * b, d)  # (B, Hkv, 1, m, S*b, D)
-                vg = vg.view(bsz, hkv, 1, m, slots * b, dv)  # (B, Hkv, 1, m, S*b, Dv)
-                # each K/V head to its G query heads: a copy of the gathered keys only (none when G = 1)
-                kg = kg.expand(bsz, hkv, grp, m, slots * b, d).reshape(bsz, h, m, slots * b, d)
-                vg = vg.expand(bsz, hkv, grp, m, slots * b, dv).reshape(bsz, h, m, slots * b, dv)
-                # (B, H, m, S*b, D|Dv)
-                bc = blocked[..., s : s + m, :, :]  # (m, b, S*b) or (B, 1, m, b, S*b)
-                if sdpa:  # every query block is one "head" of the fused kernel, with a 4-D mask
-                    if bc.dim() == 5:  # key padding: per batch element, repeated over heads
-                        bc = bc.expand(bsz, h, m, b, slots * b).reshape(bsz * h, m, b, slots * b)
-                    else:
-                        bc = bc[None]  # (1, m, b, S*b)
-                    o = sdpa_blocked(
-                        qbs[c].reshape(bsz * h, m, b, d),  # (B*H, m, b, D)
-                        kg.reshape(bsz * h, m, slots * b, d),  # (B*H, m, S*b, D)
-                        vg.reshape(bsz * h, m, slots * b, dv),  # (B*H, m, S*b, Dv)
-                        bc,
-                    )  # (B*H, m, b, Dv)
-                else:
-                    # the scores are not kept: softmax overwrites them, only p is needed afterwards
-                    p = softmax_blocked_(qbs[c] @ kg.transpose(-2, -1), bc)  # (B, H, m, b, S*b)
-                    o = zero_empty_rows(p @ vg, bc)  # (B, H, m, b, Dv)
-                outs_r.append(o.reshape(bsz, h, m * b, dv))
-            out = torch.cat(outs_r, dim=2) if len(outs_r) > 1 else outs_r[0]
+            if sdpa:  # every query block one "head" of the fused kernel, a chunk at a time
+                # (masks.CHUNK_BYTES); its backward keeps no gathered copy (variants.gathered_sdpa)
+                per_block = bsz * h * slots * b * (d + dv + b) * q.element_size()
+                out = gathered_sdpa(qb, kx, vx, key_idx, blocked, per_block)
+                # (B, H, nr, b, Dv)
+            else:  # index_select copies whole rows; it is faster than advanced indexing here
+                kg = kx.index_select(2, key_idx.reshape(-1)).view(bsz, hkv, 1, nr, slots * b, d)
+                vg = vx.index_select(2, key_idx.reshape(-1)).view(bsz, hkv, 1, nr, slots * b, dv)
+                # (B, Hkv, 1, nr, S*b, D|Dv); each K/V head to its G query heads (a copy when G > 1)
+                kg = kg.expand(bsz, hkv, grp, nr, slots * b, d).reshape(bsz, h, nr, slots * b, d)
+                vg = vg.expand(bsz, hkv, grp, nr, slots * b, dv).reshape(bsz, h, nr, slots * b, dv)
+                # the scores are not kept: softmax overwrites them, only p is needed afterwards
+                p = softmax_blocked_(qb @ kg.transpose(-2, -1), blocked)  # (B, H, nr, b, S*b)
+                out = zero_empty_rows(p @ vg, blocked)  # (B, H, nr, b, Dv)
             out = out.reshape(bsz, h, nr * b, dv)  # (B, H, nr*b, Dv)
             outs.append(out[:, :, lead : lead + n - max(ng, off)])  # lead and padded rows dropped
         return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, Nq, Dv)
