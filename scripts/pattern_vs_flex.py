@@ -29,8 +29,8 @@ from experiments.measure.timing import time_cuda
 def contenders(window: int, block: int, device: str) -> dict[str, variants.AttentionVariant]:
     """The variants compared: each pattern variant by default and with ``impl=flex`` (compiled
     FlexAttention with its pattern), and the routes ``auto`` does not take: on CUDA their fused-SDPA
-    route, on the CPU local_window's plain-PyTorch one and sparse's SDPA one (its default there is its
-    C kernel)."""
+    route, on the CPU their SDPA route and local_window's plain-PyTorch one (the default there is the
+    suite's C kernel)."""
     c = {
         "local_window": variants.build("local_window", window=window),
         "flex window": variants.build("local_window", window=window, impl="flex"),
@@ -44,7 +44,8 @@ def contenders(window: int, block: int, device: str) -> dict[str, variants.Atten
         # xFormers' local-attention type; lift_gate: its PyTorch-backed operators run on a torch the
         # wheel was not built for (the record-free script says nothing else about it)
         c["xformers window"] = variants.build("xformers", window=window, lift_gate=True)
-    else:  # the routes the CPU's auto does not take for a forward
+    else:  # the routes the CPU's auto does not take for a forward (its default there: the C kernel)
+        c["local_window[sdpa]"] = variants.build("local_window", window=window, impl="sdpa")
         c["local_window[blocked]"] = variants.build("local_window", window=window, impl="blocked")
         c["sparse[sdpa]"] = variants.build("sparse", block=block, impl="sdpa")
     return {name: attn.to(device) for name, attn in c.items()}

@@ -13,11 +13,24 @@ from variants import Unavailable, Unsupported, Workload
 from variants import sparse_kernel as sk
 
 
-def _expected(q, k, v, rows, block, causal, kpm) -> torch.Tensor:
-    """softmax over the listed key blocks (and causal, padding) in float64, query ``i`` at position
-    ``i + Nk - Nq``, query head ``h`` on K/V head ``h // (H / Hkv)``; a row seeing nothing is zero."""
+def _masked_expected(q, k, v, allowed, kpm) -> torch.Tensor:
+    """softmax over the ``allowed (Nq, Nk)`` keys and key padding in float64, query head ``h`` on K/V
+    head ``h // (H / Hkv)``; a row with no allowed key is zero."""
     b, h, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    allowed = allowed.expand(b, 1, nq, k.shape[2])
+    if kpm is not None:
+        allowed = allowed & kpm[:, None, None, :]  # (B, 1, Nq, Nk)
+    kk = k.double().repeat_interleave(h // k.shape[1], dim=1)  # (B, H, Nk, D)
+    vv = v.double().repeat_interleave(h // k.shape[1], dim=1)  # (B, H, Nk, Dv)
+    s = (q.double() @ kk.transpose(-2, -1) * d**-0.5).masked_fill(~allowed, float("-inf"))  # (B, H, Nq, Nk)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no allowed key: all NaN -> 0
+    return p @ vv
+
+
+def _expected(q, k, v, rows, block, causal, kpm) -> torch.Tensor:
+    """The kernel's contract: query ``i`` at position ``i + Nk - Nq`` sees the keys of the blocks
+    listed for its block (and none after it when causal)."""
+    nq, nk = q.shape[2], k.shape[2]
     pos = torch.arange(nq) + (nk - nq)  # (Nq,) each query's position
     allowed = torch.zeros(nq, nk, dtype=torch.bool)
     for r, cols in rows:
@@ -25,14 +38,7 @@ def _expected(q, k, v, rows, block, causal, kpm) -> torch.Tensor:
             allowed[(pos // block == r)[:, None] & (torch.arange(nk) // block == c)[None, :]] = True
     if causal:
         allowed &= torch.arange(nk)[None, :] <= pos[:, None]
-    allowed = allowed.expand(b, 1, nq, nk)
-    if kpm is not None:
-        allowed = allowed & kpm[:, None, None, :]  # (B, 1, Nq, Nk)
-    kk = k.double().repeat_interleave(h // hkv, dim=1)  # (B, H, Nk, D)
-    vv = v.double().repeat_interleave(h // hkv, dim=1)  # (B, H, Nk, Dv)
-    s = (q.double() @ kk.transpose(-2, -1) * d**-0.5).masked_fill(~allowed, float("-inf"))  # (B, H, Nq, Nk)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no allowed key: all NaN -> 0
-    return p @ vv
+    return _masked_expected(q, k, v, allowed, kpm)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -101,7 +107,45 @@ def test_sparse_runs_its_layout_on_the_kernel_by_default_on_the_cpu(causal):
     assert attn.describe()["impl_note"] == "the block-sparse kernel has no backward"
 
 
+def _band_expected(q, k, v, window, sinks, causal, kpm) -> torch.Tensor:
+    """Sliding-window attention with sinks: the query at ``p = i + Nk - Nq`` sees key ``j`` iff
+    ``|p - j| <= window`` or ``j < sinks``, and ``j <= p`` when causal."""
+    nq, nk = q.shape[2], k.shape[2]
+    p = torch.arange(nq)[:, None] + (nk - nq)  # (Nq, 1)
+    j = torch.arange(nk)[None, :]  # (1, Nk)
+    allowed = ((p - j).abs() <= window) | (j < sinks)
+    if causal:
+        allowed &= j <= p
+    return _masked_expected(q, k, v, allowed, kpm)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "h, hkv, nq, nk, window, sinks, causal, padded",
+    [
+        (4, 4, 600, 600, 128, 0, False, False),  # the benchmark's band, smaller
+        (4, 2, 600, 600, 100, 4, True, True),  # StreamingLLM: sinks, causal, GQA, padding
+        (2, 1, 1, 700, 64, 4, True, False),  # one decoded token: the band and the sinks
+        (2, 2, 130, 500, 7, 70, False, True),  # more sinks than the band, a prefill onto a cache
+    ],
+)
+def test_local_window_runs_its_band_on_the_kernel(h, hkv, nq, nk, window, sinks, causal, padded):
+    g = torch.Generator().manual_seed(nk + window)
+    q = torch.randn(2, h, nq, 32, generator=g)
+    k, v = (torch.randn(2, hkv, nk, 32, generator=g) for _ in range(2))
+    kpm = torch.rand(2, nk, generator=g) > 0.2 if padded else None
+    attn = variants.build("local_window", window=window, sink_tokens=sinks)
+    with torch.no_grad():
+        out = attn(q, k, v, causal=causal, key_padding_mask=kpm)
+    assert attn.describe()["impl_ran"] == "kernel"
+    assert _rel(out, _band_expected(q, k, v, window, sinks, causal, kpm)) <= 1e-5
+
+
 def test_the_kernel_refuses_in_one_line_what_it_cannot_take():
+    with pytest.raises(
+        Unsupported, match="^local_window impl=kernel: the block-sparse kernel has no backward$"
+    ):
+        variants.build("local_window", impl="kernel").check(Workload(1, 2, 64, 64, 16, 16, backward=True))
     attn = variants.build("sparse", impl="kernel")
     with pytest.raises(Unsupported, match="^sparse impl=kernel: the block-sparse kernel takes float32 CPU"):
         attn.check(Workload(1, 2, 64, 64, 16, 16, dtype=torch.float64))

@@ -60,13 +60,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionVariant, Unsupported, Workload, repeat_kv
+from . import sparse_kernel
+from .base import AttentionVariant, Unavailable, Unsupported, Workload, repeat_kv
 from .flex_kernel import CUDA_TILE, FlexKernel, flex_refusal
 from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .patterns import MaskMod, band_mask_mod, band_pairs, band_pattern
 from .registry import register
 
-IMPLS = ("auto", "sdpa", "blocked", "flex")
+IMPLS = ("auto", "kernel", "sdpa", "blocked", "flex")
+KERNEL_BLOCK = 64  # query and key blocks of the C kernel's layout (its tasks are 64 queries)
 
 
 @register("local_window")
@@ -90,6 +92,8 @@ class LocalWindowAttention(AttentionVariant):
         # StreamingLLM's sinks: the first keys outside the band at N=24 (sdpa, then the reference)
         {"window": 3, "block": 4, "sink_tokens": 2},
         {"window": 2, "block": 5, "sink_tokens": 3, "impl": "blocked"},
+        # the fused-SDPA route, which auto takes on the CPU only where the C kernel cannot run
+        {"window": 3, "block": 4, "sink_tokens": 2, "impl": "sdpa"},
     )
 
     def __init__(
@@ -109,6 +113,8 @@ class LocalWindowAttention(AttentionVariant):
         self.impl = impl
         self.sink_tokens = sink_tokens
         self.impl_ran: str | None = None
+        self.impl_note: str | None = None  # why auto did not take the kernel on the CPU
+        self._rows: dict[tuple[int, int, bool], list[tuple[int, list[int]]]] = {}
         self._narrower: dict[int, LocalWindowAttention] = {}  # for calls with a narrower window
         # tiles of 128 (or the block, if given): the band is the predicate, the tile only how much
         # the kernel can skip
@@ -125,20 +131,28 @@ class LocalWindowAttention(AttentionVariant):
     def describe(self) -> dict[str, object]:
         d = super().describe()
         d["impl_ran"] = self.impl_ran
+        d["impl_note"] = self.impl_note
         d["tile"] = self._flex.tile_ran if self.impl_ran == "flex" else None
         return d
 
     def choose_impl(self, w: Workload) -> str:
-        """The implementation that runs ``w`` (``auto`` resolved: ``flex`` on CUDA where its kernel
-        takes the workload, else ``sdpa``)."""
+        """The implementation that runs ``w`` (``auto`` resolved: on the CPU the C kernel where it
+        takes the workload, on CUDA ``flex`` where its kernel does, else ``sdpa``)."""
         if self.impl != "auto":
             return self.impl
+        if w.device == "cpu":
+            return "kernel" if sparse_kernel.unusable(w) is None else "sdpa"
         return "flex" if w.device == "cuda" and flex_refusal(w) is None else "sdpa"
 
     def check(self, w: Workload) -> None:
         super().check(w)
         if self.choose_impl(w) == "flex" and (why := flex_refusal(w)):
             raise Unsupported(f"local_window impl=flex {why}")
+        if self.impl == "kernel":
+            if why := sparse_kernel.refusal(w):
+                raise Unsupported(f"local_window impl=kernel: {why}")
+            if sparse_kernel.kernel() is None:
+                raise Unavailable(f"local_window impl=kernel: {sparse_kernel.build_error()}")
 
     def _block_size(self, n: int, window: int) -> int:
         # a block as wide as the window keeps the span (block + 2w) within 3x the useful band (2w + 1)
@@ -175,8 +189,23 @@ class LocalWindowAttention(AttentionVariant):
                 if key_padding_mask is not None:
                     key_padding_mask = key_padding_mask[:, lo:]  # (B, Nk - lo)
             # (else the sinks reach the first band: every key is in reach, nothing to cut)
-        impl = self.choose_impl(Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask))
+        w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        impl = self.choose_impl(w)
         self.impl_ran = impl
+        self.impl_note = sparse_kernel.unusable(w) if self.impl == "auto" and w.device == "cpu" else None
+        if impl == "kernel":  # grouped K/V heads read in place, the band and the sinks at token level
+            return sparse_kernel.forward(
+                q,
+                k,
+                v,
+                self._kernel_rows(nq, k.shape[2], causal),
+                KERNEL_BLOCK,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                scale=q.shape[-1] ** -0.5,
+                window=self.window,
+                sinks=self.sink_tokens,
+            )  # (B, H, Nq, Dv)
         if impl == "sdpa" and nq < nk and nq <= (self.block or max(self.window, 16)):
             return self._few_queries_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # grouped heads: only the keys kept are copied
@@ -185,6 +214,21 @@ class LocalWindowAttention(AttentionVariant):
         if impl == "sdpa":
             return self._sdpa_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self._blocked_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+    def _kernel_rows(self, nq: int, nk: int, causal: bool) -> list[tuple[int, list[int]]]:
+        """The C kernel's layout: each query block holding a query with the key blocks its band
+        touches (causal: none after its own) and those holding the sinks, widest first. Cached per
+        ``(Nq, Nk, causal)``; ``O(Nk / KERNEL_BLOCK)`` rows of ``O(window / KERNEL_BLOCK)`` blocks."""
+        if (nq, nk, causal) not in self._rows:
+            b, nb = KERNEL_BLOCK, -(-nk // KERNEL_BLOCK)
+            sink_blocks = range(-(-self.sink_tokens // b))
+            rows = []
+            for r in range((nk - nq) // b, nb):
+                lo = max(0, (r * b - self.window) // b)
+                hi = r if causal else min(nb - 1, (r * b + b - 1 + self.window) // b)
+                rows.append((r, sorted({*sink_blocks, *range(lo, hi + 1)})))
+            self._rows[nq, nk, causal] = sorted(rows, key=lambda row: -len(row[1]))
+        return self._rows[nq, nk, causal]
 
     def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask):
         """Fewer queries than keys, all within one query block (decoding, a short prefill onto a cache):

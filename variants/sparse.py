@@ -137,17 +137,9 @@ class BlockSparseAttention(AttentionVariant):
         if self.impl != "auto":
             return self.impl
         if w.device == "cpu":
-            return "kernel" if self._kernel_refusal(w) is None else "sdpa"
+            return "kernel" if sparse_kernel.unusable(w) is None else "sdpa"
         flex_ok = w.device == "cuda" and flex_refusal(w, layout_block=self.block) is None
         return "flex" if flex_ok else "sdpa"
-
-    @staticmethod
-    def _kernel_refusal(w: Workload) -> str | None:
-        """Why the C kernel cannot run ``w`` (it cannot take it, or it could not be built), or None."""
-        why = sparse_kernel.refusal(w)
-        if why is None and sparse_kernel.kernel() is None:
-            why = sparse_kernel.build_error()
-        return why
 
     def check(self, w: Workload) -> None:
         super().check(w)
@@ -198,7 +190,7 @@ class BlockSparseAttention(AttentionVariant):
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
         self.impl_ran = self.choose_impl(w)
-        self.impl_note = self._kernel_refusal(w) if self.impl == "auto" and w.device == "cpu" else None
+        self.impl_note = sparse_kernel.unusable(w) if self.impl == "auto" and w.device == "cpu" else None
         if self.impl_ran == "flex":
             return self._flex_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         if self.impl_ran == "kernel":

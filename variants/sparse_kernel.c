@@ -7,8 +7,9 @@
  * (B, H, nq, Dv). Query i is position i + nk - nq of a layout of length nk cut into blocks of `blk`
  * tokens. The layout is a list of rows, one per query block: row x is query block qblock[x] and sees
  * key blocks cols[rowptr[x] .. rowptr[x + 1]) (no repeats). Causal: the query at position p sees
- * keys j <= p. kpm: (B, nk) bytes, 0 = a padded key, or NULL. Query head h reads K/V head
- * h / (H / Hkv). A row that sees no key comes out zero.
+ * keys j <= p. window >= 0: the query at p sees only keys with |p - j| <= window, besides the first
+ * `sinks` keys (StreamingLLM's sinks); window < 0: no band. kpm: (B, nk) bytes, 0 = a padded key, or
+ * NULL. Query head h reads K/V head h / (H / Hkv). A row that sees no key comes out zero.
  *
  * Work: one task per (row, batch, head, chunk of up to ROWS queries), over all threads, rows in the
  * order given (the caller lists the heavy ones first). A task holds its queries transposed, scaled by
@@ -38,6 +39,7 @@ typedef int vi __attribute__((vector_size(VB), aligned(4)));
 #define RV (ROWS / VL)
 #define KT 64 /* keys per tile */
 #define MAX_DIM 256
+#define MAX_KEYS (1 << 24) /* positions are compared as floats, exact up to 2^24 */
 /* register tiles: scores take KS keys x RG query vectors at a time, the weighted sum WR query rows x
  * 4 value vectors; KS * RG and 4 * WR accumulators fit beside their operands in the 16 registers of
  * AVX2 and the 32 of AVX-512 or NEON */
@@ -156,7 +158,7 @@ typedef struct {
 /* one task: queries q0 .. q0+nr-1 (positions p0 ..) of one (batch, head) against key blocks cols */
 static void task(const float *q, const float *k, const float *v, float *out, const unsigned char *kpm,
                  const int *cols, int ncols, int nr, long p0, int nk, int D, int Dv, int blk,
-                 float scale2, int causal, scratch *w) {
+                 float scale2, int causal, long window, long sinks, scratch *w) {
     const int rv = (nr + VL - 1) / VL;
     for (int d = 0; d < D; d++)
         for (int r = 0; r < ROWS; r++) w->qt[d * ROWS + r] = r < nr ? q[(long)r * D + d] * scale2 : 0.0f;
@@ -175,14 +177,21 @@ static void task(const float *q, const float *k, const float *v, float *out, con
         for (long j0 = k0; j0 < k1; j0 += KT) {
             int nt = (int)(k1 - j0 < KT ? k1 - j0 : KT);
             scores(k + j0 * D, nt, D, w->qt, w->s, rv);
-            /* masks: a padded key for every query, a key after the query's position */
+            /* masks: a padded key for every query; a key after the query's position; a key outside
+             * the query's band unless it is a sink */
             for (int t = 0; t < nt; t++) {
                 long j = j0 + t;
+                int band = window >= 0 && j >= sinks;
                 if (kpm && !kpm[j]) {
                     for (int x = 0; x < rv; x++) *(vf *)(w->s[t] + x * VL) = splat(-INFINITY);
-                } else if (causal && j > p0) {
-                    for (int x = 0; x < rv; x++)
-                        *(vf *)(w->s[t] + x * VL) = select_v(pos[x] < (float)j, splat(-INFINITY), *(vf *)(w->s[t] + x * VL));
+                } else if (band || (causal && j > p0)) {
+                    float fj = (float)j, lo = (float)(j - window), hi = (float)(j + window);
+                    for (int x = 0; x < rv; x++) {
+                        vi out = {0};
+                        if (causal) out |= pos[x] < fj;
+                        if (band) out |= (pos[x] < lo) | (pos[x] > hi);
+                        *(vf *)(w->s[t] + x * VL) = select_v(out, splat(-INFINITY), *(vf *)(w->s[t] + x * VL));
+                    }
                 }
             }
             /* online softmax, lane-wise over the queries */
@@ -221,8 +230,10 @@ static void task(const float *q, const float *k, const float *v, float *out, con
 /* Returns 0, or -1 if a size is outside what this kernel takes (the caller falls back). */
 int sparse_fwd(const float *q, const float *k, const float *v, float *out, const unsigned char *kpm,
                const int *qblock, const int *rowptr, const int *cols, int nrows, int B, int H, int Hkv,
-               int nq, int nk, int D, int Dv, int blk, float scale, int causal, int threads) {
-    if (D > MAX_DIM || Dv > MAX_DIM || D < 1 || Dv < 1 || blk < 1 || nq > nk || Hkv < 1 || H % Hkv)
+               int nq, int nk, int D, int Dv, int blk, float scale, int causal, int window, int sinks,
+               int threads) {
+    if (D > MAX_DIM || Dv > MAX_DIM || D < 1 || Dv < 1 || blk < 1 || nq > nk || Hkv < 1 || H % Hkv ||
+        nk > MAX_KEYS)
         return -1;
     const long off = nk - nq;
     const int chunks = (blk + ROWS - 1) / ROWS;
@@ -251,7 +262,7 @@ int sparse_fwd(const float *q, const float *k, const float *v, float *out, const
             task(q + (((long)b * H + h) * nq + (p0 - off)) * D, k + ((long)b * Hkv + hk) * nk * D,
                  v + ((long)b * Hkv + hk) * nk * Dv, out + (((long)b * H + h) * nq + (p0 - off)) * Dv,
                  kpm ? kpm + (long)b * nk : NULL, cols + rowptr[row], rowptr[row + 1] - rowptr[row], nr,
-                 p0, nk, D, Dv, blk, scale2, causal, w);
+                 p0, nk, D, Dv, blk, scale2, causal, window, sinks, w);
         }
         free(w);
     }

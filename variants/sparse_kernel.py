@@ -1,5 +1,6 @@
 """Block-sparse attention forward on the CPU: a C kernel (``sparse_kernel.c``, built on first use,
-:mod:`variants.ckernel`) that computes each query block against only its listed key blocks.
+:mod:`variants.ckernel`) that computes each query block against only its listed key blocks, with
+causal, key padding and band (``local_window``) masks at token level.
 
 PyTorch has no block-sparse CPU kernel, so ``sparse``'s other CPU routes gather every query block's
 key blocks into a copy and hand them to a dense kernel with a mask. This kernel reads K and V in
@@ -21,12 +22,13 @@ from .base import Workload
 from .ckernel import CKernel
 
 MAX_DIM = 256  # head sizes it takes (MAX_DIM in the C source)
+MAX_KEYS = 2**24  # sequence lengths it takes (MAX_KEYS: positions are compared as float32)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     f = lib.sparse_fwd
     f.restype = ctypes.c_int
-    f.argtypes = [*(ctypes.c_void_p,) * 8, *(ctypes.c_int,) * 9, ctypes.c_float, *(ctypes.c_int,) * 2]
+    f.argtypes = [*(ctypes.c_void_p,) * 8, *(ctypes.c_int,) * 9, ctypes.c_float, *(ctypes.c_int,) * 4]
 
 
 _KERNEL = CKernel("sparse_kernel.c", "the block-sparse kernel", _declare)
@@ -49,11 +51,22 @@ def refusal(w: Workload) -> str | None:
         return f"the block-sparse kernel takes float32 CPU tensors, not {dtype} on {w.device}"
     if w.backward:
         return "the block-sparse kernel has no backward"
+    if w.nk > MAX_KEYS:
+        return f"the block-sparse kernel takes up to {MAX_KEYS:,} keys, not {w.nk:,}"
     if max(w.head_dim, w.v_head_dim) > MAX_DIM:
         return (
             f"the block-sparse kernel takes head sizes up to {MAX_DIM}, not {max(w.head_dim, w.v_head_dim)}"
         )
     return None
+
+
+def unusable(w: Workload) -> str | None:
+    """Why the kernel cannot run ``w`` here: :func:`refusal`, or why it could not be built; None if it
+    can. What a variant's ``auto`` asks on the CPU."""
+    why = refusal(w)
+    if why is None and kernel() is None:
+        why = build_error()
+    return why
 
 
 def forward(
@@ -66,14 +79,18 @@ def forward(
     causal: bool,
     key_padding_mask: torch.Tensor | None,
     scale: float,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (float32,
     CPU, no gradient; query head ``h`` on K/V head ``h // (H / Hkv)``; query ``i`` at position
     ``i + Nk - Nq``) where query block ``r`` (positions ``r*block ..``) sees only the key blocks listed
     for it in ``rows`` (``(r, [key blocks])``: every block holding a query, heavy rows first, since the
     kernel starts them first), and causal masking and ``key_padding_mask (B, Nk)`` (True = keep) at
-    token level. A query that sees no key comes out zero. Returns ``(B, H, Nq, Dv)``. The caller
-    checked :func:`refusal` and that :func:`kernel` is not None."""
+    token level; with ``window``, a query at ``p`` sees only keys ``j`` with ``|p - j| <= window``
+    besides the first ``sinks`` keys (``local_window``'s band). A query that sees no key comes out
+    zero. Returns ``(B, H, Nq, Dv)``. The caller checked :func:`refusal` and that :func:`kernel` is not
+    None."""
     lib = kernel()
     assert lib is not None, "kernel() returned None: the caller must fall back"
     b, h, nq, d = q.shape
@@ -106,6 +123,8 @@ def forward(
         block,
         scale,
         int(causal),
+        -1 if window is None else window,
+        sinks,
         torch.get_num_threads(),
     )
     if rc != 0:
