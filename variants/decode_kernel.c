@@ -25,10 +25,17 @@
 #define MAX_ROWS 64
 #define MAX_DIM 256
 
-/* 16 floats, loaded and stored at any alignment: gcc and clang split it into the vectors the target
- * has (one AVX-512 register, two AVX2 ones, four SSE ones) */
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-#define VL 16
+/* VL floats, loaded and stored at any alignment, in the target's widest vector registers (a vector
+ * wider than the target's is split by the compiler into pieces that spill the accumulators) */
+#if defined(__AVX512F__)
+#define VB 64
+#elif defined(__AVX__)
+#define VB 32
+#else
+#define VB 16
+#endif
+typedef float vf __attribute__((vector_size(VB), aligned(4)));
+#define VL (VB / 4)
 
 static inline float hsum(vf x) {
     float t = 0.0f;
