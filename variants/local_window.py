@@ -23,8 +23,12 @@ front of every block's span (``sink_tokens`` more slots per block); a sink slot 
 whose band already holds that key (so it is counted once), for a query before it when causal, and
 where the key is padding.
 
-Three implementations of the same pattern, chosen by the ``impl`` knob (``impl_ran`` in the record):
+Four implementations of the same pattern, chosen by the ``impl`` knob (``impl_ran`` in the record):
 
+- ``kernel``: the suite's C kernel (:mod:`variants.sparse_kernel`, built on first use with the system
+  compiler) on blocks of :data:`KERNEL_BLOCK` queries, each against the key blocks its band (and the
+  sinks) touch, the band masked at token level, K/V and grouped heads read in place; float32 CPU
+  forward only.
 - ``sdpa``: the spans are copied out (``(block + 2 window) / block`` times the size of K and V) and
   every block is one "head" of PyTorch's fused ``scaled_dot_product_attention`` with an additive band
   mask of shape ``(1, nb, block, sink_tokens + span)`` shared by all batch elements and heads (4-D,
@@ -35,8 +39,9 @@ Three implementations of the same pattern, chosen by the ``impl`` knob (``impl_r
 - ``flex``: FlexAttention's compiled kernel with the band OR the sinks as its block mask
   (:mod:`variants.flex_kernel`, the predicate from :mod:`variants.patterns`); no backward on the CPU;
   compiles once per shape.
-- ``auto`` (default): ``flex`` on CUDA (a Triton kernel that skips tiles outside the band), ``sdpa``
-  on the CPU (no compile, and faster there than compiled flex at N=2048-8192).
+- ``auto`` (default): on the CPU ``kernel`` where it takes the call (else ``sdpa``, and
+  ``impl_note`` says why: a backward, another dtype, no compiler); on CUDA ``flex`` (a Triton kernel
+  that skips tiles outside the band).
 
 Decoding (``Nq < Nk``, the queries the last ``Nq`` positions of the keys' sequence) reads only the
 keys in reach: from ``lo = Nk - Nq - window`` on, plus the first ``sink_tokens`` (the two slices

@@ -33,17 +33,24 @@ causal and key padding masks, no arbitrary ``attn_mask``. With ``S = 2 window_bl
 global_blocks) block D)`` and memory ``O(B H N (S + global_blocks) block)``: linear in ``N`` at a
 fixed pattern without a stride.
 
-The gathered blocks are scored by ``impl``: ``sdpa`` makes every query block one "head" of
-PyTorch's fused ``scaled_dot_product_attention`` with a 4-D additive mask (scores, softmax and the
-weighted sum inside the kernel, forward and backward); ``blocked`` does the same with batched matmuls
-and an in-place softmax in plain PyTorch, accumulating low-precision inputs in float32; ``flex`` runs
-this very layout as a FlexAttention block mask (:mod:`variants.flex_kernel`: a Triton kernel on CUDA that
-skips the tiles outside the layout, fwd and bwd; no backward on the CPU; no float64). With few
-batch-heads on a GPU its global query rows are one dense SDPA call beside the kernel (in the block
-mask their tile row would walk every key tile while the others walk a handful, and set the kernel's
-time); ``global_rows`` in the record says where they ran. ``auto``
-picks ``flex`` on CUDA when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
-``sdpa``. The record's ``impl_ran`` says which ran.
+The layout is computed by ``impl``:
+
+- ``kernel``: the suite's C kernel (:mod:`variants.sparse_kernel`, built on first use with the system
+  compiler): each query block against its listed key blocks, K and V read in place, the masks at
+  token level; float32 CPU forward only.
+- ``sdpa``: the key blocks gathered a chunk at a time and every query block made one "head" of
+  PyTorch's fused ``scaled_dot_product_attention`` with a 4-D additive mask; its backward gathers
+  again per chunk instead of keeping the copies (:mod:`variants.gathered_sdpa`).
+- ``blocked``: the same gathered blocks with batched matmuls and an in-place softmax in plain
+  PyTorch, accumulating low-precision inputs in float32 (the reference).
+- ``flex``: this very layout as a FlexAttention block mask (:mod:`variants.flex_kernel`: a Triton
+  kernel on CUDA that skips the tiles outside the layout, fwd and bwd; no backward on the CPU; no
+  float64). With few batch-heads on a GPU its global query rows are one dense SDPA call beside the
+  kernel (in the block mask their tile row would walk every key tile while the others walk a
+  handful, and set the kernel's time); ``global_rows`` in the record says where they ran.
+- ``auto``: on the CPU ``kernel`` where it takes the call (else ``sdpa``, and ``impl_note`` says
+  why); on CUDA ``flex`` when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
+  ``sdpa``. The record's ``impl_ran`` says which ran.
 """
 
 from __future__ import annotations
