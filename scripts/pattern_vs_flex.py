@@ -28,9 +28,8 @@ from experiments.measure.timing import time_cuda
 
 def contenders(window: int, block: int, device: str) -> dict[str, variants.AttentionVariant]:
     """The variants compared: each pattern variant by default and with ``impl=flex`` (compiled
-    FlexAttention with its pattern), and the routes ``auto`` does not take: on CUDA their fused-SDPA
-    route, on the CPU their SDPA route and local_window's plain-PyTorch one (the default there is the
-    suite's C kernel)."""
+    FlexAttention with its pattern), their fused-SDPA route, and on CUDA xFormers' window, on the CPU
+    local_window's plain-PyTorch route."""
     c = {
         "local_window": variants.build("local_window", window=window),
         "flex window": variants.build("local_window", window=window, impl="flex"),
@@ -38,16 +37,16 @@ def contenders(window: int, block: int, device: str) -> dict[str, variants.Atten
         "flex sparse": variants.build("sparse", block=block, impl="flex"),
         "sdpa (dense)": variants.build("sdpa"),
     }
+    # the fused-SDPA routes, which auto takes on neither device for a forward (CUDA: flex; the CPU:
+    # the suite's C kernel)
+    c["local_window[sdpa]"] = variants.build("local_window", window=window, impl="sdpa")
+    c["sparse[sdpa]"] = variants.build("sparse", block=block, impl="sdpa")
     if device == "cuda":
-        c["local_window[sdpa]"] = variants.build("local_window", window=window, impl="sdpa")
-        c["sparse[sdpa]"] = variants.build("sparse", block=block, impl="sdpa")
         # xFormers' local-attention type; lift_gate: its PyTorch-backed operators run on a torch the
         # wheel was not built for (the record-free script says nothing else about it)
         c["xformers window"] = variants.build("xformers", window=window, lift_gate=True)
-    else:  # the routes the CPU's auto does not take for a forward (its default there: the C kernel)
-        c["local_window[sdpa]"] = variants.build("local_window", window=window, impl="sdpa")
+    else:
         c["local_window[blocked]"] = variants.build("local_window", window=window, impl="blocked")
-        c["sparse[sdpa]"] = variants.build("sparse", block=block, impl="sdpa")
     return {name: attn.to(device) for name, attn in c.items()}
 
 
