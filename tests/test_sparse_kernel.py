@@ -77,7 +77,7 @@ def test_the_kernel_matches_the_float64_formula(b, h, hkv, nq, nk, d, dv, block,
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = sk.forward(q, k, v, rows, block, causal=causal, key_padding_mask=kpm, scale=d**-0.5)
+        out = sk.forward(q, k, v, sk.layout(rows), block, causal=causal, key_padding_mask=kpm, scale=d**-0.5)
     finally:
         torch.set_num_threads(old)
     want = _expected(q, k, v, rows, block, causal, kpm)
@@ -125,7 +125,7 @@ def _band_expected(q, k, v, window, sinks, causal, kpm) -> torch.Tensor:
     [
         (4, 4, 600, 600, 128, 0, False, False),  # the benchmark's band, smaller
         (4, 2, 600, 600, 100, 4, True, True),  # StreamingLLM: sinks, causal, GQA, padding
-        (2, 1, 1, 700, 64, 4, True, False),  # one decoded token: the band and the sinks
+        (2, 1, 3, 700, 64, 4, True, False),  # three queries onto a cache: the band and the sinks
         (2, 2, 130, 500, 7, 70, False, True),  # more sinks than the band, a prefill onto a cache
     ],
 )
@@ -139,6 +139,11 @@ def test_local_window_runs_its_band_on_the_kernel(h, hkv, nq, nk, window, sinks,
         out = attn(q, k, v, causal=causal, key_padding_mask=kpm)
     assert attn.describe()["impl_ran"] == "kernel"
     assert _rel(out, _band_expected(q, k, v, window, sinks, causal, kpm)) <= 1e-5
+    with torch.no_grad():  # one decoded query: auto takes one fused SDPA call, and says why
+        step = attn(q[:, :, -1:], k, v, causal=causal, key_padding_mask=kpm)
+    assert attn.describe()["impl_ran"] == "sdpa"
+    assert attn.describe()["impl_note"].startswith("one query onto a cache")
+    assert _rel(step, _band_expected(q[:, :, -1:], k, v, window, sinks, causal, kpm)) <= 1e-5
 
 
 def test_the_kernel_refuses_in_one_line_what_it_cannot_take():

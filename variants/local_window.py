@@ -40,8 +40,9 @@ Four implementations of the same pattern, chosen by the ``impl`` knob (``impl_ra
   (:mod:`variants.flex_kernel`, the predicate from :mod:`variants.patterns`); no backward on the CPU;
   compiles once per shape.
 - ``auto`` (default): on the CPU ``kernel`` where it takes the call (else ``sdpa``, and
-  ``impl_note`` says why: a backward, another dtype, no compiler); on CUDA ``flex`` (a Triton kernel
-  that skips tiles outside the band).
+  ``impl_note`` says why: a backward, another dtype, no compiler, or a single decoded query, for which
+  one fused SDPA call on the keys in reach is faster); on CUDA ``flex`` (a Triton kernel that skips
+  tiles outside the band).
 
 Decoding (``Nq < Nk``, the queries the last ``Nq`` positions of the keys' sequence) reads only the
 keys in reach: from ``lo = Nk - Nq - window`` on, plus the first ``sink_tokens`` (the two slices
@@ -119,7 +120,7 @@ class LocalWindowAttention(AttentionVariant):
         self.sink_tokens = sink_tokens
         self.impl_ran: str | None = None
         self.impl_note: str | None = None  # why auto did not take the kernel on the CPU
-        self._rows: dict[tuple[int, int, bool], list[tuple[int, list[int]]]] = {}
+        self._rows: dict[tuple[int, int, bool], sparse_kernel.Layout] = {}
         self._narrower: dict[int, LocalWindowAttention] = {}  # for calls with a narrower window
         # tiles of 128 (or the block, if given): the band is the predicate, the tile only how much
         # the kernel can skip
@@ -146,8 +147,17 @@ class LocalWindowAttention(AttentionVariant):
         if self.impl != "auto":
             return self.impl
         if w.device == "cpu":
-            return "kernel" if sparse_kernel.unusable(w) is None else "sdpa"
+            return "kernel" if self._cpu_kernel_refusal(w) is None else "sdpa"
         return "flex" if w.device == "cuda" and flex_refusal(w) is None else "sdpa"
+
+    @staticmethod
+    def _cpu_kernel_refusal(w: Workload) -> str | None:
+        """Why ``auto`` does not take the C kernel for ``w`` on the CPU, or None."""
+        if w.nq == 1 and w.nk > 1:
+            # a decoding step: the kernel's 64-query tile holds one query, and one fused SDPA call on
+            # the keys in reach was faster (Llama shape, window 512: 92 against 103 us a layer)
+            return "one query onto a cache: one fused SDPA call over the keys in reach"
+        return sparse_kernel.unusable(w)
 
     def check(self, w: Workload) -> None:
         super().check(w)
@@ -197,7 +207,7 @@ class LocalWindowAttention(AttentionVariant):
         w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         impl = self.choose_impl(w)
         self.impl_ran = impl
-        self.impl_note = sparse_kernel.unusable(w) if self.impl == "auto" and w.device == "cpu" else None
+        self.impl_note = self._cpu_kernel_refusal(w) if self.impl == "auto" and w.device == "cpu" else None
         if impl == "kernel":  # grouped K/V heads read in place, the band and the sinks at token level
             return sparse_kernel.forward(
                 q,
@@ -220,7 +230,7 @@ class LocalWindowAttention(AttentionVariant):
             return self._sdpa_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self._blocked_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
-    def _kernel_rows(self, nq: int, nk: int, causal: bool) -> list[tuple[int, list[int]]]:
+    def _kernel_rows(self, nq: int, nk: int, causal: bool) -> sparse_kernel.Layout:
         """The C kernel's layout: each query block holding a query with the key blocks its band
         touches (causal: none after its own) and those holding the sinks, widest first. Cached per
         ``(Nq, Nk, causal)``; ``O(Nk / KERNEL_BLOCK)`` rows of ``O(window / KERNEL_BLOCK)`` blocks."""
@@ -232,7 +242,7 @@ class LocalWindowAttention(AttentionVariant):
                 lo = max(0, (r * b - self.window) // b)
                 hi = r if causal else min(nb - 1, (r * b + b - 1 + self.window) // b)
                 rows.append((r, sorted({*sink_blocks, *range(lo, hi + 1)})))
-            self._rows[nq, nk, causal] = sorted(rows, key=lambda row: -len(row[1]))
+            self._rows[nq, nk, causal] = sparse_kernel.layout(sorted(rows, key=lambda row: -len(row[1])))
         return self._rows[nq, nk, causal]
 
     def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask):

@@ -120,7 +120,7 @@ class BlockSparseAttention(AttentionVariant):
         self.impl = impl
         self.impl_ran: str | None = None
         self.impl_note: str | None = None  # why auto did not take the kernel on the CPU
-        self._rows: dict[tuple[int, int, bool], list[tuple[int, list[int]]]] = {}
+        self._rows: dict[tuple[int, int, bool], sparse_kernel.Layout] = {}
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._flex = FlexKernel(self._layout_mask_mod, block)
         # the layout without its global query rows, which are one dense SDPA call instead (see _attend)
@@ -303,7 +303,7 @@ class BlockSparseAttention(AttentionVariant):
             outs.append(out[:, :, lead : lead + n - max(ng, off)])  # lead and padded rows dropped
         return torch.cat(outs, dim=2).to(q.dtype)  # (B, H, Nq, Dv)
 
-    def _kernel_rows(self, nq: int, nk: int, causal: bool) -> list[tuple[int, list[int]]]:
+    def _kernel_rows(self, nq: int, nk: int, causal: bool) -> sparse_kernel.Layout:
         """The C kernel's layout: every query block holding a query with the key blocks it sees
         (causal: none after its own), the longest rows (the global ones) first so they start first.
         Cached per ``(Nq, Nk, causal)``; ``O(nb^2)`` once."""
@@ -313,7 +313,7 @@ class BlockSparseAttention(AttentionVariant):
                 blocks = blocks.tril()
             first = (nk - nq) // self.block  # the block of the first query
             rows = [(r, blocks[r].nonzero().flatten().tolist()) for r in range(first, blocks.shape[0])]
-            self._rows[nq, nk, causal] = sorted(rows, key=lambda row: -len(row[1]))
+            self._rows[nq, nk, causal] = sparse_kernel.layout(sorted(rows, key=lambda row: -len(row[1])))
         return self._rows[nq, nk, causal]
 
     def _flex_attend(self, q, k, v, *, causal, key_padding_mask):

@@ -69,11 +69,24 @@ def unusable(w: Workload) -> str | None:
     return why
 
 
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (qblock, rowptr, cols), int32, see layout()
+
+
+def layout(rows: list[tuple[int, list[int]]]) -> Layout:
+    """The kernel's form of ``rows`` (``(query block, [key blocks])`` each, heavy rows first: the kernel
+    starts them first): the query block of each row ``(R,)``, row offsets ``(R + 1,)`` and the key
+    blocks of all rows ``(rowptr[-1],)``. Build it once per shape, not per call."""
+    qblock = torch.tensor([r for r, _ in rows], dtype=torch.int32)  # (R,)
+    rowptr = torch.tensor([0, *torch.tensor([len(c) for _, c in rows]).cumsum(0).tolist()], dtype=torch.int32)
+    cols = torch.tensor([c for _, cs in rows for c in cs], dtype=torch.int32)  # (rowptr[-1],)
+    return qblock, rowptr, cols
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    rows: list[tuple[int, list[int]]],
+    rows: Layout,
     block: int,
     *,
     causal: bool,
@@ -85,20 +98,17 @@ def forward(
     """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (float32,
     CPU, no gradient; query head ``h`` on K/V head ``h // (H / Hkv)``; query ``i`` at position
     ``i + Nk - Nq``) where query block ``r`` (positions ``r*block ..``) sees only the key blocks listed
-    for it in ``rows`` (``(r, [key blocks])``: every block holding a query, heavy rows first, since the
-    kernel starts them first), and causal masking and ``key_padding_mask (B, Nk)`` (True = keep) at
-    token level; with ``window``, a query at ``p`` sees only keys ``j`` with ``|p - j| <= window``
-    besides the first ``sinks`` keys (``local_window``'s band). A query that sees no key comes out
-    zero. Returns ``(B, H, Nq, Dv)``. The caller checked :func:`refusal` and that :func:`kernel` is not
-    None."""
+    for it in ``rows`` (:func:`layout`; every block holding a query must have a row), and causal
+    masking and ``key_padding_mask (B, Nk)`` (True = keep) at token level; with ``window``, a query
+    at ``p`` sees only keys ``j`` with ``|p - j| <= window`` besides the first ``sinks`` keys
+    (``local_window``'s band). A query that sees no key comes out zero. Returns ``(B, H, Nq, Dv)``.
+    The caller checked :func:`refusal` and that :func:`kernel` is not None."""
     lib = kernel()
     assert lib is not None, "kernel() returned None: the caller must fall back"
     b, h, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy when they already are
-    qblock = torch.tensor([r for r, _ in rows], dtype=torch.int32)  # (R,)
-    rowptr = torch.tensor([0, *torch.tensor([len(c) for _, c in rows]).cumsum(0).tolist()], dtype=torch.int32)
-    cols = torch.tensor([c for _, cs in rows for c in cs], dtype=torch.int32)  # (rowptr[-1],)
+    qblock, rowptr, cols = rows
     kpm = None
     if key_padding_mask is not None:
         kpm = key_padding_mask.to(torch.uint8).expand(b, nk).contiguous()  # (B, Nk): 1 = keep
@@ -112,7 +122,7 @@ def forward(
         qblock.data_ptr(),
         rowptr.data_ptr(),
         cols.data_ptr(),
-        len(rows),
+        len(qblock),
         b,
         h,
         hkv,
