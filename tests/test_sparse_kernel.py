@@ -27,10 +27,9 @@ def _masked_expected(q, k, v, allowed, kpm) -> torch.Tensor:
     return p @ vv
 
 
-def _expected(q, k, v, rows, block, causal, kpm) -> torch.Tensor:
-    """The kernel's contract: query ``i`` at position ``i + Nk - Nq`` sees the keys of the blocks
-    listed for its block (and none after it when causal)."""
-    nq, nk = q.shape[2], k.shape[2]
+def _allowed(rows, block, causal, nq, nk) -> torch.Tensor:
+    """The kernel's contract ``(Nq, Nk)``: query ``i`` at position ``i + Nk - Nq`` sees the keys of the
+    blocks listed for its block (and none after it when causal)."""
     pos = torch.arange(nq) + (nk - nq)  # (Nq,) each query's position
     allowed = torch.zeros(nq, nk, dtype=torch.bool)
     for r, cols in rows:
@@ -38,7 +37,11 @@ def _expected(q, k, v, rows, block, causal, kpm) -> torch.Tensor:
             allowed[(pos // block == r)[:, None] & (torch.arange(nk) // block == c)[None, :]] = True
     if causal:
         allowed &= torch.arange(nk)[None, :] <= pos[:, None]
-    return _masked_expected(q, k, v, allowed, kpm)
+    return allowed
+
+
+def _expected(q, k, v, rows, block, causal, kpm) -> torch.Tensor:
+    return _masked_expected(q, k, v, _allowed(rows, block, causal, q.shape[2], k.shape[2]), kpm)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,7 +80,9 @@ def test_the_kernel_matches_the_float64_formula(b, h, hkv, nq, nk, d, dv, block,
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = sk.forward(q, k, v, sk.layout(rows), block, causal=causal, key_padding_mask=kpm, scale=d**-0.5)
+        out = sk.forward(
+            q, k, v, sk.layout(rows, nb), block, causal=causal, key_padding_mask=kpm, scale=d**-0.5
+        )
     finally:
         torch.set_num_threads(old)
     want = _expected(q, k, v, rows, block, causal, kpm)
@@ -85,6 +90,53 @@ def test_the_kernel_matches_the_float64_formula(b, h, hkv, nq, nk, d, dv, block,
     assert not out.isnan().any()
     empty = (want == 0).all(dim=-1)  # rows with no visible key come out exactly zero
     assert (out[empty] == 0).all() and (empty.any() or len(rows) == 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "h, hkv, nq, nk, d, dv, block, causal, padded, window, sinks",
+    [
+        (4, 2, 300, 300, 64, 64, 64, True, True, None, 0),  # GQA, causal, padding, a partial block
+        (2, 2, 70, 250, 20, 12, 100, False, True, None, 0),  # Nq < Nk, two chunks per block, odd sizes
+        (3, 1, 200, 200, 16, 16, 32, True, False, 40, 3),  # a band with sinks (local_window's masks)
+        (2, 2, 37, 37, 8, 8, 5, False, True, 6, 0),  # tiny blocks
+    ],
+)
+def test_the_kernels_backward_matches_float64_autograd(
+    h, hkv, nq, nk, d, dv, block, causal, padded, window, sinks
+):
+    g = torch.Generator().manual_seed(nk + block + 1)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((2, h, nq, d), (2, hkv, nk, d), (2, hkv, nk, dv)))
+    grad = torch.randn(2, h, nq, dv, generator=g)
+    kpm = torch.rand(2, nk, generator=g) > 0.3 if padded else None
+    if padded:
+        kpm[0, :block] = False
+    nb, first = -(-nk // block), (nk - nq) // block
+    rows = [(r, sorted({r, 0, *torch.randint(nb, (2,), generator=g).tolist()})) for r in range(first, nb)]
+    rows[len(rows) // 2] = (rows[len(rows) // 2][0], [])  # a query block that sees nothing
+    got = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sk.forward(
+        *got,
+        sk.layout(rows, nb),
+        block,
+        causal=causal,
+        key_padding_mask=kpm,
+        scale=d**-0.5,
+        window=window,
+        sinks=sinks,
+    )
+    out.backward(grad)
+    # the oracle: the float64 formula of the kernel's contract, the band on top, through autograd
+    want = [t.double().requires_grad_() for t in (q, k, v)]
+    p = torch.arange(nq)[:, None] + (nk - nq)
+    j = torch.arange(nk)[None, :]
+    band = torch.ones(nq, nk, dtype=torch.bool) if window is None else ((p - j).abs() <= window) | (j < sinks)
+    ref = _masked_expected(*want, _allowed(rows, block, causal, nq, nk) & band, kpm)
+    ref.backward(grad.double())
+    assert _rel(out, ref.detach()) <= 1e-5
+    for a, b in zip(got, want, strict=True):
+        assert not a.grad.isnan().any()
+        assert _rel(a.grad, b.grad) <= 1e-4
 
 
 @needs_kernel
@@ -100,11 +152,15 @@ def test_sparse_runs_its_layout_on_the_kernel_by_default_on_the_cpu(causal):
     assert attn.describe()["impl_ran"] == "kernel" and attn.describe()["impl_note"] is None
     assert _rel(out, want.double()) <= 1e-5
     assert _rel(dec, want[:, :, -3:].double()) <= 1e-5
-    # with a gradient the kernel cannot run: the SDPA route, and the record says why
-    q.requires_grad_(True)
-    attn(q, k, v, causal=causal).sum().backward()
-    assert attn.describe()["impl_ran"] == "sdpa"
-    assert attn.describe()["impl_note"] == "the block-sparse kernel has no backward"
+    # with a gradient too: the kernel's own backward, against the SDPA route's
+    g1 = [t.clone().requires_grad_() for t in (q, k, v)]
+    g2 = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad = torch.randn_like(out)
+    attn(*g1, causal=causal).backward(grad)
+    assert attn.describe()["impl_ran"] == "kernel"
+    ref(*g2, causal=causal).backward(grad)
+    for a, b in zip(g1, g2, strict=True):
+        assert _rel(a.grad, b.grad.double()) <= 1e-5
 
 
 def _band_expected(q, k, v, window, sinks, causal, kpm) -> torch.Tensor:
@@ -147,15 +203,15 @@ def test_local_window_runs_its_band_on_the_kernel(h, hkv, nq, nk, window, sinks,
 
 
 def test_the_kernel_refuses_in_one_line_what_it_cannot_take():
+    lw = variants.build("local_window", impl="kernel")
     with pytest.raises(
-        Unsupported, match="^local_window impl=kernel: the block-sparse kernel has no backward$"
+        Unsupported, match="^local_window impl=kernel: the block-sparse kernel takes float32 CPU"
     ):
-        variants.build("local_window", impl="kernel").check(Workload(1, 2, 64, 64, 16, 16, backward=True))
+        lw.check(Workload(1, 2, 64, 64, 16, 16, dtype=torch.bfloat16))
     attn = variants.build("sparse", impl="kernel")
     with pytest.raises(Unsupported, match="^sparse impl=kernel: the block-sparse kernel takes float32 CPU"):
         attn.check(Workload(1, 2, 64, 64, 16, 16, dtype=torch.float64))
-    with pytest.raises(Unsupported, match="^sparse impl=kernel: the block-sparse kernel has no backward$"):
-        attn.check(Workload(1, 2, 64, 64, 16, 16, backward=True))
+    attn.check(Workload(1, 2, 64, 64, 16, 16, backward=True))  # the kernel has its own backward
     with pytest.raises(Unsupported, match="takes head sizes up to 256, not 512"):
         attn.check(Workload(1, 2, 64, 64, 512, 512))
     with pytest.raises(ValueError, match="sparse impl must be one of auto, kernel, sdpa, blocked, flex"):

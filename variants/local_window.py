@@ -242,7 +242,9 @@ class LocalWindowAttention(AttentionVariant):
                 lo = max(0, (r * b - self.window) // b)
                 hi = r if causal else min(nb - 1, (r * b + b - 1 + self.window) // b)
                 rows.append((r, sorted({*sink_blocks, *range(lo, hi + 1)})))
-            self._rows[nq, nk, causal] = sparse_kernel.layout(sorted(rows, key=lambda row: -len(row[1])))
+            self._rows[nq, nk, causal] = sparse_kernel.layout(
+                sorted(rows, key=lambda row: -len(row[1])), -(-nk // KERNEL_BLOCK)
+            )
         return self._rows[nq, nk, causal]
 
     def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask):

@@ -313,7 +313,9 @@ class BlockSparseAttention(AttentionVariant):
                 blocks = blocks.tril()
             first = (nk - nq) // self.block  # the block of the first query
             rows = [(r, blocks[r].nonzero().flatten().tolist()) for r in range(first, blocks.shape[0])]
-            self._rows[nq, nk, causal] = sparse_kernel.layout(sorted(rows, key=lambda row: -len(row[1])))
+            self._rows[nq, nk, causal] = sparse_kernel.layout(
+                sorted(rows, key=lambda row: -len(row[1])), -(-nk // self.block)
+            )
         return self._rows[nq, nk, causal]
 
     def _flex_attend(self, q, k, v, *, causal, key_padding_mask):

@@ -148,6 +148,43 @@ static void weighted_sum(const float *v, int nt, int Dv, float p[KT][ROWS], int 
     }
 }
 
+/* -inf where a key is hidden from a query: a padded key; a key after the query's position (causal);
+ * a key outside the query's band unless it is a sink (window >= 0). Scores held keys x queries:
+ * row t is key j0 + t, lane i of vector x the query at pos[x][i]. */
+static void mask_key_rows(float s[KT][ROWS], int nt, int rv, long j0, const vf *pos, long p0,
+                          const unsigned char *kpm, int causal, long window, long sinks) {
+    for (int t = 0; t < nt; t++) {
+        long j = j0 + t;
+        int band = window >= 0 && j >= sinks;
+        if (kpm && !kpm[j]) {
+            for (int x = 0; x < rv; x++) *(vf *)(s[t] + x * VL) = splat(-INFINITY);
+        } else if (band || (causal && j > p0)) {
+            float fj = (float)j, lo = (float)(j - window), hi = (float)(j + window);
+            for (int x = 0; x < rv; x++) {
+                vi out = {0};
+                if (causal) out |= pos[x] < fj;
+                if (band) out |= (pos[x] < lo) | (pos[x] > hi);
+                *(vf *)(s[t] + x * VL) = select_v(out, splat(-INFINITY), *(vf *)(s[t] + x * VL));
+            }
+        }
+    }
+}
+
+/* The same rule with the roles swapped: row t is the query at position p0 + t, lane i of vector x
+ * the key at kpos[x][i]; hidden[x] marks the padded keys and the lanes past the tile. */
+static void mask_query_rows(float s[KT][ROWS], int nt, int rv, long p0, const vf *kpos, const vi *hidden,
+                            int causal, long window, long sinks) {
+    for (int t = 0; t < nt; t++) {
+        float p = (float)(p0 + t), lo = (float)(p0 + t - window), hi = (float)(p0 + t + window);
+        for (int x = 0; x < rv; x++) {
+            vi out = hidden[x];
+            if (causal) out |= kpos[x] > p;
+            if (window >= 0) out |= ((kpos[x] < lo) | (kpos[x] > hi)) & (kpos[x] >= (float)sinks);
+            *(vf *)(s[t] + x * VL) = select_v(out, splat(-INFINITY), *(vf *)(s[t] + x * VL));
+        }
+    }
+}
+
 typedef struct {
     float qt[MAX_DIM * ROWS];      /* the task's queries, transposed (D x ROWS), scaled */
     float s[KT][ROWS];             /* scores, then probabilities, of one tile (keys x queries) */
@@ -156,9 +193,9 @@ typedef struct {
 } scratch;
 
 /* one task: queries q0 .. q0+nr-1 (positions p0 ..) of one (batch, head) against key blocks cols */
-static void task(const float *q, const float *k, const float *v, float *out, const unsigned char *kpm,
-                 const int *cols, int ncols, int nr, long p0, int nk, int D, int Dv, int blk,
-                 float scale2, int causal, long window, long sinks, scratch *w) {
+static void task(const float *q, const float *k, const float *v, float *out, float *lse,
+                 const unsigned char *kpm, const int *cols, int ncols, int nr, long p0, int nk, int D,
+                 int Dv, int blk, float scale2, int causal, long window, long sinks, scratch *w) {
     const int rv = (nr + VL - 1) / VL;
     for (int d = 0; d < D; d++)
         for (int r = 0; r < ROWS; r++) w->qt[d * ROWS + r] = r < nr ? q[(long)r * D + d] * scale2 : 0.0f;
@@ -177,23 +214,7 @@ static void task(const float *q, const float *k, const float *v, float *out, con
         for (long j0 = k0; j0 < k1; j0 += KT) {
             int nt = (int)(k1 - j0 < KT ? k1 - j0 : KT);
             scores(k + j0 * D, nt, D, w->qt, w->s, rv);
-            /* masks: a padded key for every query; a key after the query's position; a key outside
-             * the query's band unless it is a sink */
-            for (int t = 0; t < nt; t++) {
-                long j = j0 + t;
-                int band = window >= 0 && j >= sinks;
-                if (kpm && !kpm[j]) {
-                    for (int x = 0; x < rv; x++) *(vf *)(w->s[t] + x * VL) = splat(-INFINITY);
-                } else if (band || (causal && j > p0)) {
-                    float fj = (float)j, lo = (float)(j - window), hi = (float)(j + window);
-                    for (int x = 0; x < rv; x++) {
-                        vi out = {0};
-                        if (causal) out |= pos[x] < fj;
-                        if (band) out |= (pos[x] < lo) | (pos[x] > hi);
-                        *(vf *)(w->s[t] + x * VL) = select_v(out, splat(-INFINITY), *(vf *)(w->s[t] + x * VL));
-                    }
-                }
-            }
+            mask_key_rows(w->s, nt, rv, j0, pos, p0, kpm, causal, window, sinks);
             /* online softmax, lane-wise over the queries */
             for (int x = 0; x < rv; x++) {
                 vf mt = splat(-INFINITY);
@@ -224,11 +245,14 @@ static void task(const float *q, const float *k, const float *v, float *out, con
     for (int r = 0; r < nr; r++) {
         float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f;
         for (int d = 0; d < Dv; d++) out[(long)r * Dv + d] = w->acc[(long)r * Dv + d] * inv;
+        /* the row's log-sum-exp in base 2 for the backward; +inf for a row that saw nothing, so
+         * that its probabilities there come out 0 */
+        if (lse) lse[r] = w->l[r] > 0.0f ? w->m[r] + log2f(w->l[r]) : INFINITY;
     }
 }
 
 /* Returns 0, or -1 if a size is outside what this kernel takes (the caller falls back). */
-int sparse_fwd(const float *q, const float *k, const float *v, float *out, const unsigned char *kpm,
+int sparse_fwd(const float *q, const float *k, const float *v, float *out, float *lse, const unsigned char *kpm,
                const int *qblock, const int *rowptr, const int *cols, int nrows, int B, int H, int Hkv,
                int nq, int nk, int D, int Dv, int blk, float scale, int causal, int window, int sinks,
                int threads) {
@@ -259,10 +283,180 @@ int sparse_fwd(const float *q, const float *k, const float *v, float *out, const
             if (p0 >= e) continue;
             int nr = (int)(e - p0 < ROWS ? e - p0 : ROWS);
             int hk = h / grp;
-            task(q + (((long)b * H + h) * nq + (p0 - off)) * D, k + ((long)b * Hkv + hk) * nk * D,
-                 v + ((long)b * Hkv + hk) * nk * Dv, out + (((long)b * H + h) * nq + (p0 - off)) * Dv,
-                 kpm ? kpm + (long)b * nk : NULL, cols + rowptr[row], rowptr[row + 1] - rowptr[row], nr,
+            long row0 = ((long)b * H + h) * nq + (p0 - off); /* the task's first query row */
+            task(q + row0 * D, k + ((long)b * Hkv + hk) * nk * D, v + ((long)b * Hkv + hk) * nk * Dv,
+                 out + row0 * Dv, lse ? lse + row0 : NULL, kpm ? kpm + (long)b * nk : NULL, cols + rowptr[row], rowptr[row + 1] - rowptr[row], nr,
                  p0, nk, D, Dv, blk, scale2, causal, window, sinks, w);
+        }
+        free(w);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- backward (FlashAttention-2's recomputation: P from the saved log-sum-exp, no N x N buffer) ----
+ * With S = scale q.k, P = softmax(S) over the visible keys, O = P V and Di = dO_i . O_i:
+ *   dV_j = sum_i P_ij dO_i,  dS_ij = P_ij (dO_i . V_j - Di),  dQ_i = scale sum_j dS_ij K_j,
+ *   dK_j = scale sum_i dS_ij Q_i.
+ * Pass 1 computes dQ per query task (as the forward: keys x queries, queries along the lanes); pass 2
+ * computes dK and dV per task of up to ROWS keys of one K/V head (queries x keys, keys along the
+ * lanes), over the query blocks that see its key block and every query head of the group. Each
+ * output row is written by one task, so no atomics. */
+
+typedef struct {
+    float at[MAX_DIM * ROWS]; /* pass 1: the queries (D x ROWS), scaled; pass 2: the keys, scaled */
+    float bt[MAX_DIM * ROWS]; /* pass 1: dO (Dv x ROWS); pass 2: the values */
+    float s[KT][ROWS], s2[KT][ROWS];
+    float acc1[ROWS * MAX_DIM], acc2[ROWS * MAX_DIM];
+} scratch_bwd;
+
+/* xt[d][r] = scale * x[r][d] for the first n rows of x (n x dim, row-major), zero past them */
+static void transpose_in(const float *x, int n, int dim, float scale, float *xt) {
+    for (int d = 0; d < dim; d++)
+        for (int r = 0; r < ROWS; r++) xt[d * ROWS + r] = r < n ? x[(long)r * dim + d] * scale : 0.0f;
+}
+
+static void task_dq(const float *q, const float *k, const float *v, const float *dout, const float *lse,
+                    const float *di, float *dq, const unsigned char *kpm, const int *cols, int ncols, int nr,
+                    long p0, int nk, int D, int Dv, int blk, float scale, float scale2, int causal,
+                    long window, long sinks, scratch_bwd *w) {
+    const int rv = (nr + VL - 1) / VL;
+    transpose_in(q, nr, D, scale2, w->at);
+    transpose_in(dout, nr, Dv, 1.0f, w->bt);
+    vf pos[RV], lv[RV], dv_[RV];
+    for (int x = 0; x < RV; x++)
+        for (int i = 0; i < VL; i++) {
+            int r = x * VL + i;
+            pos[x][i] = (float)(p0 + r);
+            lv[x][i] = r < nr ? lse[r] : INFINITY;
+            dv_[x][i] = r < nr ? di[r] : 0.0f;
+        }
+    memset(w->acc1, 0, sizeof(float) * ROWS * D);
+    long last = p0 + nr - 1;
+    for (int c = 0; c < ncols; c++) {
+        long k0 = (long)cols[c] * blk, k1 = k0 + blk < nk ? k0 + blk : nk;
+        if (causal && k1 - 1 > last) k1 = last + 1;
+        for (long j0 = k0; j0 < k1; j0 += KT) {
+            int nt = (int)(k1 - j0 < KT ? k1 - j0 : KT);
+            scores(k + j0 * D, nt, D, w->at, w->s, rv);
+            mask_key_rows(w->s, nt, rv, j0, pos, p0, kpm, causal, window, sinks);
+            scores(v + j0 * Dv, nt, Dv, w->bt, w->s2, rv); /* dP = dO . V */
+            for (int t = 0; t < nt; t++)
+                for (int x = 0; x < rv; x++) {
+                    vf p = exp2_v(*(vf *)(w->s[t] + x * VL) - lv[x]);
+                    *(vf *)(w->s[t] + x * VL) = p * (*(vf *)(w->s2[t] + x * VL) - dv_[x]); /* dS */
+                }
+            weighted_sum(k + j0 * D, nt, D, w->s, nr, w->acc1);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int d = 0; d < D; d++) dq[(long)r * D + d] = w->acc1[(long)r * D + d] * scale;
+}
+
+/* keys kc0 .. kc0+nkc-1 of one K/V head (k, v at the head's first row; dk, dv likewise) against the
+ * query blocks qrows[0 .. nqrows) of each of its grp query heads (q, dout, lse, di at the group's
+ * first head; a head is nq rows further) */
+static void task_dkv(const float *q, const float *k, const float *v, const float *dout, const float *lse,
+                     const float *di, float *dk, float *dv, const unsigned char *kpm, const int *qrows,
+                     int nqrows, long kc0, int nkc, int nq, int nk, int grp, int D, int Dv, int blk,
+                     float scale, float scale2, int causal, long window, long sinks, scratch_bwd *w) {
+    const int rv = (nkc + VL - 1) / VL;
+    const long off = nk - nq;
+    transpose_in(k + kc0 * D, nkc, D, scale2, w->at);
+    transpose_in(v + kc0 * Dv, nkc, Dv, 1.0f, w->bt);
+    vf kpos[RV];
+    vi hidden[RV];
+    for (int x = 0; x < RV; x++)
+        for (int i = 0; i < VL; i++) {
+            int r = x * VL + i;
+            kpos[x][i] = (float)(kc0 + r);
+            hidden[x][i] = (r >= nkc || (kpm && !kpm[kc0 + r])) ? -1 : 0;
+        }
+    memset(w->acc1, 0, sizeof(float) * ROWS * D);
+    memset(w->acc2, 0, sizeof(float) * ROWS * Dv);
+    for (int c = 0; c < nqrows; c++) {
+        long s = (long)qrows[c] * blk, e = s + blk < nk ? s + blk : nk;
+        s = s > off ? s : off;
+        if (causal && e - 1 < kc0) continue; /* every query before every key */
+        for (int g = 0; g < grp; g++) {
+            long head = (long)g * nq; /* rows of this query head, from the group's first */
+            for (long t0 = s; t0 < e; t0 += KT) {
+                int nt = (int)(e - t0 < KT ? e - t0 : KT);
+                if (causal && t0 + nt - 1 < kc0) continue;
+                long row = head + t0 - off;
+                const float *qr = q + row * D, *dor = dout + row * Dv, *lr = lse + row, *dr = di + row;
+                scores(qr, nt, D, w->at, w->s, rv);
+                mask_query_rows(w->s, nt, rv, t0, kpos, hidden, causal, window, sinks);
+                for (int t = 0; t < nt; t++)
+                    for (int x = 0; x < rv; x++) *(vf *)(w->s[t] + x * VL) = exp2_v(*(vf *)(w->s[t] + x * VL) - lr[t]);
+                scores(dor, nt, Dv, w->bt, w->s2, rv);        /* dP = dO . V */
+                weighted_sum(dor, nt, Dv, w->s, nkc, w->acc2); /* dV += P^T dO */
+                for (int t = 0; t < nt; t++)
+                    for (int x = 0; x < rv; x++)
+                        *(vf *)(w->s2[t] + x * VL) = *(vf *)(w->s[t] + x * VL) * (*(vf *)(w->s2[t] + x * VL) - dr[t]);
+                weighted_sum(qr, nt, D, w->s2, nkc, w->acc1); /* dK += dS^T Q (scaled below) */
+            }
+        }
+    }
+    for (int r = 0; r < nkc; r++) {
+        for (int d = 0; d < D; d++) dk[(kc0 + r) * D + d] = w->acc1[(long)r * D + d] * scale;
+        for (int d = 0; d < Dv; d++) dv[(kc0 + r) * Dv + d] = w->acc2[(long)r * Dv + d];
+    }
+}
+
+/* Gradients of sparse_fwd's output: dq (B, H, nq, D), dk, dv (B, Hkv, nk, D|Dv), all written (keys no
+ * query sees get zeros). lse: sparse_fwd's (B, H, nq); di: (B, H, nq) = rowsum(dout * out). The
+ * layout as sparse_fwd's, plus its transpose: key block c is seen by query blocks
+ * qrows[kptr[c] .. kptr[c + 1]), for the nkb = ceil(nk / blk) key blocks. Returns 0, or -1. */
+int sparse_bwd(const float *q, const float *k, const float *v, const float *dout, const float *lse,
+               const float *di, float *dq, float *dk, float *dv, const unsigned char *kpm, const int *qblock,
+               const int *rowptr, const int *cols, int nrows, const int *kptr, const int *qrows, int nkb,
+               int B, int H, int Hkv, int nq, int nk, int D, int Dv, int blk, float scale, int causal,
+               int window, int sinks, int threads) {
+    if (D > MAX_DIM || Dv > MAX_DIM || D < 1 || Dv < 1 || blk < 1 || nq > nk || Hkv < 1 || H % Hkv ||
+        nk > MAX_KEYS)
+        return -1;
+    const long off = nk - nq;
+    const int chunks = (blk + ROWS - 1) / ROWS;
+    const long tasks1 = (long)nrows * B * H * chunks, tasks2 = (long)nkb * B * Hkv * chunks;
+    const int grp = H / Hkv;
+    const float scale2 = scale * LOG2E;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        scratch_bwd *w = aligned_alloc(64, sizeof(scratch_bwd));
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long x = 0; x < tasks1; x++) {
+            if (!w) continue;
+            long row = x / ((long)B * H * chunks), rest = x % ((long)B * H * chunks);
+            int b = (int)(rest / (H * chunks)), h = (int)(rest / chunks % H), ch = (int)(rest % chunks);
+            long s = (long)qblock[row] * blk, e = s + blk < nk ? s + blk : nk;
+            s = s > off ? s : off;
+            long p0 = s + (long)ch * ROWS;
+            if (p0 >= e) continue;
+            int nr = (int)(e - p0 < ROWS ? e - p0 : ROWS);
+            long r0 = ((long)b * H + h) * nq + (p0 - off);
+            long kv = ((long)b * Hkv + h / grp) * nk;
+            task_dq(q + r0 * D, k + kv * D, v + kv * Dv, dout + r0 * Dv, lse + r0, di + r0, dq + r0 * D,
+                    kpm ? kpm + (long)b * nk : NULL, cols + rowptr[row], rowptr[row + 1] - rowptr[row], nr, p0,
+                    nk, D, Dv, blk, scale, scale2, causal, window, sinks, w);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long x = 0; x < tasks2; x++) {
+            if (!w) continue;
+            long col = x / ((long)B * Hkv * chunks), rest = x % ((long)B * Hkv * chunks);
+            int b = (int)(rest / (Hkv * chunks)), hk = (int)(rest / chunks % Hkv), ch = (int)(rest % chunks);
+            long kc0 = col * blk + (long)ch * ROWS, ke = col * blk + blk < nk ? col * blk + blk : nk;
+            if (kc0 >= ke) continue;
+            int nkc = (int)(ke - kc0 < ROWS ? ke - kc0 : ROWS);
+            long kv = ((long)b * Hkv + hk) * nk;
+            long r0 = ((long)b * H + (long)hk * grp) * nq; /* the group's first query head */
+            task_dkv(q + r0 * D, k + kv * D, v + kv * Dv, dout + r0 * Dv, lse + r0, di + r0, dk + kv * D,
+                     dv + kv * Dv, kpm ? kpm + (long)b * nk : NULL, qrows + kptr[col], kptr[col + 1] - kptr[col],
+                     kc0, nkc, nq, nk, grp, D, Dv, blk, scale, scale2, causal, window, sinks, w);
         }
         free(w);
     }

@@ -5,8 +5,9 @@ causal, key padding and band (``local_window``) masks at token level.
 PyTorch has no block-sparse CPU kernel, so ``sparse``'s other CPU routes gather every query block's
 key blocks into a copy and hand them to a dense kernel with a mask. This kernel reads K and V in
 place: one task per (query block, batch, head) over all threads, each an online softmax over its key
-blocks in tiles (scores held keys x queries so the softmax runs along the vector lanes). No
-gradient: a call that needs one takes another route.
+blocks in tiles (scores held keys x queries so the softmax runs along the vector lanes). Its backward
+recomputes the probabilities from the saved log-sum-exp (FlashAttention-2): dQ per query task, dK and
+dV per task of keys over the query blocks that see them, so nothing is written twice.
 
 Time ``O(B H P (D + Dv))`` for ``P`` visible pairs per head; memory ``O(threads block (D + Dv))``
 besides the inputs and the output.
@@ -28,7 +29,17 @@ MAX_KEYS = 2**24  # sequence lengths it takes (MAX_KEYS: positions are compared 
 def _declare(lib: ctypes.CDLL) -> None:
     f = lib.sparse_fwd
     f.restype = ctypes.c_int
-    f.argtypes = [*(ctypes.c_void_p,) * 8, *(ctypes.c_int,) * 9, ctypes.c_float, *(ctypes.c_int,) * 4]
+    f.argtypes = [*(ctypes.c_void_p,) * 9, *(ctypes.c_int,) * 9, ctypes.c_float, *(ctypes.c_int,) * 4]
+    f = lib.sparse_bwd
+    f.restype = ctypes.c_int
+    f.argtypes = [
+        *(ctypes.c_void_p,) * 13,
+        ctypes.c_int,
+        *(ctypes.c_void_p,) * 2,
+        *(ctypes.c_int,) * 9,
+        ctypes.c_float,
+        *(ctypes.c_int,) * 4,
+    ]
 
 
 _KERNEL = CKernel("sparse_kernel.c", "the block-sparse kernel", _declare)
@@ -49,8 +60,6 @@ def refusal(w: Workload) -> str | None:
     if w.device != "cpu" or w.dtype != torch.float32:
         dtype = str(w.dtype).replace("torch.", "")
         return f"the block-sparse kernel takes float32 CPU tensors, not {dtype} on {w.device}"
-    if w.backward:
-        return "the block-sparse kernel has no backward"
     if w.nk > MAX_KEYS:
         return f"the block-sparse kernel takes up to {MAX_KEYS:,} keys, not {w.nk:,}"
     if max(w.head_dim, w.v_head_dim) > MAX_DIM:
@@ -69,59 +78,49 @@ def unusable(w: Workload) -> str | None:
     return why
 
 
-Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (qblock, rowptr, cols), int32, see layout()
+Layout = tuple[torch.Tensor, ...]  # (qblock, rowptr, cols, kptr, qrows), int32, see layout()
 
 
-def layout(rows: list[tuple[int, list[int]]]) -> Layout:
+def layout(rows: list[tuple[int, list[int]]], key_blocks: int) -> Layout:
     """The kernel's form of ``rows`` (``(query block, [key blocks])`` each, heavy rows first: the kernel
-    starts them first): the query block of each row ``(R,)``, row offsets ``(R + 1,)`` and the key
-    blocks of all rows ``(rowptr[-1],)``. Build it once per shape, not per call."""
+    starts them first) over ``key_blocks`` key blocks: the query block of each row ``(R,)``, row offsets
+    ``(R + 1,)`` and the key blocks of all rows; and for the backward the transpose, per key block the
+    query blocks that see it (offsets ``(key_blocks + 1,)``, then the query blocks). Build it once per
+    shape, not per call: ``O(pairs of blocks)``."""
+    seen_by: list[list[int]] = [[] for _ in range(key_blocks)]
+    for r, cs in rows:
+        for c in cs:
+            seen_by[c].append(r)
+
+    def offsets(lists) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor([len(x) for x in lists]).cumsum(0).tolist()], dtype=torch.int32)
+
+    def flat(lists) -> torch.Tensor:
+        return torch.tensor([x for xs in lists for x in xs], dtype=torch.int32)
+
     qblock = torch.tensor([r for r, _ in rows], dtype=torch.int32)  # (R,)
-    rowptr = torch.tensor([0, *torch.tensor([len(c) for _, c in rows]).cumsum(0).tolist()], dtype=torch.int32)
-    cols = torch.tensor([c for _, cs in rows for c in cs], dtype=torch.int32)  # (rowptr[-1],)
-    return qblock, rowptr, cols
+    cs = [c for _, c in rows]
+    return qblock, offsets(cs), flat(cs), offsets(seen_by), flat(seen_by)
 
 
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rows: Layout,
-    block: int,
-    *,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    scale: float,
-    window: int | None = None,
-    sinks: int = 0,
-) -> torch.Tensor:
-    """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (float32,
-    CPU, no gradient; query head ``h`` on K/V head ``h // (H / Hkv)``; query ``i`` at position
-    ``i + Nk - Nq``) where query block ``r`` (positions ``r*block ..``) sees only the key blocks listed
-    for it in ``rows`` (:func:`layout`; every block holding a query must have a row), and causal
-    masking and ``key_padding_mask (B, Nk)`` (True = keep) at token level; with ``window``, a query
-    at ``p`` sees only keys ``j`` with ``|p - j| <= window`` besides the first ``sinks`` keys
-    (``local_window``'s band). A query that sees no key comes out zero. Returns ``(B, H, Nq, Dv)``.
-    The caller checked :func:`refusal` and that :func:`kernel` is not None."""
-    lib = kernel()
-    assert lib is not None, "kernel() returned None: the caller must fall back"
+def _padding(key_padding_mask: torch.Tensor | None, b: int, nk: int) -> torch.Tensor | None:
+    """The key padding mask as the kernel reads it: ``(B, Nk)`` bytes, 1 = keep."""
+    return None if key_padding_mask is None else key_padding_mask.to(torch.uint8).expand(b, nk).contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _forward(q, k, v, rows, block, causal, kpm, scale, window, sinks, want_lse):
+    """``(out (B, H, Nq, Dv), lse (B, H, Nq) or None)``; q, k, v contiguous float32."""
     b, h, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy when they already are
-    qblock, rowptr, cols = rows
-    kpm = None
-    if key_padding_mask is not None:
-        kpm = key_padding_mask.to(torch.uint8).expand(b, nk).contiguous()  # (B, Nk): 1 = keep
     out = torch.empty(b, h, nq, dv)
-    rc = lib.sparse_fwd(
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        out.data_ptr(),
-        kpm.data_ptr() if kpm is not None else None,
-        qblock.data_ptr(),
-        rowptr.data_ptr(),
-        cols.data_ptr(),
+    lse = torch.empty(b, h, nq) if want_lse else None  # base 2, of the scaled scores
+    qblock, rowptr, cols = rows[:3]
+    rc = kernel().sparse_fwd(
+        *map(_ptr, (q, k, v, out, lse, kpm, qblock, rowptr, cols)),
         len(qblock),
         b,
         h,
@@ -139,4 +138,79 @@ def forward(
     )
     if rc != 0:
         raise RuntimeError(f"block-sparse kernel refused sizes it was checked for (rc={rc})")
-    return out  # (B, H, Nq, Dv)
+    return out, lse
+
+
+class _KernelAttention(torch.autograd.Function):
+    """The kernel's forward, saving its log-sum-exp, and its backward (``sparse_bwd``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows, block, causal, kpm, scale, window, sinks):
+        out, lse = _forward(q, k, v, rows, block, causal, kpm, scale, window, sinks, want_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (rows, block, causal, kpm, scale, window, sinks)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        rows, block, causal, kpm, scale, window, sinks = ctx.args
+        b, h, nq, d = q.shape
+        hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+        dout = dout.contiguous().float()
+        di = (dout * out).sum(-1)  # (B, H, Nq): FlashAttention-2's D_i
+        dq, dk, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        qblock, rowptr, cols, kptr, qrows = rows
+        rc = kernel().sparse_bwd(
+            *map(_ptr, (q, k, v, dout, lse, di, dq, dk, dv_, kpm, qblock, rowptr, cols)),
+            len(qblock),
+            _ptr(kptr),
+            _ptr(qrows),
+            len(kptr) - 1,
+            b,
+            h,
+            hkv,
+            nq,
+            nk,
+            d,
+            dv,
+            block,
+            scale,
+            int(causal),
+            -1 if window is None else window,
+            sinks,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"block-sparse kernel refused sizes it was checked for (rc={rc})")
+        return dq, dk, dv_, *(None,) * 7
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: Layout,
+    block: int,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    scale: float,
+    window: int | None = None,
+    sinks: int = 0,
+) -> torch.Tensor:
+    """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (float32,
+    CPU; query head ``h`` on K/V head ``h // (H / Hkv)``; query ``i`` at position ``i + Nk - Nq``)
+    where query block ``r`` (positions ``r*block ..``) sees only the key blocks listed for it in
+    ``rows`` (:func:`layout`; every block holding a query must have a row), and causal masking and
+    ``key_padding_mask (B, Nk)`` (True = keep) at token level; with ``window``, a query at ``p`` sees
+    only keys ``j`` with ``|p - j| <= window`` besides the first ``sinks`` keys (``local_window``'s
+    band). A query that sees no key comes out zero. Differentiable in q, k and v (the kernel's own
+    backward). Returns ``(B, H, Nq, Dv)``. The caller checked :func:`refusal` and that :func:`kernel`
+    is not None."""
+    assert kernel() is not None, "kernel() returned None: the caller must fall back"
+    kpm = _padding(key_padding_mask, q.shape[0], k.shape[2])
+    args = (rows, block, causal, kpm, scale, window, sinks)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _KernelAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
+    return _forward(q.contiguous(), k.contiguous(), v.contiguous(), *args, want_lse=False)[0]
