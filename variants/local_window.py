@@ -27,8 +27,8 @@ Four implementations of the same pattern, chosen by the ``impl`` knob (``impl_ra
 
 - ``kernel``: the suite's C kernel (:mod:`variants.sparse_kernel`, built on first use with the system
   compiler) on blocks of :data:`KERNEL_BLOCK` queries, each against the key blocks its band (and the
-  sinks) touch, the band masked at token level, K/V and grouped heads read in place; float32 CPU
-  forward only.
+  sinks) touch, the band masked at token level, K/V and grouped heads read in place, forward and
+  backward (recomputed from the saved log-sum-exp); float32 on the CPU.
 - ``sdpa``: the spans are copied out (``(block + 2 window) / block`` times the size of K and V) and
   every block is one "head" of PyTorch's fused ``scaled_dot_product_attention`` with an additive band
   mask of shape ``(1, nb, block, sink_tokens + span)`` shared by all batch elements and heads (4-D,
@@ -40,7 +40,7 @@ Four implementations of the same pattern, chosen by the ``impl`` knob (``impl_ra
   (:mod:`variants.flex_kernel`, the predicate from :mod:`variants.patterns`); no backward on the CPU;
   compiles once per shape.
 - ``auto`` (default): on the CPU ``kernel`` where it takes the call (else ``sdpa``, and
-  ``impl_note`` says why: a backward, another dtype, no compiler, or a single decoded query, for which
+  ``impl_note`` says why: another dtype, no compiler, or a single decoded query, for which
   one fused SDPA call on the keys in reach is faster); on CUDA ``flex`` (a Triton kernel that skips
   tiles outside the band).
 

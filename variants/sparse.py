@@ -37,7 +37,8 @@ The layout is computed by ``impl``:
 
 - ``kernel``: the suite's C kernel (:mod:`variants.sparse_kernel`, built on first use with the system
   compiler): each query block against its listed key blocks, K and V read in place, the masks at
-  token level; float32 CPU forward only.
+  token level, and its own backward (probabilities recomputed from the saved log-sum-exp, FlashAttention-2
+  style); float32 on the CPU.
 - ``sdpa``: the key blocks gathered a chunk at a time and every query block made one "head" of
   PyTorch's fused ``scaled_dot_product_attention`` with a 4-D additive mask; its backward gathers
   again per chunk instead of keeping the copies (:mod:`variants.gathered_sdpa`).
