@@ -183,6 +183,7 @@ def _band_expected(q, k, v, window, sinks, causal, kpm) -> torch.Tensor:
         (4, 2, 600, 600, 100, 4, True, True),  # StreamingLLM: sinks, causal, GQA, padding
         (2, 1, 3, 700, 64, 4, True, False),  # three queries onto a cache: the band and the sinks
         (2, 2, 130, 500, 7, 70, False, True),  # more sinks than the band, a prefill onto a cache
+        (2, 2, 40, 40, 3, 100, True, False),  # more sinks than keys: full causal attention
     ],
 )
 def test_local_window_runs_its_band_on_the_kernel(h, hkv, nq, nk, window, sinks, causal, padded):

@@ -235,8 +235,10 @@ class LocalWindowAttention(AttentionVariant):
         touches (causal: none after its own) and those holding the sinks, widest first. Cached per
         ``(Nq, Nk, causal)``; ``O(Nk / KERNEL_BLOCK)`` rows of ``O(window / KERNEL_BLOCK)`` blocks."""
         if (nq, nk, causal) not in self._rows:
+            if len(self._rows) >= 64:  # a growing cache (prefill chunks): keep the memory bounded
+                self._rows.clear()
             b, nb = KERNEL_BLOCK, -(-nk // KERNEL_BLOCK)
-            sink_blocks = range(-(-self.sink_tokens // b))
+            sink_blocks = range(min(nb, -(-self.sink_tokens // b)))
             rows = []
             for r in range((nk - nq) // b, nb):
                 lo = max(0, (r * b - self.window) // b)

@@ -309,6 +309,8 @@ class BlockSparseAttention(AttentionVariant):
         (causal: none after its own), the longest rows (the global ones) first so they start first.
         Cached per ``(Nq, Nk, causal)``; ``O(nb^2)`` once."""
         if (nq, nk, causal) not in self._rows:
+            if len(self._rows) >= 64:  # a growing cache (prefill chunks): keep the memory bounded
+                self._rows.clear()
             blocks = self.block_pattern(nk, causal)  # (nb, nb)
             if causal:
                 blocks = blocks.tril()
