@@ -251,6 +251,31 @@ static void task(const float *q, const float *k, const float *v, float *out, flo
     }
 }
 
+/* Query task x of the layout: row (of the layout), batch b, head h and chunk of up to ROWS queries;
+ * its first position p0, its queries nr, its first query row r0 in (B, H, nq) and its K/V head's
+ * first row kv in (B, Hkv, nk). Returns 0 where the chunk holds no query. */
+typedef struct {
+    long row, p0, r0, kv;
+    int nr, b;
+} qtask;
+
+static int query_task(long x, const int *qblock, int B, int H, int Hkv, int chunks, int blk, int nq, int nk,
+                      qtask *t) {
+    const long off = nk - nq;
+    t->row = x / ((long)B * H * chunks);
+    long rest = x % ((long)B * H * chunks);
+    t->b = (int)(rest / (H * chunks));
+    int h = (int)(rest / chunks % H), ch = (int)(rest % chunks);
+    long s = (long)qblock[t->row] * blk, e = s + blk < nk ? s + blk : nk;
+    s = s > off ? s : off; /* positions before the first query are not queries */
+    t->p0 = s + (long)ch * ROWS;
+    if (t->p0 >= e) return 0;
+    t->nr = (int)(e - t->p0 < ROWS ? e - t->p0 : ROWS);
+    t->r0 = ((long)t->b * H + h) * nq + (t->p0 - off);
+    t->kv = ((long)t->b * Hkv + h / (H / Hkv)) * nk;
+    return 1;
+}
+
 /* Returns 0, or -1 if a size is outside what this kernel takes (the caller falls back). */
 int sparse_fwd(const float *q, const float *k, const float *v, float *out, float *lse, const unsigned char *kpm,
                const int *qblock, const int *rowptr, const int *cols, int nrows, int B, int H, int Hkv,
@@ -259,10 +284,8 @@ int sparse_fwd(const float *q, const float *k, const float *v, float *out, float
     if (D > MAX_DIM || Dv > MAX_DIM || D < 1 || Dv < 1 || blk < 1 || nq > nk || Hkv < 1 || H % Hkv ||
         nk > MAX_KEYS)
         return -1;
-    const long off = nk - nq;
     const int chunks = (blk + ROWS - 1) / ROWS;
     const long tasks = (long)nrows * B * H * chunks;
-    const int grp = H / Hkv;
     const float scale2 = scale * LOG2E;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -274,19 +297,11 @@ int sparse_fwd(const float *q, const float *k, const float *v, float *out, float
         }
 #pragma omp for schedule(dynamic, 1)
         for (long x = 0; x < tasks; x++) {
-            if (!w) continue;
-            long row = x / ((long)B * H * chunks), rest = x % ((long)B * H * chunks);
-            int b = (int)(rest / (H * chunks)), h = (int)(rest / chunks % H), ch = (int)(rest % chunks);
-            long s = (long)qblock[row] * blk, e = s + blk < nk ? s + blk : nk;
-            s = s > off ? s : off; /* positions before the first query are not queries */
-            long p0 = s + (long)ch * ROWS;
-            if (p0 >= e) continue;
-            int nr = (int)(e - p0 < ROWS ? e - p0 : ROWS);
-            int hk = h / grp;
-            long row0 = ((long)b * H + h) * nq + (p0 - off); /* the task's first query row */
-            task(q + row0 * D, k + ((long)b * Hkv + hk) * nk * D, v + ((long)b * Hkv + hk) * nk * Dv,
-                 out + row0 * Dv, lse ? lse + row0 : NULL, kpm ? kpm + (long)b * nk : NULL, cols + rowptr[row], rowptr[row + 1] - rowptr[row], nr,
-                 p0, nk, D, Dv, blk, scale2, causal, window, sinks, w);
+            qtask t;
+            if (!w || !query_task(x, qblock, B, H, Hkv, chunks, blk, nq, nk, &t)) continue;
+            task(q + t.r0 * D, k + t.kv * D, v + t.kv * Dv, out + t.r0 * Dv, lse ? lse + t.r0 : NULL,
+                 kpm ? kpm + (long)t.b * nk : NULL, cols + rowptr[t.row], rowptr[t.row + 1] - rowptr[t.row], t.nr,
+                 t.p0, nk, D, Dv, blk, scale2, causal, window, sinks, w);
         }
         free(w);
     }
@@ -415,7 +430,6 @@ int sparse_bwd(const float *q, const float *k, const float *v, const float *dout
     if (D > MAX_DIM || Dv > MAX_DIM || D < 1 || Dv < 1 || blk < 1 || nq > nk || Hkv < 1 || H % Hkv ||
         nk > MAX_KEYS)
         return -1;
-    const long off = nk - nq;
     const int chunks = (blk + ROWS - 1) / ROWS;
     const long tasks1 = (long)nrows * B * H * chunks, tasks2 = (long)nkb * B * Hkv * chunks;
     const int grp = H / Hkv;
@@ -430,19 +444,12 @@ int sparse_bwd(const float *q, const float *k, const float *v, const float *dout
         }
 #pragma omp for schedule(dynamic, 1)
         for (long x = 0; x < tasks1; x++) {
-            if (!w) continue;
-            long row = x / ((long)B * H * chunks), rest = x % ((long)B * H * chunks);
-            int b = (int)(rest / (H * chunks)), h = (int)(rest / chunks % H), ch = (int)(rest % chunks);
-            long s = (long)qblock[row] * blk, e = s + blk < nk ? s + blk : nk;
-            s = s > off ? s : off;
-            long p0 = s + (long)ch * ROWS;
-            if (p0 >= e) continue;
-            int nr = (int)(e - p0 < ROWS ? e - p0 : ROWS);
-            long r0 = ((long)b * H + h) * nq + (p0 - off);
-            long kv = ((long)b * Hkv + h / grp) * nk;
-            task_dq(q + r0 * D, k + kv * D, v + kv * Dv, dout + r0 * Dv, lse + r0, di + r0, dq + r0 * D,
-                    kpm ? kpm + (long)b * nk : NULL, cols + rowptr[row], rowptr[row + 1] - rowptr[row], nr, p0,
-                    nk, D, Dv, blk, scale, scale2, causal, window, sinks, w);
+            qtask t;
+            if (!w || !query_task(x, qblock, B, H, Hkv, chunks, blk, nq, nk, &t)) continue;
+            task_dq(q + t.r0 * D, k + t.kv * D, v + t.kv * Dv, dout + t.r0 * Dv, lse + t.r0, di + t.r0,
+                    dq + t.r0 * D, kpm ? kpm + (long)t.b * nk : NULL, cols + rowptr[t.row],
+                    rowptr[t.row + 1] - rowptr[t.row], t.nr, t.p0, nk, D, Dv, blk, scale, scale2, causal, window,
+                    sinks, w);
         }
 #pragma omp for schedule(dynamic, 1)
         for (long x = 0; x < tasks2; x++) {

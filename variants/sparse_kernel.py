@@ -114,31 +114,30 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _forward(q, k, v, rows, block, causal, kpm, scale, window, sinks, want_lse):
     """``(out (B, H, Nq, Dv), lse (B, H, Nq) or None)``; q, k, v contiguous float32."""
-    b, h, nq, d = q.shape
-    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    out = torch.empty(b, h, nq, dv)
+    b, h, nq = q.shape[:3]
+    out = torch.empty(b, h, nq, v.shape[3])
     lse = torch.empty(b, h, nq) if want_lse else None  # base 2, of the scaled scores
     qblock, rowptr, cols = rows[:3]
     rc = kernel().sparse_fwd(
         *map(_ptr, (q, k, v, out, lse, kpm, qblock, rowptr, cols)),
         len(qblock),
-        b,
-        h,
-        hkv,
-        nq,
-        nk,
-        d,
-        dv,
-        block,
-        scale,
-        int(causal),
-        -1 if window is None else window,
-        sinks,
-        torch.get_num_threads(),
+        *_sizes(q, k, v, block, scale, causal, window, sinks),
     )
+    _check(rc)
+    return out, lse
+
+
+def _sizes(q, k, v, block, scale, causal, window, sinks) -> tuple:
+    """The arguments both entry points end with (see the C source)."""
+    b, h, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    window = -1 if window is None else window
+    return b, h, hkv, nq, nk, d, dv, block, scale, int(causal), window, sinks, torch.get_num_threads()
+
+
+def _check(rc: int) -> None:
     if rc != 0:
         raise RuntimeError(f"block-sparse kernel refused sizes it was checked for (rc={rc})")
-    return out, lse
 
 
 class _KernelAttention(torch.autograd.Function):
@@ -155,8 +154,6 @@ class _KernelAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         rows, block, causal, kpm, scale, window, sinks = ctx.args
-        b, h, nq, d = q.shape
-        hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
         dout = dout.contiguous().float()
         di = (dout * out).sum(-1)  # (B, H, Nq): FlashAttention-2's D_i
         dq, dk, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -167,22 +164,9 @@ class _KernelAttention(torch.autograd.Function):
             _ptr(kptr),
             _ptr(qrows),
             len(kptr) - 1,
-            b,
-            h,
-            hkv,
-            nq,
-            nk,
-            d,
-            dv,
-            block,
-            scale,
-            int(causal),
-            -1 if window is None else window,
-            sinks,
-            torch.get_num_threads(),
+            *_sizes(q, k, v, block, scale, causal, window, sinks),
         )
-        if rc != 0:
-            raise RuntimeError(f"block-sparse kernel refused sizes it was checked for (rc={rc})")
+        _check(rc)
         return dq, dk, dv_, *(None,) * 7
 
 
