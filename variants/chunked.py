@@ -214,9 +214,7 @@ class ChunkedAttention(AttentionVariant):
             w = Workload.of(
                 q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap
             )
-            why = decode_kernel.refusal(w)
-            if why is None and decode_kernel.kernel() is None:
-                why = decode_kernel.build_error()
+            why = decode_kernel.unusable(w)
             if why is None:
                 self.decode_ran = "kernel"
                 return decode_kernel.decode(q, k, v, causal=causal, scale=scale)  # (B, H, Nq, Dv)

@@ -69,3 +69,10 @@ class CKernel:
             return None
         self.declare(self.lib)
         return self.lib
+
+    def unusable(self, refusal: str | None) -> str | None:
+        """Why a call cannot run on this kernel here: ``refusal`` (what the kernel cannot take), else
+        why it could not be built; None if it can run."""
+        if refusal is None and self.load() is None:
+            return self.error
+        return refusal

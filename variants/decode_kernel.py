@@ -75,6 +75,12 @@ def refusal(w: Workload) -> str | None:
     return None
 
 
+def unusable(w: Workload) -> str | None:
+    """Why the kernel cannot run ``w`` here: :func:`refusal`, or why it could not be built; None if it
+    can."""
+    return _KERNEL.unusable(refusal(w))
+
+
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
     """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (float32, CPU,
     no gradient, query head ``h`` on K/V head ``h // (H / Hkv)``; causal bottom-right):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .masks import blocks_per_chunk
+from .masks import additive_mask, blocks_per_chunk
 
 #: under autograd a chunk is 1 / GRAD_SHARE of the forward's: its backward holds the gathered copies,
 #: their gradients and the kernel's buffers at once (sparse fwd+bwd at N=1024, B=1, H=8, D=64, on this
@@ -46,12 +46,7 @@ def _chunk_inputs(q, k, v, key_idx, blocked, s, m):
         bc = bc.expand(bsz, h, *bc.shape[2:]).reshape(bsz * h, *bc.shape[2:])  # (B*H, m, b|1, L)
     else:
         bc = bc[None]  # (1, m, b|1, L)
-    empty = bc.all(dim=-1, keepdim=True)  # (B*H|1, m, b|1, 1)
-    if bool(empty.any()):
-        bc = bc & ~(empty & (torch.arange(ln, device=bc.device) == 0))
-    else:
-        empty = None
-    bias = torch.zeros(bc.shape, dtype=q.dtype, device=q.device).masked_fill_(bc, float("-inf"))
+    bias, empty = additive_mask(bc, q.dtype)  # (B*H|1, m, b|1, L), (B*H|1, m, b|1, 1) or None
     return (
         q[:, :, s : s + m].reshape(bsz * h, m, b, d),  # (B*H, m, b, D)
         kg.reshape(bsz * h, m, ln, d),  # (B*H, m, L, D)

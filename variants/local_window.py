@@ -232,7 +232,7 @@ class LocalWindowAttention(AttentionVariant):
 
     def _kernel_rows(self, nq: int, nk: int, causal: bool) -> sparse_kernel.Layout:
         """The C kernel's layout: each query block holding a query with the key blocks its band
-        touches (causal: none after its own) and those holding the sinks, widest first. Cached per
+        touches (causal: none after its own) and those holding the sinks. Cached per
         ``(Nq, Nk, causal)``; ``O(Nk / KERNEL_BLOCK)`` rows of ``O(window / KERNEL_BLOCK)`` blocks."""
         if (nq, nk, causal) not in self._rows:
             if len(self._rows) >= 64:  # a growing cache (prefill chunks): keep the memory bounded
@@ -244,9 +244,7 @@ class LocalWindowAttention(AttentionVariant):
                 lo = max(0, (r * b - self.window) // b)
                 hi = r if causal else min(nb - 1, (r * b + b - 1 + self.window) // b)
                 rows.append((r, sorted({*sink_blocks, *range(lo, hi + 1)})))
-            self._rows[nq, nk, causal] = sparse_kernel.layout(
-                sorted(rows, key=lambda row: -len(row[1])), -(-nk // KERNEL_BLOCK)
-            )
+            self._rows[nq, nk, causal] = sparse_kernel.layout(rows, -(-nk // KERNEL_BLOCK))
         return self._rows[nq, nk, causal]
 
     def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask):

@@ -88,6 +88,19 @@ def zero_empty_rows(out: torch.Tensor, blocked: torch.Tensor | None) -> torch.Te
     return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
+def additive_mask(blocked: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused kernel's additive mask for ``blocked (..., Lq, Lk)`` (True = left out: -inf) and the
+    rows that see no key ``(..., Lq, 1)`` (None when there are none). Such a row is let see key 0, so
+    the kernel makes no NaN; the caller zeroes it in the output, which also zeroes its gradients."""
+    empty = blocked.all(dim=-1, keepdim=True)  # (..., Lq, 1)
+    if bool(empty.any()):
+        blocked = blocked & ~(empty & (torch.arange(blocked.shape[-1], device=blocked.device) == 0))
+    else:
+        empty = None
+    bias = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill_(blocked, float("-inf"))
+    return bias, empty
+
+
 def sdpa_blocked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, enable_gqa: bool = False
 ) -> torch.Tensor:
@@ -100,12 +113,7 @@ def sdpa_blocked(
     gradients. Returns ``(G, M, Lq, Dv)``. ``enable_gqa``: ``k`` and ``v`` have fewer heads (dim 1)
     than ``q``, each shared by a group of them (SDPA's own grouping, no copy).
     """
-    empty = blocked.all(dim=-1, keepdim=True)  # (G|1, M|1, Lq, 1)
-    if bool(empty.any()):
-        blocked = blocked & ~(empty & (torch.arange(blocked.shape[-1], device=blocked.device) == 0))
-    else:
-        empty = None
-    bias = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill_(blocked, float("-inf"))
+    bias, empty = additive_mask(blocked, q.dtype)
     gqa = {"enable_gqa": True} if enable_gqa else {}
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **gqa)  # (G, M, Lq, Dv)
     return out if empty is None else out.masked_fill(empty, 0.0)

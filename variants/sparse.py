@@ -306,7 +306,7 @@ class BlockSparseAttention(AttentionVariant):
 
     def _kernel_rows(self, nq: int, nk: int, causal: bool) -> sparse_kernel.Layout:
         """The C kernel's layout: every query block holding a query with the key blocks it sees
-        (causal: none after its own), the longest rows (the global ones) first so they start first.
+        (causal: none after its own).
         Cached per ``(Nq, Nk, causal)``; ``O(nb^2)`` once."""
         if (nq, nk, causal) not in self._rows:
             if len(self._rows) >= 64:  # a growing cache (prefill chunks): keep the memory bounded
@@ -316,9 +316,7 @@ class BlockSparseAttention(AttentionVariant):
                 blocks = blocks.tril()
             first = (nk - nq) // self.block  # the block of the first query
             rows = [(r, blocks[r].nonzero().flatten().tolist()) for r in range(first, blocks.shape[0])]
-            self._rows[nq, nk, causal] = sparse_kernel.layout(
-                sorted(rows, key=lambda row: -len(row[1])), -(-nk // self.block)
-            )
+            self._rows[nq, nk, causal] = sparse_kernel.layout(rows, -(-nk // self.block))
         return self._rows[nq, nk, causal]
 
     def _flex_attend(self, q, k, v, *, causal, key_padding_mask):

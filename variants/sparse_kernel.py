@@ -72,21 +72,19 @@ def refusal(w: Workload) -> str | None:
 def unusable(w: Workload) -> str | None:
     """Why the kernel cannot run ``w`` here: :func:`refusal`, or why it could not be built; None if it
     can. What a variant's ``auto`` asks on the CPU."""
-    why = refusal(w)
-    if why is None and kernel() is None:
-        why = build_error()
-    return why
+    return _KERNEL.unusable(refusal(w))
 
 
 Layout = tuple[torch.Tensor, ...]  # (qblock, rowptr, cols, kptr, qrows), int32, see layout()
 
 
 def layout(rows: list[tuple[int, list[int]]], key_blocks: int) -> Layout:
-    """The kernel's form of ``rows`` (``(query block, [key blocks])`` each, heavy rows first: the kernel
-    starts them first) over ``key_blocks`` key blocks: the query block of each row ``(R,)``, row offsets
-    ``(R + 1,)`` and the key blocks of all rows; and for the backward the transpose, per key block the
+    """The kernel's form of ``rows`` (``(query block, [key blocks])`` each, put heavy rows first: the
+    kernel starts them first) over ``key_blocks`` key blocks: the query block of each row ``(R,)``, row
+    offsets ``(R + 1,)`` and the key blocks of all rows; and for the backward the transpose, per key block the
     query blocks that see it (offsets ``(key_blocks + 1,)``, then the query blocks). Build it once per
     shape, not per call: ``O(pairs of blocks)``."""
+    rows = sorted(rows, key=lambda row: -len(row[1]))
     seen_by: list[list[int]] = [[] for _ in range(key_blocks)]
     for r, cs in rows:
         for c in cs:
