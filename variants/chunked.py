@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 
-from . import decode_kernel
+from . import chunked_triton, decode_kernel
 from .base import AttentionVariant, Unavailable, Unsupported, Workload, repeat_kv
 from .registry import register
 
 DECODE = ("auto", "kernel", "torch")
+IMPLS = ("auto", "reference", "triton")
+CHUNK = 512  # the reference path's default query and key chunk
 
 
 def _allowed(
@@ -174,7 +176,9 @@ class ChunkedAttention(AttentionVariant):
     native_scale = True
     native_gqa = True  # the decode kernel reads grouped K/V heads as they are; the PyTorch path repeats them
 
-    def __init__(self, query_chunk: int = 512, key_chunk: int = 512, decode: str = "auto") -> None:
+    def __init__(
+        self, query_chunk: int = CHUNK, key_chunk: int = CHUNK, decode: str = "auto", impl: str = "auto"
+    ) -> None:
         super().__init__()
         if query_chunk < 1 or key_chunk < 1:
             raise ValueError(
@@ -182,22 +186,55 @@ class ChunkedAttention(AttentionVariant):
             )
         if decode not in DECODE:
             raise ValueError(f"chunked decode must be one of {', '.join(DECODE)}; got '{decode}'")
+        if impl not in IMPLS:
+            raise ValueError(f"chunked impl must be one of {', '.join(IMPLS)}; got '{impl}'")
+        if impl == "triton" and (query_chunk, key_chunk) != (CHUNK, CHUNK):
+            raise ValueError(
+                "chunked impl=triton tiles by its own tile sizes: query_chunk and key_chunk size the "
+                "reference path (impl=reference)"
+            )
+        if impl == "triton":  # what the Triton path takes (the tests read these facts)
+            self.devices = frozenset({"cuda", "cpu"} if chunked_triton.interpreting() else {"cuda"})
+            self.dtypes = frozenset(chunked_triton.DTYPES)
         self.query_chunk = query_chunk
         self.key_chunk = key_chunk
         self.decode = decode
+        self.impl = impl
         self.decode_ran: str | None = None
         self.decode_note: str | None = None
+        self.impl_ran: str | None = None
+        self.impl_note: str | None = None  # why auto did not take the Triton path on CUDA
 
     def knobs(self) -> dict[str, object]:
-        return {"query_chunk": self.query_chunk, "key_chunk": self.key_chunk, "decode": self.decode}
+        return {
+            "query_chunk": self.query_chunk,
+            "key_chunk": self.key_chunk,
+            "decode": self.decode,
+            "impl": self.impl,
+        }
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
         d["decode_ran"] = self.decode_ran
         d["decode_note"] = self.decode_note
+        d["impl_ran"] = self.impl_ran
+        d["impl_note"] = self.impl_note
         return d
 
+    def _path(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+        """The path that runs (``auto`` resolved: Triton on CUDA where it takes the call, else the
+        reference, with ``impl_note`` saying why)."""
+        if self.impl != "auto" or not q.is_cuda:
+            return "reference" if self.impl == "auto" else self.impl
+        if (self.query_chunk, self.key_chunk) != (CHUNK, CHUNK):
+            self.impl_note = "query_chunk/key_chunk were set: they size the reference path, which ran"
+        else:
+            self.impl_note = chunked_triton.refusal(Workload.of(q, k, v))
+        return "reference" if self.impl_note else "triton"
+
     def check(self, w: Workload) -> None:
+        if self.impl == "triton" and (why := chunked_triton.refusal(w)):  # first: it says why
+            raise (Unavailable if chunked_triton.IMPORT_ERROR else Unsupported)(f"chunked impl=triton: {why}")
         super().check(w)
         if self.decode != "kernel":
             return
@@ -209,8 +246,8 @@ class ChunkedAttention(AttentionVariant):
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        self.decode_ran = self.decode_note = None
-        if self.decode != "torch" and q.shape[2] < k.shape[2]:
+        self.decode_ran = self.decode_note = self.impl_ran = self.impl_note = None
+        if self.decode != "torch" and self.impl != "triton" and q.shape[2] < k.shape[2]:
             w = Workload.of(
                 q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap
             )
@@ -219,9 +256,15 @@ class ChunkedAttention(AttentionVariant):
                 self.decode_ran = "kernel"
                 return decode_kernel.decode(q, k, v, causal=causal, scale=scale)  # (B, H, Nq, Dv)
             self.decode_ran, self.decode_note = "torch", why
+        am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
+        self.impl_ran = self._path(q, k, v)
+        if self.impl_ran == "triton":
+            return chunked_triton.attend(
+                q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4,
+                scale=scale, softcap=softcap,
+            )  # fmt: skip  # (B, H, Nq, Dv)
         h = q.shape[1]
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # (B, H, Nk, D|Dv): the PyTorch path's heads
-        am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
         return _ChunkedAttention.apply(
             q, k, v, key_padding_mask, am, bias4, causal, self.query_chunk, self.key_chunk, scale, softcap
         )  # (B, H, Nq, Dv)

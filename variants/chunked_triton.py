@@ -1,0 +1,679 @@
+"""``chunked``'s GPU path (``impl=triton``): its online softmax and block-recomputing backward as three
+Triton kernels, so that a call is three launches instead of a Python loop of small ones.
+
+- Forward: one program per (query tile, batch-head) walks the key tiles its rows can see (causal: up
+  to the diagonal) with the running max, sum and weighted sum in registers, in base 2, and writes the
+  output and each row's log2-sum-exp ``L``.
+- Backward (FlashAttention-2, Dao 2023): dK and dV by one program per (key tile, batch, K/V head),
+  over every query head of its group and every query tile that sees it; dQ by one program per (query
+  tile, batch-head) over its key tiles. Both recompute the probabilities as ``2^(S log2 e - L)``; each
+  output row has one writer, so there are no atomics.
+
+The masks are the PyTorch path's: causal aligned bottom-right, key padding ``(B, Nk)``, a boolean
+``attn_mask`` and a float ``bias`` broadcast to ``(B, H, Nq, Nk)``, read through their strides (a
+broadcast dimension has stride 0: nothing is expanded), soft-capping ``c tanh(s / c)`` before the bias.
+Grouped K/V heads are read in place. float16/bfloat16 dots run on tensor cores with float32
+accumulation; float32 dots in IEEE float32 (no TF32, as PyTorch's matmul by default). A row that sees
+no key outputs zeros (``L = +inf``, so its gradients are zero too).
+
+Time ``O(B H Nq Nk D)`` (causal: half), memory ``O(B H Nq)`` beyond the inputs and outputs.
+
+It runs on CUDA, and on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` before the
+import, or :func:`interpreting` set and this module reloaded), which the tests use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Workload
+
+try:
+    import triton
+    import triton.language as tl
+
+    IMPORT_ERROR: str | None = None
+except ImportError as exc:  # the PyTorch path stays; the record says why this one did not run
+    triton = tl = None
+    IMPORT_ERROR = f"Triton is not installed ({exc}); pip install triton"
+
+MAX_DIM = 256  # the largest head size the tiles take (padded to a power of two)
+PREC32 = "tf32x3"  # float32 dots: three TF32 products, float32 accuracy on tensor cores
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def refusal(w: Workload) -> str | None:
+    """Why the Triton path cannot take the call ``w`` (one line), or None. ``O(1)``."""
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
+    if w.device != "cuda" and not interpreting():
+        return f"the Triton kernels run on CUDA, not {w.device} (TRITON_INTERPRET=1 runs them on the CPU)"
+    if w.dtype not in DTYPES:
+        return (
+            f"the Triton kernels take float16, bfloat16 or float32, not {str(w.dtype).replace('torch.', '')}"
+        )
+    if max(w.head_dim, w.v_head_dim) > MAX_DIM:
+        return f"the Triton kernels take head sizes up to {MAX_DIM}, not {max(w.head_dim, w.v_head_dim)}"
+    return None
+
+
+#: ``(BLOCK_M, BLOCK_N, warps, stages)`` per kernel, 16-bit or float32 inputs and head sizes up to 64, 128
+#: or 256: of the tiles tried (M, N in 32, 64, 128), those compiled for sm_90 with the fewest spilled
+#: registers on a causal call, then the largest, within an sm_80's shared memory (Triton 3.9's ptxas;
+#: ``compile_for``). 16-bit at head size <= 128 spills nothing; float32 (three TF32 products a dot)
+#: spills at every size, and at 256 takes smaller tiles to fit.
+TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
+    ("fwd", 16, 64): (128, 64, 8, 3),
+    ("fwd", 16, 128): (128, 64, 8, 3),
+    ("fwd", 16, 256): (32, 32, 4, 3),
+    ("dkdv", 16, 64): (128, 64, 8, 2),
+    ("dkdv", 16, 128): (128, 64, 8, 2),
+    ("dkdv", 16, 256): (32, 32, 4, 2),
+    ("dq", 16, 64): (128, 64, 8, 2),
+    ("dq", 16, 128): (64, 64, 4, 2),
+    ("dq", 16, 256): (32, 32, 4, 2),
+    ("fwd", 32, 64): (32, 32, 4, 2),
+    ("fwd", 32, 128): (32, 32, 4, 2),
+    ("fwd", 32, 256): (32, 32, 4, 2),
+    ("dkdv", 32, 64): (32, 32, 4, 2),
+    ("dkdv", 32, 128): (64, 32, 4, 2),
+    ("dkdv", 32, 256): (32, 16, 4, 2),
+    ("dq", 32, 64): (32, 32, 4, 2),
+    ("dq", 32, 128): (32, 32, 4, 2),
+    ("dq", 32, 256): (16, 32, 4, 2),
+}
+
+
+def tile(kernel: str, d: int, dv: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, warps, stages)`` of ``kernel`` (``fwd``, ``dkdv``, ``dq``) for head sizes
+    ``d``, ``dv`` (:data:`TILES`; ``tests/test_chunked_triton.py`` compiles them for sm_80 and sm_90)."""
+    width = max(d, dv)
+    bucket = 64 if width <= 64 else 128 if width <= 128 else 256
+    return TILES[kernel, 32 if dtype == torch.float32 else 16, bucket]
+
+
+def _pad(n: int) -> int:
+    """The power of two (at least 16, a tensor-core dot's minimum) that holds ``n``."""
+    return max(16, triton.next_power_of_2(n))
+
+
+if triton is not None:
+    LOG2E = tl.constexpr(1.4426950408889634)
+
+    @triton.jit
+    def _scores(
+        q,
+        k,
+        offs_m,
+        offs_n,
+        b,
+        h,
+        nq,
+        nk,
+        qk_scale,
+        cap,
+        KPM,
+        kpm_b,
+        kpm_n,
+        AM,
+        am_b,
+        am_h,
+        am_m,
+        am_n,
+        BIAS,
+        bias_b,
+        bias_h,
+        bias_m,
+        bias_n,
+        CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr,
+        HAS_AM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_CAP: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """The scores of query rows ``offs_m`` against key rows ``offs_n`` ``(M, N)`` in base 2 (times
+        log2 e), -inf where masked, and the cap's slope ``1 - tanh^2`` (1.0 without a cap)."""
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (M, N), natural units
+        slope = 1.0
+        if HAS_CAP:  # tanh from exp(-2|x|): no overflow at any |x|
+            x = s / cap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            t = tl.where(x < 0, -t, t)
+            s = cap * t
+            slope = 1.0 - t * t
+        rows, cols = offs_m[:, None], offs_n[None, :]  # (M, 1), (1, N)
+        inside = (rows < nq) & (cols < nk)
+        if HAS_BIAS:
+            s += tl.load(
+                BIAS + b * bias_b + h * bias_h + rows * bias_m + cols * bias_n, mask=inside, other=0.0
+            ).to(tl.float32)
+        valid = cols < nk
+        if CAUSAL:  # query i is position i + nk - nq
+            valid = valid & (cols <= rows + (nk - nq))
+        if HAS_KPM:
+            valid = valid & (tl.load(KPM + b * kpm_b + cols * kpm_n, mask=cols < nk, other=0) != 0)
+        if HAS_AM:
+            valid = valid & (
+                tl.load(AM + b * am_b + h * am_h + rows * am_m + cols * am_n, mask=inside, other=0) != 0
+            )
+        return tl.where(valid, s * LOG2E, float("-inf")), slope
+
+    @triton.jit
+    def _fwd(
+        Q,
+        K,
+        V,
+        OUT,
+        L,
+        q_b,
+        q_h,
+        q_m,
+        q_d,
+        k_b,
+        k_h,
+        k_n,
+        k_d,
+        v_b,
+        v_h,
+        v_n,
+        v_d,
+        o_b,
+        o_h,
+        o_m,
+        o_d,
+        KPM,
+        kpm_b,
+        kpm_n,
+        AM,
+        am_b,
+        am_h,
+        am_m,
+        am_n,
+        BIAS,
+        bias_b,
+        bias_h,
+        bias_m,
+        bias_n,
+        nq,
+        nk,
+        heads,
+        group,
+        qk_scale,
+        cap,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr,
+        HAS_AM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_CAP: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """Output ``O (B, H, Nq, DV)`` and log2-sum-exp ``L (B H, Nq)`` of one query tile of one
+        batch-head."""
+        bh = tl.program_id(1)
+        b, h = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+        hk = h // group
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+        q = tl.load(
+            Q + b * q_b + h * q_h + offs_m[:, None] * q_m + offs_d[None, :] * q_d,
+            mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D),
+            other=0.0,
+        )  # (M, BLOCK_D)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # running sum of 2^(s - m) v
+        hi = nk
+        if CAUSAL:  # no key past the tile's last row
+            hi = tl.minimum(nk, (tl.program_id(0) + 1) * BLOCK_M + (nk - nq))
+        for start in range(0, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            k = tl.load(
+                K + b * k_b + hk * k_h + offs_n[:, None] * k_n + offs_d[None, :] * k_d,
+                mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D),
+                other=0.0,
+            )  # (N, BLOCK_D)
+            s, _ = _scores(
+                q, k, offs_m, offs_n, b, h, nq, nk, qk_scale, cap,
+                KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
+                CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
+            )  # fmt: skip
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: p = 0
+            p = tl.math.exp2(s - m_safe[:, None])  # (M, N)
+            alpha = tl.math.exp2(m_i - m_safe)  # rescales what was summed under the old max
+            v = tl.load(
+                V + b * v_b + hk * v_h + offs_n[:, None] * v_n + offs_dv[None, :] * v_d,
+                mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV),
+                other=0.0,
+            )  # (N, BLOCK_DV)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        seen = l_i > 0
+        l_i = tl.where(seen, l_i, 1.0)
+        out = acc / l_i[:, None]  # a row that sees nothing: 0 / 1 = 0
+        rows = offs_m < nq
+        tl.store(
+            OUT + b * o_b + h * o_h + offs_m[:, None] * o_m + offs_dv[None, :] * o_d,
+            out.to(OUT.dtype.element_ty),
+            mask=rows[:, None] & (offs_dv[None, :] < DV),
+        )
+        # a row that sees nothing gets L = +inf: 2^(S - L) = 0 in the backward
+        tl.store(L + bh * nq + offs_m, tl.where(seen, m_i + tl.math.log2(l_i), float("inf")), mask=rows)
+
+    @triton.jit
+    def _bwd_dkdv(
+        Q,
+        K,
+        V,
+        DO,
+        L,
+        DELTA,
+        DK,
+        DV_,
+        q_b,
+        q_h,
+        q_m,
+        q_d,
+        k_b,
+        k_h,
+        k_n,
+        k_d,
+        v_b,
+        v_h,
+        v_n,
+        v_d,
+        do_b,
+        do_h,
+        do_m,
+        do_d,
+        KPM,
+        kpm_b,
+        kpm_n,
+        AM,
+        am_b,
+        am_h,
+        am_m,
+        am_n,
+        BIAS,
+        bias_b,
+        bias_h,
+        bias_m,
+        bias_n,
+        nq,
+        nk,
+        heads,
+        group,
+        qk_scale,
+        cap,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr,
+        HAS_AM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_CAP: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """dK ``(B, Hkv, Nk, D)`` and dV ``(B, Hkv, Nk, DV)`` of one key tile of one batch and K/V head,
+        summed over the query heads of its group (``DK``/``DV_`` contiguous)."""
+        bhk = tl.program_id(1)
+        kv_heads = heads // group
+        b, hk = (bhk // kv_heads).to(tl.int64), (bhk % kv_heads).to(tl.int64)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+        keys = offs_n[:, None] < nk
+        k = tl.load(
+            K + b * k_b + hk * k_h + offs_n[:, None] * k_n + offs_d[None, :] * k_d,
+            mask=keys & (offs_d[None, :] < D),
+            other=0.0,
+        )  # (N, BLOCK_D)
+        v = tl.load(
+            V + b * v_b + hk * v_h + offs_n[:, None] * v_n + offs_dv[None, :] * v_d,
+            mask=keys & (offs_dv[None, :] < DV),
+            other=0.0,
+        )  # (N, BLOCK_DV)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        lo = 0
+        if CAUSAL:  # no query tile wholly before this key tile's first key
+            lo = tl.maximum(0, tl.program_id(0) * BLOCK_N - (nk - nq)) // BLOCK_M * BLOCK_M
+        for g in range(0, group):
+            h = hk * group + g
+            for start in range(lo, nq, BLOCK_M):
+                offs_m = start + tl.arange(0, BLOCK_M)
+                rows = offs_m < nq
+                q = tl.load(
+                    Q + b * q_b + h * q_h + offs_m[:, None] * q_m + offs_d[None, :] * q_d,
+                    mask=rows[:, None] & (offs_d[None, :] < D),
+                    other=0.0,
+                )  # (M, BLOCK_D)
+                do = tl.load(
+                    DO + b * do_b + h * do_h + offs_m[:, None] * do_m + offs_dv[None, :] * do_d,
+                    mask=rows[:, None] & (offs_dv[None, :] < DV),
+                    other=0.0,
+                )  # (M, BLOCK_DV)
+                lse = tl.load(L + (b * heads + h) * nq + offs_m, mask=rows, other=float("inf"))
+                delta = tl.load(DELTA + (b * heads + h) * nq + offs_m, mask=rows, other=0.0)
+                s, slope = _scores(
+                    q, k, offs_m, offs_n, b, h, nq, nk, qk_scale, cap,
+                    KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
+                    CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
+                )  # fmt: skip
+                p = tl.math.exp2(s - lse[:, None])  # (M, N)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+                dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # (M, N)
+                ds = p * (dp - delta[:, None]) * slope  # dS = P (dP - rowsum(dO O)), through the cap
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        base_k = bhk.to(tl.int64) * nk * BLOCK_D
+        tl.store(
+            DK + base_k + offs_n[:, None] * BLOCK_D + offs_d[None, :],
+            (dk * qk_scale).to(DK.dtype.element_ty),
+            mask=keys,
+        )
+        base_v = bhk.to(tl.int64) * nk * BLOCK_DV
+        tl.store(
+            DV_ + base_v + offs_n[:, None] * BLOCK_DV + offs_dv[None, :],
+            dv.to(DV_.dtype.element_ty),
+            mask=keys,
+        )
+
+    @triton.jit
+    def _bwd_dq(
+        Q,
+        K,
+        V,
+        DO,
+        L,
+        DELTA,
+        DQ,
+        q_b,
+        q_h,
+        q_m,
+        q_d,
+        k_b,
+        k_h,
+        k_n,
+        k_d,
+        v_b,
+        v_h,
+        v_n,
+        v_d,
+        do_b,
+        do_h,
+        do_m,
+        do_d,
+        KPM,
+        kpm_b,
+        kpm_n,
+        AM,
+        am_b,
+        am_h,
+        am_m,
+        am_n,
+        BIAS,
+        bias_b,
+        bias_h,
+        bias_m,
+        bias_n,
+        nq,
+        nk,
+        heads,
+        group,
+        qk_scale,
+        cap,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr,
+        HAS_AM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_CAP: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """dQ ``(B, H, Nq, D)`` (``DQ`` contiguous, head size padded to ``BLOCK_D``) of one query tile of
+        one batch-head."""
+        bh = tl.program_id(1)
+        b, h = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+        hk = h // group
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+        rows = offs_m < nq
+        q = tl.load(
+            Q + b * q_b + h * q_h + offs_m[:, None] * q_m + offs_d[None, :] * q_d,
+            mask=rows[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )  # (M, BLOCK_D)
+        do = tl.load(
+            DO + b * do_b + h * do_h + offs_m[:, None] * do_m + offs_dv[None, :] * do_d,
+            mask=rows[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )  # (M, BLOCK_DV)
+        lse = tl.load(L + bh * nq + offs_m, mask=rows, other=float("inf"))
+        delta = tl.load(DELTA + bh * nq + offs_m, mask=rows, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = nk
+        if CAUSAL:
+            hi = tl.minimum(nk, (tl.program_id(0) + 1) * BLOCK_M + (nk - nq))
+        for start in range(0, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            keys = offs_n[:, None] < nk
+            k = tl.load(
+                K + b * k_b + hk * k_h + offs_n[:, None] * k_n + offs_d[None, :] * k_d,
+                mask=keys & (offs_d[None, :] < D),
+                other=0.0,
+            )  # (N, BLOCK_D)
+            v = tl.load(
+                V + b * v_b + hk * v_h + offs_n[:, None] * v_n + offs_dv[None, :] * v_d,
+                mask=keys & (offs_dv[None, :] < DV),
+                other=0.0,
+            )  # (N, BLOCK_DV)
+            s, slope = _scores(
+                q, k, offs_m, offs_n, b, h, nq, nk, qk_scale, cap,
+                KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
+                CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
+            )  # fmt: skip
+            p = tl.math.exp2(s - lse[:, None])  # (M, N)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None]) * slope
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        base = bh.to(tl.int64) * nq * BLOCK_D
+        tl.store(
+            DQ + base + offs_m[:, None] * BLOCK_D + offs_d[None, :],
+            (dq * qk_scale).to(DQ.dtype.element_ty),
+            mask=rows[:, None],
+        )
+
+
+def _mask_args(
+    kpm: torch.Tensor | None, am: torch.Tensor | None, bias: torch.Tensor | None, ref: torch.Tensor
+) -> tuple[Any, ...]:
+    """The masks' pointers and strides as the kernels take them: ``kpm (B, Nk)``, ``am`` and ``bias``
+    as 4-D views ``(B|1, H|1, Nq|1, Nk)`` (stride 0 on a broadcast dimension); ``ref`` stands in for
+    an absent one (never read: its flag is off)."""
+    args: list[Any] = []
+    kpm = None if kpm is None else kpm.view(torch.uint8)  # bool read as bytes, no copy
+    args += [ref, 0, 0] if kpm is None else [kpm, *kpm.stride()]
+    for t, is_mask in ((am, True), (bias, False)):
+        if t is None:
+            args += [ref, 0, 0, 0, 0]
+            continue
+        t = t.view(torch.uint8) if is_mask else t
+        st = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride(), strict=True)]
+        args += [t, *st]
+    return tuple(args)
+
+
+Launch = tuple[Any, tuple[int, int], tuple[Any, ...], dict[str, Any]]  # kernel, grid, args, keywords
+
+
+def _common(q, k, v, kpm, am, bias, causal: bool, scale: float, cap) -> tuple[tuple[Any, ...], dict]:
+    """The arguments every kernel takes after its tensors: masks, sizes, scale and cap; and the
+    keywords (head sizes, flags) but the tiles."""
+    b, h, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    args = (*_mask_args(kpm, am, bias, q), nq, nk, h, h // hkv, scale, 1.0 if cap is None else float(cap))
+    meta = {
+        "D": d,
+        "DV": dv,
+        "BLOCK_D": _pad(d),
+        "BLOCK_DV": _pad(dv),
+        "CAUSAL": causal,
+        "HAS_KPM": kpm is not None,
+        "HAS_AM": am is not None,
+        "HAS_BIAS": bias is not None,
+        "HAS_CAP": cap is not None,
+        "PREC": PREC32 if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
+    }
+    return args, meta
+
+
+def _tiled(kernel: str, q: torch.Tensor, v: torch.Tensor, meta: dict) -> dict:
+    """``meta`` with ``kernel``'s tile and launch shape (:func:`tile`)."""
+    m, n, warps, stages = tile(kernel, q.shape[-1], v.shape[-1], q.dtype)
+    return {**meta, "BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
+
+
+def forward_launch(q, k, v, out, lse, kpm, am, bias, causal: bool, scale: float, cap) -> Launch:
+    """The forward kernel's launch: ``out (B, H, Nq, Dv)`` and ``lse (B H, Nq)`` float32 are written."""
+    args, meta = _common(q, k, v, kpm, am, bias, causal, scale, cap)
+    meta = _tiled("fwd", q, v, meta)
+    grid = (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[0] * q.shape[1])
+    tensors = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride())
+    return _fwd, grid, (*tensors, *args), meta
+
+
+def backward_launches(
+    q, k, v, grad_out, lse, delta, dq, dk, dv, kpm, am, bias, causal: bool, scale: float, cap
+) -> list[Launch]:
+    """The backward kernels' launches: float32 ``dq (B, H, Nq, BLOCK_D)``, ``dk (B, Hkv, Nk, BLOCK_D)``
+    and ``dv (B, Hkv, Nk, BLOCK_DV)``, contiguous, are written."""
+    args, meta = _common(q, k, v, kpm, am, bias, causal, scale, cap)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
+    b, h, nq = q.shape[:3]
+    hkv, nk = k.shape[1], k.shape[2]
+    dkdv, dq_ = _tiled("dkdv", q, v, meta), _tiled("dq", q, v, meta)
+    return [
+        (
+            _bwd_dkdv,
+            (triton.cdiv(nk, dkdv["BLOCK_N"]), b * hkv),
+            (q, k, v, grad_out, lse, delta, dk, dv, *strides, *args),
+            dkdv,
+        ),
+        (
+            _bwd_dq,
+            (triton.cdiv(nq, dq_["BLOCK_M"]), b * h),
+            (q, k, v, grad_out, lse, delta, dq, *strides, *args),
+            dq_,
+        ),
+    ]
+
+
+def _run(launch: Launch) -> None:
+    kernel, grid, args, meta = launch
+    kernel[grid](*args, **meta)
+
+
+def compile_for(launch: Launch, arch: int) -> dict[str, int]:
+    """Compile ``launch``'s kernel for an NVIDIA GPU of compute capability ``arch`` (80: A100, 90:
+    H100/H200) on this machine, GPU or not, with Triton's own ``ptxas``: its ``shared`` memory in bytes,
+    its registers per thread ``regs`` and its ``stack`` bytes (above 0: registers spilled)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    kernel, _, args, meta = launch
+    consts = {n: v for n, v in meta.items() if n not in ("num_warps", "num_stages")}
+    names = [n for n in kernel.arg_names if n not in consts]
+    signature = {n: mangle_type(a) for n, a in zip(names, args, strict=True)} | dict.fromkeys(
+        consts, "constexpr"
+    )
+    source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+    options = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
+    built = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(built.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True)
+    fields = dict(
+        part.split(":", 1) for part in usage.stdout.split("Function", 1)[1].split()[1:] if ":" in part
+    )
+    return {"shared": built.metadata.shared, "regs": int(fields["REG"]), "stack": int(fields["STACK"])}
+
+
+class _TritonChunked(torch.autograd.Function):
+    """``softmax(q k^T scale, masked) v`` by the kernels above, with their backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, kpm, am, bias, causal: bool, scale: float, cap):
+        b, h, nq, _ = q.shape
+        out = torch.empty(b, h, nq, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(b * h, nq, dtype=torch.float32, device=q.device)  # log2-sum-exp per row
+        _run(forward_launch(q, k, v, out, lse, kpm, am, bias, causal, scale, cap))
+        ctx.save_for_backward(q, k, v, out, lse, kpm, am, bias)
+        ctx.cfg = (causal, scale, cap)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        q, k, v, out, lse, kpm, am, bias = ctx.saved_tensors
+        causal, scale, cap = ctx.cfg
+        b, h, nq, d = q.shape
+        hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+        delta = (grad_out.float() * out.float()).sum(-1).reshape(b * h, nq)  # rowsum(dO O) = rowsum(P dP)
+        # float32 gradients, the head size padded to the tile: the kernels store whole rows
+        dq = torch.empty(b, h, nq, _pad(d), dtype=torch.float32, device=q.device)
+        dk = torch.empty(b, hkv, nk, _pad(d), dtype=torch.float32, device=q.device)
+        dvv = torch.empty(b, hkv, nk, _pad(dv), dtype=torch.float32, device=q.device)
+        for launch in backward_launches(
+            q, k, v, grad_out, lse, delta, dq, dk, dvv, kpm, am, bias, causal, scale, cap
+        ):
+            _run(launch)
+        dq, dk, dvv = dq[..., :d], dk[..., :d], dvv[..., :dv]  # (B, H|Hkv, N, D|Dv): the padding dropped
+        return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None, None, None, None, None
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``q (B, H, Nq, D)`` against ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (``H % Hkv == 0``);
+    ``attn_mask`` and ``bias`` as 4-D views ``(B|1, H|1, Nq|1, Nk)``. Returns ``(B, H, Nq, Dv)`` in
+    ``q``'s dtype. Call :func:`refusal` first."""
+    return _TritonChunked.apply(q, k, v, key_padding_mask, attn_mask, bias, causal, scale, softcap)
