@@ -2,7 +2,8 @@
 # The GPU checks of the open issues in one lease (a lent GPU machine runs this from the repo root;
 # results come back under $OUT). Each step has its own time limit, so one that overruns costs only
 # itself; the records so far are packed into $OUT/gpu.tar.gz after every step.
-#   OUT=/tmp/out bash scripts/device_checks.sh
+#   OUT=/tmp/out bash scripts/device_checks.sh           (issue 34's checks, then pytest -m cuda)
+#   OUT=/tmp/out PART=37 bash scripts/device_checks.sh   (issue 37's xFormers runs: a second call)
 # Wheels of what the GPU image lacks (hydra-core, omegaconf, antlr4, xformers) are read from .whl/.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -23,13 +24,20 @@ step() {  # step NAME SECONDS COMMAND...: its output in $W/NAME.log, its exit st
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$W/gpu.txt"
 python3 -c "import torch, triton, xformers; print('torch', torch.__version__, 'triton', triton.__version__, 'xformers', xformers.__version__)" 2>&1 | grep -v WARN | tee -a "$W/gpu.txt"
 R=$W/records
+if [ "${PART:-34}" = 34 ]; then
+# issue 34: chunked's Triton path (auto takes it on CUDA) beside dense sdpa, N=1k-16k, both dtypes and modes
+step chunked_triton 120 python3 run.py -m experiment=gpu variant=chunked,sdpa min_run_time=0.2 isolate=false records_dir=$R/chunked_triton
+step chunked_triton_large 45 python3 run.py -m experiment=gpu variant=chunked,sdpa batch=4 heads=16 head_dim=128 seq_len=16384 dtype=bfloat16 mode=fwd_bwd min_run_time=0.2 isolate=false records_dir=$R/chunked_triton_large
+step patterns_small 80 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --json $W/patterns_small.json
+step patterns_large 40 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --json $W/patterns_large.json
+step pytest_cuda $((560 - SECONDS)) python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
+grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40
+tail -n 5 "$W/pytest_cuda.log"
+else
+# issue 37's xFormers runs
 step xformers_gpu 110 python3 run.py -m experiment=gpu_xformers variant.lift_gate=true min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers
 step sdpa_gpu 45 python3 run.py -m experiment=gpu variant=sdpa min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers
 step decode 70 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_cuda
 step decode_splitk 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=xformers variant.op=triton_splitk,auto variant.lift_gate=true seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_cuda
-step patterns_small 100 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --json $W/patterns_small.json
-step patterns_large 45 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --json $W/patterns_large.json
-step pytest_cuda $((480 - SECONDS)) python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
-grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40
-tail -n 5 "$W/pytest_cuda.log"
+fi
 cat "$W/summary.txt"
