@@ -594,7 +594,12 @@ def backward_launches(
 
 def _run(launch: Launch) -> None:
     kernel, grid, args, meta = launch
-    kernel[grid](*args, **meta)
+    q = args[0]
+    if q.is_cuda:  # Triton launches on the current device: make it q's (cuda:1 from a cuda:0 process)
+        with torch.cuda.device(q.device):
+            kernel[grid](*args, **meta)
+    else:  # the interpreter
+        kernel[grid](*args, **meta)
 
 
 def compile_for(launch: Launch, arch: int) -> dict[str, int]:
