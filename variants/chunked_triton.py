@@ -13,13 +13,15 @@ The masks are the PyTorch path's: causal aligned bottom-right, key padding ``(B,
 ``attn_mask`` and a float ``bias`` broadcast to ``(B, H, Nq, Nk)``, read through their strides (a
 broadcast dimension has stride 0: nothing is expanded), soft-capping ``c tanh(s / c)`` before the bias.
 Grouped K/V heads are read in place. float16/bfloat16 dots run on tensor cores with float32
-accumulation; float32 dots in IEEE float32 (no TF32, as PyTorch's matmul by default). A row that sees
-no key outputs zeros (``L = +inf``, so its gradients are zero too).
+accumulation; float32 dots as three TF32 products (``tf32x3``: float32's accuracy on tensor cores,
+where one TF32 product would lose it, which PyTorch's matmul by default does not either). A row that
+sees no key outputs zeros (``L = +inf``, so its gradients are zero too).
 
 Time ``O(B H Nq Nk D)`` (causal: half), memory ``O(B H Nq)`` beyond the inputs and outputs.
 
-It runs on CUDA, and on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` before the
-import, or :func:`interpreting` set and this module reloaded), which the tests use.
+It runs on CUDA, and on the CPU only under Triton's interpreter, which the tests use
+(``TRITON_INTERPRET=1`` before Triton is imported: it reads it then, its own library functions being
+kernels too).
 """
 
 from __future__ import annotations
@@ -107,38 +109,15 @@ def _pad(n: int) -> int:
 if triton is not None:
     LOG2E = tl.constexpr(1.4426950408889634)
 
+    # fmt: off
     @triton.jit
     def _scores(
-        q,
-        k,
-        offs_m,
-        offs_n,
-        b,
-        h,
-        nq,
-        nk,
-        qk_scale,
-        cap,
-        KPM,
-        kpm_b,
-        kpm_n,
-        AM,
-        am_b,
-        am_h,
-        am_m,
-        am_n,
-        BIAS,
-        bias_b,
-        bias_h,
-        bias_m,
-        bias_n,
-        CAUSAL: tl.constexpr,
-        HAS_KPM: tl.constexpr,
-        HAS_AM: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_CAP: tl.constexpr,
-        PREC: tl.constexpr,
+        q, k, offs_m, offs_n, b, h, nq, nk, qk_scale, cap,
+        KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
+        CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_CAP: tl.constexpr, PREC: tl.constexpr,
     ):
+    # fmt: on
         """The scores of query rows ``offs_m`` against key rows ``offs_n`` ``(M, N)`` in base 2 (times
         log2 e), -inf where masked, and the cap's slope ``1 - tanh^2`` (1.0 without a cap)."""
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (M, N), natural units
@@ -167,61 +146,20 @@ if triton is not None:
             )
         return tl.where(valid, s * LOG2E, float("-inf")), slope
 
+    # fmt: off
     @triton.jit
     def _fwd(
-        Q,
-        K,
-        V,
-        OUT,
-        L,
-        q_b,
-        q_h,
-        q_m,
-        q_d,
-        k_b,
-        k_h,
-        k_n,
-        k_d,
-        v_b,
-        v_h,
-        v_n,
-        v_d,
-        o_b,
-        o_h,
-        o_m,
-        o_d,
-        KPM,
-        kpm_b,
-        kpm_n,
-        AM,
-        am_b,
-        am_h,
-        am_m,
-        am_n,
-        BIAS,
-        bias_b,
-        bias_h,
-        bias_m,
-        bias_n,
-        nq,
-        nk,
-        heads,
-        group,
-        qk_scale,
-        cap,
-        D: tl.constexpr,
-        DV: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr,
-        HAS_KPM: tl.constexpr,
-        HAS_AM: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_CAP: tl.constexpr,
-        PREC: tl.constexpr,
+        Q, K, V, OUT, L,
+        q_b, q_h, q_m, q_d, k_b, k_h, k_n, k_d, v_b, v_h, v_n, v_d,
+        o_b, o_h, o_m, o_d,
+        KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
+        nq, nk, heads, group, qk_scale, cap,
+        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_CAP: tl.constexpr, PREC: tl.constexpr,
     ):
+    # fmt: on
         """Output ``O (B, H, Nq, DV)`` and log2-sum-exp ``L (B H, Nq)`` of one query tile of one
         batch-head."""
         bh = tl.program_id(1)
@@ -276,64 +214,20 @@ if triton is not None:
         # a row that sees nothing gets L = +inf: 2^(S - L) = 0 in the backward
         tl.store(L + bh * nq + offs_m, tl.where(seen, m_i + tl.math.log2(l_i), float("inf")), mask=rows)
 
+    # fmt: off
     @triton.jit
     def _bwd_dkdv(
-        Q,
-        K,
-        V,
-        DO,
-        L,
-        DELTA,
-        DK,
-        DV_,
-        q_b,
-        q_h,
-        q_m,
-        q_d,
-        k_b,
-        k_h,
-        k_n,
-        k_d,
-        v_b,
-        v_h,
-        v_n,
-        v_d,
-        do_b,
-        do_h,
-        do_m,
-        do_d,
-        KPM,
-        kpm_b,
-        kpm_n,
-        AM,
-        am_b,
-        am_h,
-        am_m,
-        am_n,
-        BIAS,
-        bias_b,
-        bias_h,
-        bias_m,
-        bias_n,
-        nq,
-        nk,
-        heads,
-        group,
-        qk_scale,
-        cap,
-        D: tl.constexpr,
-        DV: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr,
-        HAS_KPM: tl.constexpr,
-        HAS_AM: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_CAP: tl.constexpr,
-        PREC: tl.constexpr,
+        Q, K, V, DO, L, DELTA, DK, DV_,
+        q_b, q_h, q_m, q_d, k_b, k_h, k_n, k_d, v_b, v_h, v_n, v_d,
+        do_b, do_h, do_m, do_d,
+        KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
+        nq, nk, heads, group, qk_scale, cap,
+        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_CAP: tl.constexpr, PREC: tl.constexpr,
     ):
+    # fmt: on
         """dK ``(B, Hkv, Nk, D)`` and dV ``(B, Hkv, Nk, DV)`` of one key tile of one batch and K/V head,
         summed over the query heads of its group (``DK``/``DV_`` contiguous)."""
         bhk = tl.program_id(1)
@@ -397,63 +291,20 @@ if triton is not None:
             mask=keys,
         )
 
+    # fmt: off
     @triton.jit
     def _bwd_dq(
-        Q,
-        K,
-        V,
-        DO,
-        L,
-        DELTA,
-        DQ,
-        q_b,
-        q_h,
-        q_m,
-        q_d,
-        k_b,
-        k_h,
-        k_n,
-        k_d,
-        v_b,
-        v_h,
-        v_n,
-        v_d,
-        do_b,
-        do_h,
-        do_m,
-        do_d,
-        KPM,
-        kpm_b,
-        kpm_n,
-        AM,
-        am_b,
-        am_h,
-        am_m,
-        am_n,
-        BIAS,
-        bias_b,
-        bias_h,
-        bias_m,
-        bias_n,
-        nq,
-        nk,
-        heads,
-        group,
-        qk_scale,
-        cap,
-        D: tl.constexpr,
-        DV: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr,
-        HAS_KPM: tl.constexpr,
-        HAS_AM: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_CAP: tl.constexpr,
-        PREC: tl.constexpr,
+        Q, K, V, DO, L, DELTA, DQ,
+        q_b, q_h, q_m, q_d, k_b, k_h, k_n, k_d, v_b, v_h, v_n, v_d,
+        do_b, do_h, do_m, do_d,
+        KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
+        nq, nk, heads, group, qk_scale, cap,
+        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_CAP: tl.constexpr, PREC: tl.constexpr,
     ):
+    # fmt: on
         """dQ ``(B, H, Nq, D)`` (``DQ`` contiguous, head size padded to ``BLOCK_D``) of one query tile of
         one batch-head."""
         bh = tl.program_id(1)
