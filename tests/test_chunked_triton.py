@@ -109,15 +109,20 @@ def test_a_row_that_sees_nothing_is_zero_with_zero_gradients():
 
 @interpreted
 def test_float16_error_within_2x_sdpa_math():
-    """float16 only: Triton's interpreter (3.9) multiplies bfloat16 tiles wrongly (its numpy has no
-    bfloat16; a 16x16 product came out 3e10 off). bfloat16 is tested on a GPU by the registry tests."""
-    dtype = torch.float16
-    case = Case("lp", b=1, h=2, nq=100, nk=100, d=32, dv=32, causal=True, padding=True)
+    """Output and gradients. float16 only: Triton's interpreter (3.9) multiplies bfloat16 tiles wrongly
+    (its numpy has no bfloat16; a 16x16 product came out 3e10 off). bfloat16 is tested on a GPU by the
+    registry tests."""
+    case = Case("lp", b=1, h=4, hkv=2, nq=100, nk=100, d=32, dv=32, causal=True, padding=True)
     attn = build("chunked", {"impl": "triton"}, case)
-    q, k, v, kw = make_inputs(case, dtype=dtype)
-    err = rel_err(attn(q, k, v, **kw), oracle(attn, q, k, v, **kw))
-    math_err = rel_err(variants.build("sdpa", backend="math")(q, k, v, **kw), oracle(attn, q, k, v, **kw))
-    assert err <= max(2 * math_err, torch.finfo(dtype).eps)
+    math = variants.build("sdpa", backend="math")  # the same dtype's plain kernel sets the bar
+    q, k, v, kw = make_inputs(case, dtype=torch.float16, requires_grad=True)
+    want = oracle(attn, q, k, v, **kw)
+    ours, theirs = attn(q, k, v, **kw), math(q, k, v, **kw)
+    floor = torch.finfo(torch.float16).eps
+    assert rel_err(ours, want) <= max(2 * rel_err(theirs, want), floor)
+    exact = _grads(want, (q, k, v))
+    for got, bar, exp in zip(_grads(ours, (q, k, v)), _grads(theirs, (q, k, v)), exact, strict=True):
+        assert rel_err(got, exp) <= max(2 * rel_err(bar, exp), floor)
 
 
 def test_what_the_triton_path_cannot_take_is_one_line():
@@ -135,6 +140,33 @@ def test_what_the_triton_path_cannot_take_is_one_line():
         variants.build("chunked", impl="triton", query_chunk=64)
     with pytest.raises(ValueError, match="impl must be one of auto, reference, triton"):
         variants.build("chunked", impl="cuda")
+    with pytest.raises(ValueError, match="decode=kernel is the CPU's decode kernel"):
+        variants.build("chunked", impl="triton", decode="kernel")
+
+
+def test_kernels_that_do_not_build_fall_back_under_auto_and_are_unavailable_when_forced(monkeypatch):
+    """A Triton other than the one the tiles were sized with may not fit them on a card: ``auto`` then
+    runs the reference and says why; ``impl=triton`` is ``unavailable`` with the same reason."""
+    from variants import Unavailable, chunked
+
+    def no_build(*args, **kwargs):
+        raise ct.BUILD_ERRORS[-1](232448, 262144, "shared memory")  # OutOfResources(required, limit, name)
+
+    monkeypatch.setattr(ct, "attend", no_build)
+    monkeypatch.setattr(ct, "refusal", lambda w: None)  # the CPU stands in for a GPU here
+    monkeypatch.setattr(ct, "interpreting", lambda: True)
+    monkeypatch.setattr(
+        chunked.ChunkedAttention, "_path", lambda self, q, k, v: self.impl.replace("auto", "triton")
+    )
+    case = Case("causal", causal=True)
+    q, k, v, kw = make_inputs(case)
+    attn = build("chunked", {}, case)
+    out = attn(q, k, v, **kw)
+    assert attn.describe()["impl_ran"] == "reference"
+    assert "did not build for this GPU" in attn.describe()["impl_note"]
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+    with pytest.raises(Unavailable, match="chunked impl=triton: the Triton kernels did not build"):
+        build("chunked", {"impl": "triton"}, case)(q, k, v, **kw)
 
 
 def test_auto_runs_the_reference_on_the_cpu_and_says_nothing():

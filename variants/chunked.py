@@ -14,6 +14,12 @@ Time ``O(B H Nq Nk D)`` (backward about 2.5x forward: it recomputes ``S``); memo
 fused kernels do. A float ``bias`` is added block by block (no gradient for it); causal with
 ``Nq < Nk`` is aligned bottom-right.
 
+On CUDA (``impl=auto`` or ``triton``) the same algorithm runs as three Triton kernels of the suite's
+own (:mod:`variants.chunked_triton`: forward, dK/dV per key tile, dQ per query tile), with every mask,
+bias, soft cap and grouped K/V heads read in place; ``impl=reference`` keeps the loop above. The
+record's ``impl_ran`` says which ran and ``impl_note`` why ``auto`` did not take the kernels (a dtype or
+head size they refuse, chunk sizes set by hand, or kernels that did not build for the GPU).
+
 Decoding (fewer queries than keys, float32 on the CPU, no gradient, causal masking only): with
 ``decode=auto`` (default) the same online softmax runs as a split-K C kernel
 (:mod:`variants.decode_kernel`: the keys of each K/V head split across threads, merged by
@@ -193,6 +199,8 @@ class ChunkedAttention(AttentionVariant):
                 "chunked impl=triton tiles by its own tile sizes: query_chunk and key_chunk size the "
                 "reference path (impl=reference)"
             )
+        if impl == "triton" and decode == "kernel":
+            raise ValueError("chunked decode=kernel is the CPU's decode kernel, which impl=triton never runs")
         if impl == "triton":  # what the Triton path takes (the tests read these facts)
             self.devices = frozenset({"cuda", "cpu"} if chunked_triton.interpreting() else {"cuda"})
             self.dtypes = frozenset(chunked_triton.DTYPES)
@@ -247,22 +255,29 @@ class ChunkedAttention(AttentionVariant):
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         self.decode_ran = self.decode_note = self.impl_ran = self.impl_note = None
-        if self.decode != "torch" and self.impl != "triton" and q.shape[2] < k.shape[2]:
+        am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
+        self.impl_ran = self._path(q, k, v)
+        if self.impl_ran == "triton":
+            try:
+                return chunked_triton.attend(
+                    q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4,
+                    scale=scale, softcap=softcap,
+                )  # fmt: skip  # (B, H, Nq, Dv)
+            except chunked_triton.BUILD_ERRORS as exc:
+                first = (str(exc).splitlines() or [repr(exc)])[0]
+                why = f"the Triton kernels did not build for this GPU: {first}"
+                if self.impl == "triton":
+                    raise Unavailable(f"chunked impl=triton: {why}") from None
+                self.impl_ran, self.impl_note = "reference", why
+        if self.decode != "torch" and q.shape[2] < k.shape[2]:
             w = Workload.of(
                 q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap
             )
             why = decode_kernel.unusable(w)
             if why is None:
-                self.decode_ran = "kernel"
+                self.decode_ran, self.impl_ran = "kernel", None
                 return decode_kernel.decode(q, k, v, causal=causal, scale=scale)  # (B, H, Nq, Dv)
             self.decode_ran, self.decode_note = "torch", why
-        am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
-        self.impl_ran = self._path(q, k, v)
-        if self.impl_ran == "triton":
-            return chunked_triton.attend(
-                q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4,
-                scale=scale, softcap=softcap,
-            )  # fmt: skip  # (B, H, Nq, Dv)
         h = q.shape[1]
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # (B, H, Nk, D|Dv): the PyTorch path's heads
         return _ChunkedAttention.apply(

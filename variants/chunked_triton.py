@@ -29,17 +29,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .base import Workload
 
 try:
     import triton
     import triton.language as tl
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
 
     IMPORT_ERROR: str | None = None
-except ImportError as exc:  # the PyTorch path stays; the record says why this one did not run
+    #: what a kernel that does not build for this GPU raises (a Triton other than the one the tiles were
+    #: sized with may need more shared memory than the card has): ``auto`` then runs the PyTorch path
+    BUILD_ERRORS: tuple[type[Exception], ...] = (CompilationError, OutOfResources)
+except Exception as exc:  # not installed, or broken: the PyTorch path stays, the record says why
     triton = tl = None
-    IMPORT_ERROR = f"Triton is not installed ({exc}); pip install triton"
+    IMPORT_ERROR = f"Triton could not be imported ({type(exc).__name__}: {exc}); pip install triton"
+    BUILD_ERRORS = ()
 
 MAX_DIM = 256  # the largest head size the tiles take (padded to a power of two)
 PREC32 = "tf32x3"  # float32 dots: three TF32 products, float32 accuracy on tensor cores
@@ -63,6 +70,8 @@ def refusal(w: Workload) -> str | None:
         )
     if max(w.head_dim, w.v_head_dim) > MAX_DIM:
         return f"the Triton kernels take head sizes up to {MAX_DIM}, not {max(w.head_dim, w.v_head_dim)}"
+    if max(w.nq, w.nk) * max(w.head_dim, w.v_head_dim) >= 2**31:
+        return "the Triton kernels index one batch-head's rows in 32 bits: N x D must stay below 2^31"
     return None
 
 
@@ -109,17 +118,28 @@ def _pad(n: int) -> int:
 if triton is not None:
     LOG2E = tl.constexpr(1.4426950408889634)
 
+    @triton.jit
+    def _at(P, base, r0, r_stride, rr, c_stride, cc):
+        """Pointers ``(R, C)`` to rows ``r0 + rr`` and columns ``cc`` of the matrix at ``P + base``: the
+        tile's start in 64 bits (a mask's ``Nq x Nk`` passes 2^31 from N = 46341 on), the offsets within
+        it in 32. Only where the offsets are not reused across a loop: the compiler keeps reused ones in
+        registers (q, k and v read this way spilled at head size 128), so those index a batch-head's
+        rows in 32 bits (:func:`_within_32_bits`)."""
+        start = base + tl.cast(r0, tl.int64) * r_stride
+        return P + start + rr[:, None] * r_stride + cc[None, :] * c_stride
+
     # fmt: off
     @triton.jit
     def _scores(
-        q, k, offs_m, offs_n, b, h, nq, nk, qk_scale, cap,
+        q, k, m0, n0, b, h, nq, nk, qk_scale, cap,
         KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_CAP: tl.constexpr, PREC: tl.constexpr,
     ):
     # fmt: on
-        """The scores of query rows ``offs_m`` against key rows ``offs_n`` ``(M, N)`` in base 2 (times
-        log2 e), -inf where masked, and the cap's slope ``1 - tanh^2`` (1.0 without a cap)."""
+        """The scores ``(M, N)`` of the query rows from ``m0`` against the key rows from ``n0``, in base 2
+        (times log2 e), -inf where masked; and the cap's slope ``1 - tanh^2`` (1.0 without a cap)."""
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (M, N), natural units
         slope = 1.0
         if HAS_CAP:  # tanh from exp(-2|x|): no overflow at any |x|
@@ -129,21 +149,23 @@ if triton is not None:
             t = tl.where(x < 0, -t, t)
             s = cap * t
             slope = 1.0 - t * t
-        rows, cols = offs_m[:, None], offs_n[None, :]  # (M, 1), (1, N)
+        rm, rn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+        rows, cols = (m0 + rm)[:, None], (n0 + rn)[None, :]  # (M, 1), (1, N) positions
         inside = (rows < nq) & (cols < nk)
         if HAS_BIAS:
-            s += tl.load(
-                BIAS + b * bias_b + h * bias_h + rows * bias_m + cols * bias_n, mask=inside, other=0.0
-            ).to(tl.float32)
+            base = b * bias_b + h * bias_h + tl.cast(n0, tl.int64) * bias_n
+            at = _at(BIAS, base, m0, bias_m, rm, bias_n, rn)
+            s += tl.load(at, mask=inside, other=0.0).to(tl.float32)
         valid = cols < nk
         if CAUSAL:  # query i is position i + nk - nq
             valid = valid & (cols <= rows + (nk - nq))
         if HAS_KPM:
-            valid = valid & (tl.load(KPM + b * kpm_b + cols * kpm_n, mask=cols < nk, other=0) != 0)
+            pad = tl.load(KPM + b * kpm_b + cols * kpm_n, mask=cols < nk, other=0)
+            valid = valid & (pad != 0)
         if HAS_AM:
-            valid = valid & (
-                tl.load(AM + b * am_b + h * am_h + rows * am_m + cols * am_n, mask=inside, other=0) != 0
-            )
+            base = b * am_b + h * am_h + tl.cast(n0, tl.int64) * am_n
+            at = _at(AM, base, m0, am_m, rm, am_n, rn)
+            valid = valid & (tl.load(at, mask=inside, other=0) != 0)
         return tl.where(valid, s * LOG2E, float("-inf")), slope
 
     # fmt: off
@@ -160,16 +182,17 @@ if triton is not None:
         HAS_CAP: tl.constexpr, PREC: tl.constexpr,
     ):
     # fmt: on
-        """Output ``O (B, H, Nq, DV)`` and log2-sum-exp ``L (B H, Nq)`` of one query tile of one
-        batch-head."""
-        bh = tl.program_id(1)
-        b, h = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+        """Output ``O (B, H, Nq, DV)`` and log2-sum-exp ``L (B H, Nq)`` of one query tile (program axis
+        0) of one head (axis 1) and batch (axis 2)."""
+        h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         hk = h // group
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m0 = tl.program_id(0) * BLOCK_M
+        rm, rn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
         offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+        rows = m0 + rm < nq
         q = tl.load(
-            Q + b * q_b + h * q_h + offs_m[:, None] * q_m + offs_d[None, :] * q_d,
-            mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D),
+            Q + b * q_b + h * q_h + (m0 + rm)[:, None] * q_m + offs_d[None, :] * q_d,
+            mask=rows[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )  # (M, BLOCK_D)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
@@ -177,26 +200,26 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # running sum of 2^(s - m) v
         hi = nk
         if CAUSAL:  # no key past the tile's last row
-            hi = tl.minimum(nk, (tl.program_id(0) + 1) * BLOCK_M + (nk - nq))
-        for start in range(0, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+            hi = tl.minimum(nk, m0 + BLOCK_M + (nk - nq))
+        for n0 in range(0, hi, BLOCK_N):
+            keys = (n0 + rn)[:, None] < nk
             k = tl.load(
-                K + b * k_b + hk * k_h + offs_n[:, None] * k_n + offs_d[None, :] * k_d,
-                mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D),
+                K + b * k_b + hk * k_h + (n0 + rn)[:, None] * k_n + offs_d[None, :] * k_d,
+                mask=keys & (offs_d[None, :] < D),
                 other=0.0,
             )  # (N, BLOCK_D)
             s, _ = _scores(
-                q, k, offs_m, offs_n, b, h, nq, nk, qk_scale, cap,
+                q, k, m0, n0, b, h, nq, nk, qk_scale, cap,
                 KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
-                CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
+                BLOCK_M, BLOCK_N, CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
             )  # fmt: skip
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: p = 0
             p = tl.math.exp2(s - m_safe[:, None])  # (M, N)
             alpha = tl.math.exp2(m_i - m_safe)  # rescales what was summed under the old max
             v = tl.load(
-                V + b * v_b + hk * v_h + offs_n[:, None] * v_n + offs_dv[None, :] * v_d,
-                mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV),
+                V + b * v_b + hk * v_h + (n0 + rn)[:, None] * v_n + offs_dv[None, :] * v_d,
+                mask=keys & (offs_dv[None, :] < DV),
                 other=0.0,
             )  # (N, BLOCK_DV)
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -205,14 +228,14 @@ if triton is not None:
         seen = l_i > 0
         l_i = tl.where(seen, l_i, 1.0)
         out = acc / l_i[:, None]  # a row that sees nothing: 0 / 1 = 0
-        rows = offs_m < nq
         tl.store(
-            OUT + b * o_b + h * o_h + offs_m[:, None] * o_m + offs_dv[None, :] * o_d,
+            OUT + b * o_b + h * o_h + (m0 + rm)[:, None] * o_m + offs_dv[None, :] * o_d,
             out.to(OUT.dtype.element_ty),
             mask=rows[:, None] & (offs_dv[None, :] < DV),
         )
         # a row that sees nothing gets L = +inf: 2^(S - L) = 0 in the backward
-        tl.store(L + bh * nq + offs_m, tl.where(seen, m_i + tl.math.log2(l_i), float("inf")), mask=rows)
+        lse = tl.where(seen, m_i + tl.math.log2(l_i), float("inf"))
+        tl.store(L + (b * heads + h) * nq + m0 + rm, lse, mask=rows)
 
     # fmt: off
     @triton.jit
@@ -228,21 +251,21 @@ if triton is not None:
         HAS_CAP: tl.constexpr, PREC: tl.constexpr,
     ):
     # fmt: on
-        """dK ``(B, Hkv, Nk, D)`` and dV ``(B, Hkv, Nk, DV)`` of one key tile of one batch and K/V head,
-        summed over the query heads of its group (``DK``/``DV_`` contiguous)."""
-        bhk = tl.program_id(1)
-        kv_heads = heads // group
-        b, hk = (bhk // kv_heads).to(tl.int64), (bhk % kv_heads).to(tl.int64)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        """dK ``(B, Hkv, Nk, D)`` and dV ``(B, Hkv, Nk, DV)`` of one key tile (program axis 0) of one
+        K/V head (axis 1) and batch (axis 2), summed over the query heads of its group (``DK``/``DV_``
+        contiguous, head sizes padded to the tile)."""
+        hk, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+        n0 = tl.program_id(0) * BLOCK_N
+        rm, rn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
         offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-        keys = offs_n[:, None] < nk
+        keys = (n0 + rn)[:, None] < nk
         k = tl.load(
-            K + b * k_b + hk * k_h + offs_n[:, None] * k_n + offs_d[None, :] * k_d,
+            K + b * k_b + hk * k_h + (n0 + rn)[:, None] * k_n + offs_d[None, :] * k_d,
             mask=keys & (offs_d[None, :] < D),
             other=0.0,
         )  # (N, BLOCK_D)
         v = tl.load(
-            V + b * v_b + hk * v_h + offs_n[:, None] * v_n + offs_dv[None, :] * v_d,
+            V + b * v_b + hk * v_h + (n0 + rn)[:, None] * v_n + offs_dv[None, :] * v_d,
             mask=keys & (offs_dv[None, :] < DV),
             other=0.0,
         )  # (N, BLOCK_DV)
@@ -250,46 +273,39 @@ if triton is not None:
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         lo = 0
         if CAUSAL:  # no query tile wholly before this key tile's first key
-            lo = tl.maximum(0, tl.program_id(0) * BLOCK_N - (nk - nq)) // BLOCK_M * BLOCK_M
+            lo = tl.maximum(0, n0 - (nk - nq)) // BLOCK_M * BLOCK_M
         for g in range(0, group):
             h = hk * group + g
-            for start in range(lo, nq, BLOCK_M):
-                offs_m = start + tl.arange(0, BLOCK_M)
-                rows = offs_m < nq
+            for m0 in range(lo, nq, BLOCK_M):
+                rows = m0 + rm < nq
                 q = tl.load(
-                    Q + b * q_b + h * q_h + offs_m[:, None] * q_m + offs_d[None, :] * q_d,
+                    Q + b * q_b + h * q_h + (m0 + rm)[:, None] * q_m + offs_d[None, :] * q_d,
                     mask=rows[:, None] & (offs_d[None, :] < D),
                     other=0.0,
                 )  # (M, BLOCK_D)
                 do = tl.load(
-                    DO + b * do_b + h * do_h + offs_m[:, None] * do_m + offs_dv[None, :] * do_d,
+                    DO + b * do_b + h * do_h + (m0 + rm)[:, None] * do_m + offs_dv[None, :] * do_d,
                     mask=rows[:, None] & (offs_dv[None, :] < DV),
                     other=0.0,
                 )  # (M, BLOCK_DV)
-                lse = tl.load(L + (b * heads + h) * nq + offs_m, mask=rows, other=float("inf"))
-                delta = tl.load(DELTA + (b * heads + h) * nq + offs_m, mask=rows, other=0.0)
+                row = (b * heads + h) * nq + m0 + rm
+                lse = tl.load(L + row, mask=rows, other=float("inf"))
+                delta = tl.load(DELTA + row, mask=rows, other=0.0)
                 s, slope = _scores(
-                    q, k, offs_m, offs_n, b, h, nq, nk, qk_scale, cap,
+                    q, k, m0, n0, b, h, nq, nk, qk_scale, cap,
                     KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
-                    CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
+                    BLOCK_M, BLOCK_N, CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
                 )  # fmt: skip
                 p = tl.math.exp2(s - lse[:, None])  # (M, N)
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
                 dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # (M, N)
                 ds = p * (dp - delta[:, None]) * slope  # dS = P (dP - rowsum(dO O)), through the cap
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
-        base_k = bhk.to(tl.int64) * nk * BLOCK_D
-        tl.store(
-            DK + base_k + offs_n[:, None] * BLOCK_D + offs_d[None, :],
-            (dk * qk_scale).to(DK.dtype.element_ty),
-            mask=keys,
-        )
-        base_v = bhk.to(tl.int64) * nk * BLOCK_DV
-        tl.store(
-            DV_ + base_v + offs_n[:, None] * BLOCK_DV + offs_dv[None, :],
-            dv.to(DV_.dtype.element_ty),
-            mask=keys,
-        )
+        bhk = b * (heads // group) + hk
+        dk_at = _at(DK, bhk * nk * BLOCK_D, n0, BLOCK_D, rn, 1, offs_d)
+        tl.store(dk_at, (dk * qk_scale).to(DK.dtype.element_ty), mask=keys)
+        dv_at = _at(DV_, bhk * nk * BLOCK_DV, n0, BLOCK_DV, rn, 1, offs_dv)
+        tl.store(dv_at, dv.to(DV_.dtype.element_ty), mask=keys)
 
     # fmt: off
     @triton.jit
@@ -305,55 +321,54 @@ if triton is not None:
         HAS_CAP: tl.constexpr, PREC: tl.constexpr,
     ):
     # fmt: on
-        """dQ ``(B, H, Nq, D)`` (``DQ`` contiguous, head size padded to ``BLOCK_D``) of one query tile of
-        one batch-head."""
-        bh = tl.program_id(1)
-        b, h = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+        """dQ ``(B, H, Nq, D)`` (``DQ`` contiguous, head size padded to ``BLOCK_D``) of one query tile
+        (program axis 0) of one head (axis 1) and batch (axis 2)."""
+        h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         hk = h // group
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m0 = tl.program_id(0) * BLOCK_M
+        rm, rn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
         offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-        rows = offs_m < nq
+        rows = m0 + rm < nq
         q = tl.load(
-            Q + b * q_b + h * q_h + offs_m[:, None] * q_m + offs_d[None, :] * q_d,
+            Q + b * q_b + h * q_h + (m0 + rm)[:, None] * q_m + offs_d[None, :] * q_d,
             mask=rows[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )  # (M, BLOCK_D)
         do = tl.load(
-            DO + b * do_b + h * do_h + offs_m[:, None] * do_m + offs_dv[None, :] * do_d,
+            DO + b * do_b + h * do_h + (m0 + rm)[:, None] * do_m + offs_dv[None, :] * do_d,
             mask=rows[:, None] & (offs_dv[None, :] < DV),
             other=0.0,
         )  # (M, BLOCK_DV)
-        lse = tl.load(L + bh * nq + offs_m, mask=rows, other=float("inf"))
-        delta = tl.load(DELTA + bh * nq + offs_m, mask=rows, other=0.0)
+        row = (b * heads + h) * nq + m0 + rm
+        lse = tl.load(L + row, mask=rows, other=float("inf"))
+        delta = tl.load(DELTA + row, mask=rows, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         hi = nk
         if CAUSAL:
-            hi = tl.minimum(nk, (tl.program_id(0) + 1) * BLOCK_M + (nk - nq))
-        for start in range(0, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            keys = offs_n[:, None] < nk
+            hi = tl.minimum(nk, m0 + BLOCK_M + (nk - nq))
+        for n0 in range(0, hi, BLOCK_N):
+            keys = (n0 + rn)[:, None] < nk
             k = tl.load(
-                K + b * k_b + hk * k_h + offs_n[:, None] * k_n + offs_d[None, :] * k_d,
+                K + b * k_b + hk * k_h + (n0 + rn)[:, None] * k_n + offs_d[None, :] * k_d,
                 mask=keys & (offs_d[None, :] < D),
                 other=0.0,
             )  # (N, BLOCK_D)
             v = tl.load(
-                V + b * v_b + hk * v_h + offs_n[:, None] * v_n + offs_dv[None, :] * v_d,
+                V + b * v_b + hk * v_h + (n0 + rn)[:, None] * v_n + offs_dv[None, :] * v_d,
                 mask=keys & (offs_dv[None, :] < DV),
                 other=0.0,
             )  # (N, BLOCK_DV)
             s, slope = _scores(
-                q, k, offs_m, offs_n, b, h, nq, nk, qk_scale, cap,
+                q, k, m0, n0, b, h, nq, nk, qk_scale, cap,
                 KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
-                CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
+                BLOCK_M, BLOCK_N, CAUSAL, HAS_KPM, HAS_AM, HAS_BIAS, HAS_CAP, PREC,
             )  # fmt: skip
             p = tl.math.exp2(s - lse[:, None])  # (M, N)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None]) * slope
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        base = bh.to(tl.int64) * nq * BLOCK_D
         tl.store(
-            DQ + base + offs_m[:, None] * BLOCK_D + offs_d[None, :],
+            _at(DQ, (b * heads + h) * nq * BLOCK_D, m0, BLOCK_D, rm, 1, offs_d),
             (dq * qk_scale).to(DQ.dtype.element_ty),
             mask=rows[:, None],
         )
@@ -378,7 +393,7 @@ def _mask_args(
     return tuple(args)
 
 
-Launch = tuple[Any, tuple[int, int], tuple[Any, ...], dict[str, Any]]  # kernel, grid, args, keywords
+Launch = tuple[Any, tuple[int, int, int], tuple[Any, ...], dict[str, Any]]  # kernel, grid, args, keywords
 
 
 def _common(q, k, v, kpm, am, bias, causal: bool, scale: float, cap) -> tuple[tuple[Any, ...], dict]:
@@ -412,7 +427,7 @@ def forward_launch(q, k, v, out, lse, kpm, am, bias, causal: bool, scale: float,
     """The forward kernel's launch: ``out (B, H, Nq, Dv)`` and ``lse (B H, Nq)`` float32 are written."""
     args, meta = _common(q, k, v, kpm, am, bias, causal, scale, cap)
     meta = _tiled("fwd", q, v, meta)
-    grid = (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[0] * q.shape[1])
+    grid = (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[1], q.shape[0])  # (tiles, H, B): each < 65536
     tensors = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride())
     return _fwd, grid, (*tensors, *args), meta
 
@@ -430,13 +445,13 @@ def backward_launches(
     return [
         (
             _bwd_dkdv,
-            (triton.cdiv(nk, dkdv["BLOCK_N"]), b * hkv),
+            (triton.cdiv(nk, dkdv["BLOCK_N"]), hkv, b),
             (q, k, v, grad_out, lse, delta, dk, dv, *strides, *args),
             dkdv,
         ),
         (
             _bwd_dq,
-            (triton.cdiv(nq, dq_["BLOCK_M"]), b * h),
+            (triton.cdiv(nq, dq_["BLOCK_M"]), h, b),
             (q, k, v, grad_out, lse, delta, dq, *strides, *args),
             dq_,
         ),
@@ -499,9 +514,11 @@ class _TritonChunked(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative is an error, not a wrong one
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse, kpm, am, bias = ctx.saved_tensors
         causal, scale, cap = ctx.cfg
+        grad_out = _within_32_bits(grad_out)
         b, h, nq, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
         delta = (grad_out.float() * out.float()).sum(-1).reshape(b * h, nq)  # rowsum(dO O) = rowsum(P dP)
@@ -515,6 +532,14 @@ class _TritonChunked(torch.autograd.Function):
             _run(launch)
         dq, dk, dvv = dq[..., :d], dk[..., :d], dvv[..., :dv]  # (B, H|Hkv, N, D|Dv): the padding dropped
         return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None, None, None, None, None
+
+
+def _within_32_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t (B, H, N, D)``, or a contiguous copy where one batch-head's rows reach past 2^31 elements
+    (a ``(B, N, H, D)`` layout on a very long sequence): the kernels index within a batch-head in 32
+    bits."""
+    reach = (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3)
+    return t if reach < 2**31 else t.contiguous()
 
 
 def attend(
@@ -532,4 +557,5 @@ def attend(
     """``q (B, H, Nq, D)`` against ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (``H % Hkv == 0``);
     ``attn_mask`` and ``bias`` as 4-D views ``(B|1, H|1, Nq|1, Nk)``. Returns ``(B, H, Nq, Dv)`` in
     ``q``'s dtype. Call :func:`refusal` first."""
+    q, k, v = (_within_32_bits(t) for t in (q, k, v))
     return _TritonChunked.apply(q, k, v, key_padding_mask, attn_mask, bias, causal, scale, softcap)
