@@ -197,8 +197,7 @@ def _launches(d: int, dtype: torch.dtype, features: bool) -> dict[str, ct.Launch
     bias = torch.zeros(1, h, n, n, dtype=dtype) if features else None
     cap = 30.0 if features else None
     out, lse = torch.empty(b, h, n, d, dtype=dtype), torch.empty(b * h, n)
-    pad = ct._pad(d)
-    grads = torch.empty(b, h, n, pad), torch.empty(b, hkv, n, pad), torch.empty(b, hkv, n, pad)
+    grads = ct._grad(q, (b, h, n), d), ct._grad(k, (b, hkv, n), d), ct._grad(v, (b, hkv, n), d)
     fwd = ct.forward_launch(q, k, v, out, lse, kpm, am, bias, True, 0.1, cap)
     dkdv, dq = ct.backward_launches(q, k, v, out, lse, lse, *grads, kpm, am, bias, True, 0.1, cap)
     return {"fwd": fwd, "dkdv": dkdv, "dq": dq}

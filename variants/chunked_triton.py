@@ -435,8 +435,8 @@ def forward_launch(q, k, v, out, lse, kpm, am, bias, causal: bool, scale: float,
 def backward_launches(
     q, k, v, grad_out, lse, delta, dq, dk, dv, kpm, am, bias, causal: bool, scale: float, cap
 ) -> list[Launch]:
-    """The backward kernels' launches: float32 ``dq (B, H, Nq, BLOCK_D)``, ``dk (B, Hkv, Nk, BLOCK_D)``
-    and ``dv (B, Hkv, Nk, BLOCK_DV)``, contiguous, are written."""
+    """The backward kernels' launches: ``dq (B, H, Nq, BLOCK_D)``, ``dk (B, Hkv, Nk, BLOCK_D)`` and ``dv
+    (B, Hkv, Nk, BLOCK_DV)``, contiguous (:func:`_grad`), are written."""
     args, meta = _common(q, k, v, kpm, am, bias, causal, scale, cap)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
     b, h, nq = q.shape[:3]
@@ -522,16 +522,22 @@ class _TritonChunked(torch.autograd.Function):
         b, h, nq, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
         delta = (grad_out.float() * out.float()).sum(-1).reshape(b * h, nq)  # rowsum(dO O) = rowsum(P dP)
-        # float32 gradients, the head size padded to the tile: the kernels store whole rows
-        dq = torch.empty(b, h, nq, _pad(d), dtype=torch.float32, device=q.device)
-        dk = torch.empty(b, hkv, nk, _pad(d), dtype=torch.float32, device=q.device)
-        dvv = torch.empty(b, hkv, nk, _pad(dv), dtype=torch.float32, device=q.device)
+        dq, dk, dvv = _grad(q, (b, h, nq), d), _grad(k, (b, hkv, nk), d), _grad(v, (b, hkv, nk), dv)
         for launch in backward_launches(
             q, k, v, grad_out, lse, delta, dq, dk, dvv, kpm, am, bias, causal, scale, cap
         ):
             _run(launch)
         dq, dk, dvv = dq[..., :d], dk[..., :d], dvv[..., :dv]  # (B, H|Hkv, N, D|Dv): the padding dropped
+        # (no copy where the buffer was in the input's dtype and unpadded)
         return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None, None, None, None, None
+
+
+def _grad(like: torch.Tensor, rows: tuple[int, int, int], d: int) -> torch.Tensor:
+    """The buffer ``(*rows, BLOCK_D)`` a backward kernel writes a gradient of head size ``d`` to (whole
+    tile rows, contiguous): in ``like``'s dtype when ``d`` is already a tile width (the kernels round
+    their float32 sums once, at the store), else float32, cut and cast after."""
+    pad = _pad(d)
+    return torch.empty(*rows, pad, dtype=like.dtype if pad == d else torch.float32, device=like.device)
 
 
 def _within_32_bits(t: torch.Tensor) -> torch.Tensor:
