@@ -136,6 +136,12 @@ def test_what_the_triton_path_cannot_take_is_one_line():
     assert "head sizes up to 256" in ct.refusal(variants.Workload(**big))
     wide = variants.Workload(**{**big, "head_dim": 64, "v_head_dim": 64, "dtype": torch.float64})
     assert "not float64" in ct.refusal(wide)
+    assert "not 70000" in ct.refusal(
+        variants.Workload(**{**big, "head_dim": 64, "v_head_dim": 64, "batch": 70000})
+    )
+    long = variants.Workload(**{**big, "head_dim": 128, "v_head_dim": 128, "nq": 2**24, "nk": 2**24})
+    assert "below 2^31" in ct.refusal(long)
+    assert ct.refusal(variants.Workload(**{**big, "head_dim": 64, "v_head_dim": 64})) is None
     with pytest.raises(ValueError, match="query_chunk and key_chunk size the reference path"):
         variants.build("chunked", impl="triton", query_chunk=64)
     with pytest.raises(ValueError, match="impl must be one of auto, reference, triton"):

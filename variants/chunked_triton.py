@@ -70,6 +70,8 @@ def refusal(w: Workload) -> str | None:
         )
     if max(w.head_dim, w.v_head_dim) > MAX_DIM:
         return f"the Triton kernels take head sizes up to {MAX_DIM}, not {max(w.head_dim, w.v_head_dim)}"
+    if max(w.batch, w.heads) > 65535:  # the launch grid's heads and batch axes (CUDA's limit)
+        return f"the Triton kernels launch up to 65535 heads and batches, not {max(w.batch, w.heads)}"
     if max(w.nq, w.nk) * max(w.head_dim, w.v_head_dim) >= 2**31:
         return "the Triton kernels index one batch-head's rows in 32 bits: N x D must stay below 2^31"
     return None
