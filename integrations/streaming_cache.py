@@ -23,11 +23,37 @@ import this module only where transformers is installed (extra ``attnbench[hf]``
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+# the key tensors a SinkWindowLayer handed to its layer's attention, by id: a weak reference (the
+# entry goes with the tensor) and the number of sinks at their front. transformers' mask function
+# reports only where a layer's cache starts (``kv_offset``), not whether the sequence's first keys
+# survived in it, so the attention asks here.
+_HANDED: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _hand(keys: torch.Tensor, sinks: int) -> None:
+    """Remember that ``keys`` holds the sequence's first ``sinks`` keys at its front."""
+    i = id(keys)
+
+    def forget(ref: weakref.ref, i: int = i) -> None:
+        if _HANDED.get(i, (None, 0))[0] is ref:
+            del _HANDED[i]
+
+    _HANDED[i] = (weakref.ref(keys, forget), sinks)
+
+
+def sinks_kept(keys: torch.Tensor) -> int:
+    """How many of the sequence's first keys stand at the front of ``keys`` because a
+    :class:`SinkWindowLayer` kept them: its ``sink_tokens`` if ``keys`` is the tensor it returned from
+    :meth:`SinkWindowLayer.update`, else 0. ``O(1)``."""
+    ref, sinks = _HANDED.get(id(keys), (None, 0))
+    return sinks if ref is not None and ref() is keys else 0
 
 
 class SinkWindowLayer(DynamicLayer):
@@ -66,6 +92,7 @@ class SinkWindowLayer(DynamicLayer):
             self.values = torch.cat([values[..., :s, :], values[..., -w:, :]], dim=-2)
         else:
             self.keys, self.values = keys, values
+        _hand(keys, s)
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

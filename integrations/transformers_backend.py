@@ -51,6 +51,9 @@ What transformers calls, and what this module does with it:
   cross-attention: :func:`is_cross_attention` tells it from the module and the call) reaches the
   variant with ``cross=True``: variants whose pattern or recurrence relates query and key positions
   refuse it with the reason instead of reading the decoder's queries as the last encoder positions.
+  The spec also keeps ``kv_offset``: a variant that reads the sequence's first keys (local_window's
+  sink tokens) refuses a layer whose cache starts past them unless the suite's rolling cache kept
+  them (transformers' sliding cache drops them, and the output would silently change).
 
   Left padding is key padding: a padded key is masked for every query, and the rows of padded
   queries (which see no key) come out as zeros (transformers' eager gives them a uniform average:
@@ -147,6 +150,9 @@ class MaskSpec:
     keys_used: int
     window: int | None = None  # a sliding window found in the model's mask: |p - j| <= window
     device: torch.device | str | None = None  # where dense() builds the mask (the model's device)
+    # the sequence position of the first key the layers are handed: > 0 once a cache dropped keys
+    # (transformers' sliding one keeps the last W - 1; the suite's rolling one keeps sinks and a band)
+    kv_offset: int = 0
     # generate() with a static (compileable) cache builds the masks before the forward pass, calls
     # .contiguous() on them and hands them back to create_causal_mask, which reads .ndim: these two
     # let the spec pass through unchanged (the mask function returns a spec it is given as is)
@@ -233,7 +239,7 @@ def mask_function(
             if bool(padding.all()):
                 padding = None
         device = kwargs.get("device") or (None if attention_mask is None else attention_mask.device)
-        return MaskSpec(causal, padding, None, q_length, kv_length, used, None, device)
+        return MaskSpec(causal, padding, None, q_length, kv_length, used, None, device, kv_offset)
     config = kwargs.get("config")
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     full = sdpa_mask(
@@ -247,7 +253,9 @@ def mask_function(
         **kwargs,
     )  # (B, 1, Nq, Nk) bool, True = may attend
     banded = _as_window(full, config, attention_mask, q_length, kv_length, q_end, kv_offset)
-    return banded if banded is not None else MaskSpec(False, None, full, q_length, kv_length, kv_length)
+    if banded is not None:
+        return banded
+    return MaskSpec(False, None, full, q_length, kv_length, kv_length, None, None, kv_offset)
 
 
 def _as_window(
@@ -283,13 +291,35 @@ def _as_window(
         pad = None if padding is None else padding[:, kv_offset : kv_offset + used]  # (B, keys_used)
         pad = None if pad is None or bool(pad.all()) else pad
         for radius in radii:
-            spec = MaskSpec(causal, pad, None, q_length, kv_length, used, radius, full.device)
+            spec = MaskSpec(causal, pad, None, q_length, kv_length, used, radius, full.device, kv_offset)
             some = full.expand(-1, -1, q_length, -1)[:, :, rows]  # (B|1, 1, R, Nk)
             if not torch.equal(spec.dense(rows).expand_as(some), some):
                 continue
             if torch.equal(spec.dense().expand_as(full), full):
                 return spec
     return None
+
+
+def _check_sinks_kept(
+    name: str, module: nn.Module, variant: AttentionVariant, mask: object, key: torch.Tensor
+) -> None:
+    """One-line :class:`Unsupported` when ``variant`` reads the sequence's first keys (its
+    :meth:`~variants.base.AttentionVariant.sink_keys`) but the layer's cache starts past position 0
+    and did not keep them (transformers' sliding cache): the first keys it hands over are others,
+    and the output would be silently wrong. The suite's rolling cache keeps them
+    (:func:`integrations.streaming_cache.sinks_kept`)."""
+    need = variant.sink_keys()
+    if not need or not isinstance(mask, MaskSpec) or mask.kv_offset <= 0:
+        return
+    from integrations.streaming_cache import sinks_kept  # imports transformers: installed here
+
+    if sinks_kept(key) < need:
+        raise Unsupported(
+            f"{_where(name, module)}: {variant.name} reads the sequence's first {need} keys (its sink "
+            f"tokens), but this layer's cache starts at position {mask.kv_offset} and dropped them (a "
+            "sliding-window cache?): decode with integrations.streaming_cache.streaming_cache, which keeps "
+            "them, or without sink tokens"
+        )
 
 
 def _variant_for(module: nn.Module, name: str) -> AttentionVariant:
@@ -508,6 +538,7 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
             variant = _by_index(name, module)
         else:
             variant = _variant_for(module, name)
+        _check_sinks_kept(name, module, variant, attention_mask, key)
         masked = kw.get("attn_mask") is not None
         if is_cross_attention(module, bool(kw.get("causal")), query.shape[2], key.shape[2], masked):
             kw["cross"] = True  # the keys are the encoder's: no decoder position stands among them

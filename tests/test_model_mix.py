@@ -176,6 +176,28 @@ def test_sinks_on_a_mix_decode_with_a_rolling_cache_as_a_whole_forward_computes(
         SinkWindowLayer(2, 5).crop(-1)
 
 
+def test_sinks_on_a_cache_that_dropped_them_are_refused_not_silently_wrong():
+    # transformers' own sliding cache keeps the last 5 keys: past them, the first keys it hands over are
+    # not the sequence's sinks. Without the refusal the decoded logits were 2.2 off the whole forward.
+    cfg = _config(sliding_window=6, full_every=2)
+    impl = hf.implementation_for_roles(("local_window", {"window": 8, "sink_tokens": 2}), "sdpa")
+    _, model = _models(cfg, impl)
+    cache = DynamicCache(config=model.config)
+    assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer"
+    with pytest.raises(hf.Unsupported, match=r"first 2 keys .* starts at position 9 and dropped them"):
+        _decode(model, _ids(14), 3, cache)
+    # the prefill (every key still there) and a window without sinks on the same cache are fine
+    with torch.inference_mode():
+        prefill = model(_ids(14), past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+        assert (prefill - model(_ids(14)).logits).abs().max() < TOL
+    plain = hf.implementation_for_roles(("local_window", {"window": 8}), "sdpa")
+    _, banded = _models(cfg, plain)
+    tokens, logits = _decode(banded, _ids(14), 4, DynamicCache(config=banded.config))
+    whole = torch.cat([_ids(14), tokens[:, :-1]], 1)
+    with torch.inference_mode():
+        assert (logits - banded(whole).logits).abs().max() < TOL
+
+
 # ---------------------------------------------------------------------------------- the job
 def test_measure_llama_records_what_each_layer_runs_and_keeps():
     small = dict(SHAPE, prefill_len=20, new_tokens=4, batch=1, device="cpu", dtype="float32", seed=0)

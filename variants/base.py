@@ -517,6 +517,13 @@ class AttentionVariant(nn.Module):
         ``sink_tokens``)."""
         return nk
 
+    def sink_keys(self) -> int:
+        """How many of the sequence's first keys every query reads by their absolute position
+        (local_window's ``sink_tokens``; 0: none). A cache that dropped them (transformers' sliding
+        one) would hand other keys in their place and change the output, so a caller that knows
+        where its keys start refuses it."""
+        return 0
+
     def state_bytes(self, w: Workload) -> int:
         """Bytes one decoding sequence keeps per layer at context length ``w.nk`` (the batch multiplies
         it). Default: the K/V cache, ``Hkv * cache_len(Nk) * (D + Dv)`` elements of ``w.dtype``,

@@ -401,6 +401,10 @@ class LocalWindowAttention(AttentionVariant):
         others can go: a cache of the sinks and the last ``window`` keys gives the same output."""
         return min(nk, self.window + self.sink_tokens)
 
+    def sink_keys(self) -> int:
+        """The first ``sink_tokens`` keys: every query sees them, wherever the band is."""
+        return self.sink_tokens
+
     def _band(self, nq: int, nk: int, causal: bool, device: torch.device) -> MaskMod:
         """The band and the sinks of a call as FlexAttention's predicate
         (:data:`variants.flex_kernel.Pattern`)."""

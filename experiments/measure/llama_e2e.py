@@ -206,9 +206,7 @@ def _check_sinks_survive(cfg: Any, per_layer: list[AttentionVariant], rolling: b
     prefill saw (a rolling cache keeps them)."""
     types = getattr(cfg, "layer_types", None) or [FULL] * len(per_layer)
     sunk = [
-        i
-        for i, (v, t) in enumerate(zip(per_layer, types, strict=True))
-        if t == SLIDING and getattr(v, "sink_tokens", 0)
+        i for i, (v, t) in enumerate(zip(per_layer, types, strict=True)) if t == SLIDING and v.sink_keys()
     ]
     if sunk and not rolling:
         raise Unsupported(
