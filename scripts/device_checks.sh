@@ -28,6 +28,8 @@ if [ "${PART:-34}" = 34 ]; then
 # issue 34: chunked's Triton path (auto takes it on CUDA) beside dense sdpa, N=1k-16k, both dtypes and modes
 step chunked_triton 120 python3 run.py -m experiment=gpu variant=chunked,sdpa min_run_time=0.2 isolate=false records_dir=$R/chunked_triton
 step chunked_triton_large 45 python3 run.py -m experiment=gpu variant=chunked,sdpa batch=4 heads=16 head_dim=128 seq_len=16384 dtype=bfloat16 mode=fwd_bwd min_run_time=0.2 isolate=false records_dir=$R/chunked_triton_large
+# chunked's split-K decode kernel (its Triton path) beside sdpa, one query, GB/s against the copy bandwidth
+step decode_chunked 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=chunked,sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_chunked
 step patterns_small 80 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --json $W/patterns_small.json
 step patterns_large 40 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --json $W/patterns_large.json
 step pytest_cuda $((560 - SECONDS)) python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -198,3 +201,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().double(), ref.detach().double()  # plain numbers: no graph to keep
     scale = ref.abs().max().clamp_min(1e-12)
     return float((out - ref).abs().max() / scale)
+
+
+def run_interpreted(test_file: str) -> None:
+    """Run ``test_file``'s tests in a child pytest with Triton's CPU interpreter on
+    (``TRITON_INTERPRET=1``: Triton reads it when it is imported, so not in this process), and assert
+    they all passed and none was skipped. The child leaves out slow tests and the wrapper calling this
+    (named ``test_interpreted_tests_pass``)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-m", "not slow"]
+    cmd += ["-k", "not test_interpreted_tests_pass"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]

@@ -20,14 +20,19 @@ bias, soft cap and grouped K/V heads read in place; ``impl=reference`` keeps the
 record's ``impl_ran`` says which ran and ``impl_note`` why ``auto`` did not take the kernels (a dtype or
 head size they refuse, chunk sizes set by hand, or kernels that did not build for the GPU).
 
-Decoding (fewer queries than keys, float32 on the CPU, no gradient, causal masking only): with
-``decode=auto`` (default) the same online softmax runs as a split-K C kernel
-(:mod:`variants.decode_kernel`: the keys of each K/V head split across threads, merged by
-log-sum-exp, grouped query heads reading each cached row once), built on first use with the system's
-C compiler; where it cannot be built, or ``decode=torch``, the PyTorch path above runs. The record's
-``decode_ran`` says which (``kernel``, ``torch``; None when the call is not a decode the kernel
-takes), ``decode_note`` why the kernel did not run. ``decode=kernel`` refuses what the kernel cannot
-take instead of falling back.
+Decoding (fewer queries than keys, no gradient) runs a split-K kernel (flash-decoding, Dao et al.
+2023: each K/V head's keys split into ranges, one task per (head, range), every grouped query head
+reading each cached row once, the ranges merged by log-sum-exp), where ``decode=auto`` (default)
+finds one that takes the call:
+
+- on the CPU, a C kernel (:mod:`variants.decode_kernel`; float32, causal masking only), built on
+  first use with the system's C compiler; where it cannot be built, the PyTorch path above runs;
+- on the Triton path (CUDA), a Triton kernel (:mod:`variants.decode_triton`; every mask, bias and cap
+  the Triton path takes, up to 16-64 query rows per K/V head by dtype and head size).
+
+The record's ``decode_ran`` says which ran (``kernel``, ``torch`` for the general path; None when the
+call is not a decode), ``decode_note`` why the kernel did not. ``decode=torch`` never runs a decode
+kernel; ``decode=kernel`` refuses what the kernel cannot take instead of falling back.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import Any
 
 import torch
 
-from . import chunked_triton, decode_kernel
+from . import chunked_triton, decode_kernel, decode_triton
 from .base import AttentionVariant, Unavailable, Unsupported, Workload, repeat_kv
 from .registry import register
 
@@ -199,8 +204,6 @@ class ChunkedAttention(AttentionVariant):
                 "chunked impl=triton tiles by its own tile sizes: query_chunk and key_chunk size the "
                 "reference path (impl=reference)"
             )
-        if impl == "triton" and decode == "kernel":
-            raise ValueError("chunked decode=kernel is the CPU's decode kernel, which impl=triton never runs")
         if impl == "triton":  # what the Triton path takes (the tests read these facts)
             self.devices = frozenset({"cuda", "cpu"} if chunked_triton.interpreting() else {"cuda"})
             self.dtypes = frozenset(chunked_triton.DTYPES)
@@ -229,15 +232,15 @@ class ChunkedAttention(AttentionVariant):
         d["impl_note"] = self.impl_note
         return d
 
-    def _path(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-        """The path that runs (``auto`` resolved: Triton on CUDA where it takes the call, else the
+    def _path(self, w: Workload) -> str:
+        """The path that runs ``w`` (``auto`` resolved: Triton on CUDA where it takes the call, else the
         reference, with ``impl_note`` saying why)."""
-        if self.impl != "auto" or not q.is_cuda:
+        if self.impl != "auto" or w.device != "cuda":
             return "reference" if self.impl == "auto" else self.impl
         if (self.query_chunk, self.key_chunk) != (CHUNK, CHUNK):
             self.impl_note = "query_chunk/key_chunk were set: they size the reference path, which ran"
         else:
-            self.impl_note = chunked_triton.refusal(Workload.of(q, k, v))
+            self.impl_note = chunked_triton.refusal(w)
         return "reference" if self.impl_note else "triton"
 
     def check(self, w: Workload) -> None:
@@ -245,6 +248,11 @@ class ChunkedAttention(AttentionVariant):
             raise (Unavailable if chunked_triton.IMPORT_ERROR else Unsupported)(f"chunked impl=triton: {why}")
         super().check(w)
         if self.decode != "kernel":
+            return
+        if self._path(w) == "triton":  # the decode kernel of the Triton path
+            why = decode_triton.decode_refusal(w)
+            if why is not None:
+                raise Unsupported(f"chunked decode=kernel: {why}")
             return
         why = decode_kernel.refusal(w)  # sinks are one more key and feature: the kernel takes them
         if why is not None:
@@ -256,9 +264,21 @@ class ChunkedAttention(AttentionVariant):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         self.decode_ran = self.decode_note = self.impl_ran = self.impl_note = None
         am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
-        self.impl_ran = self._path(q, k, v)
+        w = Workload.of(
+            q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap
+        )
+        decoding = self.decode != "torch" and q.shape[2] < k.shape[2]
+        self.impl_ran = self._path(w)
         if self.impl_ran == "triton":
             try:
+                why = decode_triton.decode_refusal(w) if decoding else None
+                if decoding:
+                    self.decode_ran, self.decode_note = ("torch", why) if why else ("kernel", None)
+                if decoding and why is None:
+                    return decode_triton.decode(
+                        q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4,
+                        scale=scale, softcap=softcap,
+                    )  # fmt: skip  # (B, H, Nq, Dv)
                 return chunked_triton.attend(
                     q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4,
                     scale=scale, softcap=softcap,
@@ -269,10 +289,8 @@ class ChunkedAttention(AttentionVariant):
                 if self.impl == "triton":
                     raise Unavailable(f"chunked impl=triton: {why}") from None
                 self.impl_ran, self.impl_note = "reference", why
-        if self.decode != "torch" and q.shape[2] < k.shape[2]:
-            w = Workload.of(
-                q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap
-            )
+                self.decode_ran = self.decode_note = None
+        if decoding:
             why = decode_kernel.unusable(w)
             if why is None:
                 self.decode_ran, self.impl_ran = "kernel", None
