@@ -77,6 +77,23 @@ def test_many_tiles_match_the_oracle(case):
 
 
 @interpreted
+@pytest.mark.parametrize("wanted", ["q", "kv", "v"])
+def test_the_backward_runs_only_the_kernels_whose_gradients_are_wanted(wanted, monkeypatch):
+    ran = []
+    real = ct._run
+    monkeypatch.setattr(ct, "_run", lambda launch: (ran.append(launch[0].fn.__name__), real(launch)))
+    case = Case("prefill_gqa", b=1, h=4, hkv=2, nq=40, nk=70, d=16, dv=24, causal=True)
+    q, k, v, kw = make_inputs(case)
+    named = {"q": q, "k": k, "v": v}
+    inputs = [named[n].requires_grad_() for n in wanted]
+    attn = build("chunked", {"impl": "triton"}, case)
+    got = _grads(attn(q, k, v, **kw), inputs)
+    assert ran == ["_fwd", "_bwd_dq" if wanted == "q" else "_bwd_dkdv"]
+    for g, exp in zip(got, _grads(oracle(attn, q, k, v, **kw), inputs), strict=True):
+        assert rel_err(g, exp) <= 1e-4
+
+
+@interpreted
 def test_a_row_that_sees_nothing_is_zero_with_zero_gradients():
     case = Case("empty", b=2, h=2, nq=80, nk=80, d=16, dv=16)
     q, k, v, kw = make_inputs(case, requires_grad=True)

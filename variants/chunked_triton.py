@@ -525,13 +525,22 @@ class _TritonChunked(torch.autograd.Function):
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
         delta = (grad_out.float() * out.float()).sum(-1).reshape(b * h, nq)  # rowsum(dO O) = rowsum(P dP)
         dq, dk, dvv = _grad(q, (b, h, nq), d), _grad(k, (b, hkv, nk), d), _grad(v, (b, hkv, nk), dv)
-        for launch in backward_launches(
+        dkdv, dq_ = backward_launches(
             q, k, v, grad_out, lse, delta, dq, dk, dvv, kpm, am, bias, causal, scale, cap
-        ):
-            _run(launch)
+        )
+        want_q, want_k, want_v = ctx.needs_input_grad[:3]
+        if want_k or want_v:  # one kernel writes both
+            _run(dkdv)
+        if want_q:
+            _run(dq_)
         dq, dk, dvv = dq[..., :d], dk[..., :d], dvv[..., :dv]  # (B, H|Hkv, N, D|Dv): the padding dropped
         # (no copy where the buffer was in the input's dtype and unpadded)
-        return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None, None, None, None, None
+        grads = (
+            dq.to(q.dtype) if want_q else None,
+            dk.to(k.dtype) if want_k else None,
+            dvv.to(v.dtype) if want_v else None,
+        )
+        return *grads, None, None, None, None, None, None
 
 
 def _grad(like: torch.Tensor, rows: tuple[int, int, int], d: int) -> torch.Tensor:
