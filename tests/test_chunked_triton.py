@@ -94,6 +94,50 @@ def test_the_backward_runs_only_the_kernels_whose_gradients_are_wanted(wanted, m
 
 
 @interpreted
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(
+            "sinks_gqa", b=2, h=4, hkv=2, nq=70, nk=70, d=64, dv=64, causal=True, padding=True, sinks="head"
+        ),
+        Case("sinks_per_query", b=2, h=2, nq=40, nk=90, d=16, dv=24, causal=True, bias=True, sinks="query"),
+    ],
+    ids=lambda c: c.id,
+)
+def test_sinks_are_taken_as_they_are_with_their_gradient(case, monkeypatch):
+    """No extra key or feature: the forward is launched at D=64 (not 65, padded to 128) with the sink
+    logits, and their gradient (sum over what they broadcast over) matches the oracle's."""
+    launched = []
+    real = ct._run
+    monkeypatch.setattr(ct, "_run", lambda launch: (launched.append(launch[3]), real(launch)))
+    q, k, v, kw = make_inputs(case, requires_grad=True)
+    kw["sinks"].requires_grad_()
+    attn = build("chunked", {"impl": "triton"}, case)
+    out = attn(q, k, v, **kw)
+    assert (launched[0]["D"], launched[0]["BLOCK_D"], launched[0]["HAS_SINK"]) == (case.d, case.d, True)
+    want = oracle(attn, q, k, v, **kw)
+    assert rel_err(out, want) <= 1e-5
+    inputs = (q, k, v, kw["sinks"])
+    for got, exp in zip(_grads(out, inputs), _grads(want, inputs), strict=True):
+        assert rel_err(got, exp) <= 1e-4
+
+
+@interpreted
+def test_sinks_fall_back_to_one_more_key_when_the_kernels_do_not_build(monkeypatch):
+    def no_build(*args, **kwargs):
+        raise ct.BUILD_ERRORS[-1](232448, 262144, "shared memory")
+
+    monkeypatch.setattr(ct, "attend", no_build)
+    case = Case("sinks", b=1, h=4, hkv=2, nq=20, nk=30, d=16, dv=16, causal=True, sinks="query")
+    q, k, v, kw = make_inputs(case, requires_grad=True)
+    attn = variants.build("chunked")  # auto: the CPU stands in for a GPU under the interpreter
+    monkeypatch.setattr(type(attn), "_path", lambda self, w: "triton")
+    out = attn(q, k, v, **kw)
+    assert attn.describe()["impl_ran"] == "reference"
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+
+
+@interpreted
 def test_a_row_that_sees_nothing_is_zero_with_zero_gradients():
     case = Case("empty", b=2, h=2, nq=80, nk=80, d=16, dv=16)
     q, k, v, kw = make_inputs(case, requires_grad=True)
@@ -186,9 +230,9 @@ SHARED_LIMIT = {80: 166912, 90: 232448}
 
 
 def _launches(d: int, dtype: torch.dtype, features: bool) -> dict[str, ct.Launch]:
-    """The three kernels' launches for head size ``d``, GQA 2:1, causal, with every mask, a bias and a
-    soft cap when ``features`` (the most registers) or none; tensors on the CPU (only their types,
-    strides and the launch's constants are read)."""
+    """The three kernels' launches for head size ``d``, GQA 2:1, causal, with every mask, a bias, a
+    soft cap and sink logits when ``features`` (the most registers) or none; tensors on the CPU (only
+    their types, strides and the launch's constants are read)."""
     b, h, hkv, n = 1, 4, 2, 256
     q, k, v = (
         torch.zeros(b, h, n, d, dtype=dtype),
@@ -201,7 +245,8 @@ def _launches(d: int, dtype: torch.dtype, features: bool) -> dict[str, ct.Launch
     cap = 30.0 if features else None
     out, lse = torch.empty(b, h, n, d, dtype=dtype), torch.empty(b * h, n)
     grads = ct._grad(q, (b, h, n), d), ct._grad(k, (b, hkv, n), d), ct._grad(v, (b, hkv, n), d)
-    fwd = ct.forward_launch(q, k, v, out, lse, kpm, am, bias, True, 0.1, cap)
+    sinks = torch.zeros(b, h, n) if features else None
+    fwd = ct.forward_launch(q, k, v, out, lse, kpm, am, bias, True, 0.1, cap, sinks)
     dkdv, dq = ct.backward_launches(q, k, v, out, lse, lse, *grads, kpm, am, bias, True, 0.1, cap)
     return {"fwd": fwd, "dkdv": dkdv, "dq": dq}
 

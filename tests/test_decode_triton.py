@@ -63,6 +63,10 @@ SPLITS = [
     Case("four_queries_causal", b=2, h=8, hkv=2, nq=4, nk=700, d=16, dv=16, causal=True, padding=True),
     Case("mask_bias_cap", b=1, h=4, hkv=2, nq=3, nk=530, d=72, dv=72, mask=True, bias=True, softcap=0.8),
     Case("sixty_four_rows", b=1, h=32, hkv=1, nq=2, nk=300, d=16, dv=16, causal=True),
+    Case("sinks_per_query", b=2, h=8, hkv=2, nq=2, nk=600, d=64, dv=64, causal=True, sinks="query"),
+    Case(
+        "sinks_per_head", b=1, h=8, hkv=1, nq=1, nk=900, d=64, dv=64, causal=True, padding=True, sinks="head"
+    ),
 ]
 
 
@@ -157,8 +161,8 @@ def test_a_long_cache_fills_an_h100(monkeypatch):
 # -------------------------------------------------------------------- compiled for the real targets
 def _launch(d: int, rows: int, dtype: torch.dtype, features: bool) -> ct.Launch:
     """The kernel's launch at head size ``d`` with ``rows`` query rows on one K/V head, causal, with a
-    key padding mask, a per-head mask and bias and a soft cap when ``features``; CPU tensors (only their
-    types, strides and the launch's constants are read)."""
+    key padding mask, a per-head mask and bias, a soft cap and sink logits when ``features``; CPU
+    tensors (only their types, strides and the launch's constants are read)."""
     n, splits = 4096, 8
     q = torch.zeros(1, rows, 1, d, dtype=dtype)
     k, v = torch.zeros(1, 1, n, d, dtype=dtype), torch.zeros(1, 1, n, d, dtype=dtype)
@@ -166,9 +170,9 @@ def _launch(d: int, rows: int, dtype: torch.dtype, features: bool) -> ct.Launch:
     am = torch.ones(1, rows, 1, n, dtype=torch.bool) if features else None
     bias = torch.zeros(1, rows, 1, n, dtype=dtype) if features else None
     out, lse = torch.empty(1, 1, splits, rows, d), torch.empty(1, 1, splits, rows)
-    return dt.decode_launch(
-        q, k, v, out, lse, kpm, am, bias, True, 0.1, 30.0 if features else None, splits, 512
-    )
+    sinks = torch.zeros(1, rows, 1) if features else None
+    cap = 30.0 if features else None
+    return dt.decode_launch(q, k, v, out, lse, kpm, am, bias, True, 0.1, cap, splits, 512, sinks)
 
 
 @pytest.mark.slow

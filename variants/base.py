@@ -431,7 +431,7 @@ class AttentionVariant(nn.Module):
             band = (keys >= pos - window) & (keys <= pos + window)  # (Nq, Nk), no int (Nq, Nk) tensor
             attn_mask = band if attn_mask is None else attn_mask & band
             window = None
-        if sinks is not None:
+        if sinks is not None and not self.native_sinks(w):
             return self.forward(
                 *_sink_as_first_key(q, k, v, sink_logits(sinks, w.heads), w.scale),
                 causal=causal,
@@ -459,6 +459,8 @@ class AttentionVariant(nn.Module):
             kw["softcap"] = w.softcap
         if window is not None:
             kw["window"] = window
+        if sinks is not None:
+            kw["sinks"] = sink_logits(sinks, w.heads)  # (B|1, H, Nq|1)
         return self._attend(q, k, v, **kw)
 
     def _attend(
@@ -516,6 +518,13 @@ class AttentionVariant(nn.Module):
         the variant's reach is bounded (local_window: the last ``window`` and the first
         ``sink_tokens``)."""
         return nk
+
+    def native_sinks(self, w: Workload) -> bool:
+        """Whether ``_attend`` takes the call ``w``'s sink logits itself (``sinks=`` as ``(B|1, H,
+        Nq|1)``, their gradient included) instead of :meth:`forward` adding them as one more key and
+        feature, which copies q, k and v and grows the head size by one (a kernel tiled by powers of
+        two then pads D=64 to 128). ``O(1)``."""
+        return False
 
     def sink_keys(self) -> int:
         """How many of the sequence's first keys every query reads by their absolute position

@@ -42,7 +42,15 @@ from typing import Any
 import torch
 
 from . import chunked_triton, decode_kernel, decode_triton
-from .base import AttentionVariant, Unavailable, Unsupported, Workload, repeat_kv
+from .base import (
+    AttentionVariant,
+    Unavailable,
+    Unsupported,
+    Workload,
+    _prepend,
+    _sink_as_first_key,
+    repeat_kv,
+)
 from .registry import register
 
 DECODE = ("auto", "kernel", "torch")
@@ -182,7 +190,7 @@ class ChunkedAttention(AttentionVariant):
 
     example_knobs = ({"query_chunk": 5, "key_chunk": 7},)
     supports_bias = True
-    supports_sinks = True  # one more key in front (base.forward)
+    supports_sinks = True  # the Triton path's own (native_sinks); else one more key in front (base.forward)
     supports_softcap = True  # block by block, forward and backward
     native_scale = True
     native_gqa = True  # the decode kernel reads grouped K/V heads as they are; the PyTorch path repeats them
@@ -243,6 +251,11 @@ class ChunkedAttention(AttentionVariant):
             self.impl_note = chunked_triton.refusal(w)
         return "reference" if self.impl_note else "triton"
 
+    def native_sinks(self, w: Workload) -> bool:
+        """The Triton kernels take the sink logits as they are (each row's sums start from its sink):
+        no copy of q, k and v, and D=64 stays 64 (one more feature would pad it to 128)."""
+        return self._path(w) == "triton"
+
     def check(self, w: Workload) -> None:
         if self.impl == "triton" and (why := chunked_triton.refusal(w)):  # first: it says why
             raise (Unavailable if chunked_triton.IMPORT_ERROR else Unsupported)(f"chunked impl=triton: {why}")
@@ -260,7 +273,9 @@ class ChunkedAttention(AttentionVariant):
         if decode_kernel.kernel() is None:
             raise Unavailable(f"chunked decode=kernel: {decode_kernel.build_error()}")
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None):
+    def _attend(
+        self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None, sinks=None
+    ):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         self.decode_ran = self.decode_note = self.impl_ran = self.impl_note = None
         am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
@@ -277,11 +292,11 @@ class ChunkedAttention(AttentionVariant):
                 if decoding and why is None:
                     return decode_triton.decode(
                         q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4,
-                        scale=scale, softcap=softcap,
+                        scale=scale, softcap=softcap, sinks=sinks,
                     )  # fmt: skip  # (B, H, Nq, Dv)
                 return chunked_triton.attend(
                     q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4,
-                    scale=scale, softcap=softcap,
+                    scale=scale, softcap=softcap, sinks=sinks,
                 )  # fmt: skip  # (B, H, Nq, Dv)
             except chunked_triton.BUILD_ERRORS as exc:
                 first = (str(exc).splitlines() or [repr(exc)])[0]
@@ -290,6 +305,17 @@ class ChunkedAttention(AttentionVariant):
                     raise Unavailable(f"chunked impl=triton: {why}") from None
                 self.impl_ran, self.impl_note = "reference", why
                 self.decode_ran = self.decode_note = None
+        if sinks is not None:  # the Triton path took them as they are; the others as one more key
+            nk = k.shape[2]
+            q, k, v = _sink_as_first_key(q, k, v, sinks, scale)  # (B, H|Hkv, N(+1), D+1), v: Dv
+            key_padding_mask, am, bias4 = (
+                _prepend(key_padding_mask, True),
+                _prepend(am, True, nk),
+                _prepend(bias4, 0.0, nk),
+            )
+            w = Workload.of(
+                q, k, v, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4, softcap=softcap
+            )
         if decoding:
             why = decode_kernel.unusable(w)
             if why is None:

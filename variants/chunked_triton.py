@@ -48,6 +48,7 @@ except Exception as exc:  # not installed, or broken: the PyTorch path stays, th
     IMPORT_ERROR = f"Triton could not be imported ({type(exc).__name__}: {exc}); pip install triton"
     BUILD_ERRORS = ()
 
+LOG2E_PY = 1.4426950408889634  # log2 e, for the host's side of the base-2 softmax
 MAX_DIM = 256  # the largest head size the tiles take (padded to a power of two)
 PREC32 = "tf32x3"  # float32 dots: three TF32 products, float32 accuracy on tensor cores
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -118,7 +119,7 @@ def _pad(n: int) -> int:
 
 
 if triton is not None:
-    LOG2E = tl.constexpr(1.4426950408889634)
+    LOG2E = tl.constexpr(LOG2E_PY)
 
     @triton.jit
     def _at(P, base, r0, r_stride, rr, c_stride, cc):
@@ -175,17 +176,18 @@ if triton is not None:
     def _fwd(
         Q, K, V, OUT, L,
         q_b, q_h, q_m, q_d, k_b, k_h, k_n, k_d, v_b, v_h, v_n, v_d,
-        o_b, o_h, o_m, o_d,
+        o_b, o_h, o_m, o_d, SINK, sink_b, sink_h, sink_m,
         KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
         nq, nk, heads, group, qk_scale, cap,
         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_CAP: tl.constexpr, PREC: tl.constexpr,
+        HAS_CAP: tl.constexpr, PREC: tl.constexpr, HAS_SINK: tl.constexpr,
     ):
     # fmt: on
         """Output ``O (B, H, Nq, DV)`` and log2-sum-exp ``L (B H, Nq)`` of one query tile (program axis
-        0) of one head (axis 1) and batch (axis 2)."""
+        0) of one head (axis 1) and batch (axis 2); with ``HAS_SINK``, each row's sink logit ``SINK[b,
+        h, m]`` (strides 0 where broadcast) is one more term of its softmax, for a zero value."""
         h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         hk = h // group
         m0 = tl.program_id(0) * BLOCK_M
@@ -199,6 +201,10 @@ if triton is not None:
         )  # (M, BLOCK_D)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m)
+        if HAS_SINK:  # the sink starts the sums: its term is 2^(sink - sink) = 1, its value 0
+            sink = tl.load(SINK + b * sink_b + h * sink_h + (m0 + rm) * sink_m, mask=rows, other=0.0)
+            m_i = sink.to(tl.float32) * LOG2E
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # running sum of 2^(s - m) v
         hi = nk
         if CAUSAL:  # no key past the tile's last row
@@ -425,12 +431,23 @@ def _tiled(kernel: str, q: torch.Tensor, v: torch.Tensor, meta: dict) -> dict:
     return {**meta, "BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
 
 
-def forward_launch(q, k, v, out, lse, kpm, am, bias, causal: bool, scale: float, cap) -> Launch:
-    """The forward kernel's launch: ``out (B, H, Nq, Dv)`` and ``lse (B H, Nq)`` float32 are written."""
+def sink_args(sinks: torch.Tensor | None, ref: torch.Tensor) -> tuple[Any, ...]:
+    """The sink logits ``(B|1, H, Nq|1)`` as a kernel takes them: the tensor and its strides, 0 on a
+    broadcast dimension; ``ref`` stands in for absent ones (never read: ``HAS_SINK`` is off)."""
+    if sinks is None:
+        return (ref, 0, 0, 0)
+    return (sinks, *(0 if n == 1 else st for n, st in zip(sinks.shape, sinks.stride(), strict=True)))
+
+
+def forward_launch(
+    q, k, v, out, lse, kpm, am, bias, causal: bool, scale: float, cap, sinks: torch.Tensor | None = None
+) -> Launch:
+    """The forward kernel's launch: ``out (B, H, Nq, Dv)`` and ``lse (B H, Nq)`` float32 are written;
+    ``sinks (B|1, H, Nq|1)`` join each row's softmax."""
     args, meta = _common(q, k, v, kpm, am, bias, causal, scale, cap)
-    meta = _tiled("fwd", q, v, meta)
+    meta = {**_tiled("fwd", q, v, meta), "HAS_SINK": sinks is not None}
     grid = (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[1], q.shape[0])  # (tiles, H, B): each < 65536
-    tensors = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride())
+    tensors = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *sink_args(sinks, q))
     return _fwd, grid, (*tensors, *args), meta
 
 
@@ -506,19 +523,19 @@ class _TritonChunked(torch.autograd.Function):
     """``softmax(q k^T scale, masked) v`` by the kernels above, with their backward."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, kpm, am, bias, causal: bool, scale: float, cap):
+    def forward(ctx: Any, q, k, v, kpm, am, bias, sinks, causal: bool, scale: float, cap):
         b, h, nq, _ = q.shape
         out = torch.empty(b, h, nq, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(b * h, nq, dtype=torch.float32, device=q.device)  # log2-sum-exp per row
-        _run(forward_launch(q, k, v, out, lse, kpm, am, bias, causal, scale, cap))
-        ctx.save_for_backward(q, k, v, out, lse, kpm, am, bias)
+        _run(forward_launch(q, k, v, out, lse, kpm, am, bias, causal, scale, cap, sinks))
+        ctx.save_for_backward(q, k, v, out, lse, kpm, am, bias, sinks)
         ctx.cfg = (causal, scale, cap)
         return out
 
     @staticmethod
     @once_differentiable  # no graph through the kernels: a second derivative is an error, not a wrong one
     def backward(ctx: Any, grad_out: torch.Tensor):
-        q, k, v, out, lse, kpm, am, bias = ctx.saved_tensors
+        q, k, v, out, lse, kpm, am, bias, sinks = ctx.saved_tensors
         causal, scale, cap = ctx.cfg
         grad_out = _within_32_bits(grad_out)
         b, h, nq, d = q.shape
@@ -540,7 +557,14 @@ class _TritonChunked(torch.autograd.Function):
             dk.to(k.dtype) if want_k else None,
             dvv.to(v.dtype) if want_v else None,
         )
-        return *grads, None, None, None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[6]:
+            # the sink's weight is P = 2^(sink log2 e - L) and its value 0, so dsink = P (0 - rowsum(dO O))
+            p = torch.exp2(sinks.float().expand(b, h, nq).reshape(b * h, nq) * LOG2E_PY - lse)  # (B H, Nq)
+            dsinks = (-p * delta).view(b, h, nq)  # (B, H, Nq): summed over the sinks' broadcast dims
+            dims = [d for d in range(3) if sinks.shape[d] == 1]
+            dsinks = (dsinks.sum(dims, keepdim=True) if dims else dsinks).to(sinks.dtype)
+        return *grads, None, None, None, dsinks, None, None, None
 
 
 def _grad(like: torch.Tensor, rows: tuple[int, int, int], d: int) -> torch.Tensor:
@@ -570,9 +594,11 @@ def attend(
     bias: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q (B, H, Nq, D)`` against ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (``H % Hkv == 0``);
-    ``attn_mask`` and ``bias`` as 4-D views ``(B|1, H|1, Nq|1, Nk)``. Returns ``(B, H, Nq, Dv)`` in
+    ``attn_mask`` and ``bias`` as 4-D views ``(B|1, H|1, Nq|1, Nk)``; ``sinks (B|1, H, Nq|1)``, a logit
+    per row that joins its softmax for a zero value (with its gradient). Returns ``(B, H, Nq, Dv)`` in
     ``q``'s dtype. Call :func:`refusal` first."""
     q, k, v = (_within_32_bits(t) for t in (q, k, v))
-    return _TritonChunked.apply(q, k, v, key_padding_mask, attn_mask, bias, causal, scale, softcap)
+    return _TritonChunked.apply(q, k, v, key_padding_mask, attn_mask, bias, sinks, causal, scale, softcap)

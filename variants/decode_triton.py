@@ -26,7 +26,19 @@ import math
 import torch
 
 from .base import Workload
-from .chunked_triton import PREC32, Launch, _at, _mask_args, _pad, _run, refusal, tl, triton
+from .chunked_triton import (
+    LOG2E_PY,
+    PREC32,
+    Launch,
+    _at,
+    _mask_args,
+    _pad,
+    _run,
+    refusal,
+    sink_args,
+    tl,
+    triton,
+)
 
 _MIN_TILES_PER_SPLIT = 4  # a range shorter than this costs more to merge than it saves
 _PROGRAMS_PER_SM = 4  # enough programs in flight to hide each one's memory latency
@@ -94,25 +106,27 @@ def decode_refusal(w: Workload) -> str | None:
 
 
 if triton is not None:
-    LOG2E = tl.constexpr(1.4426950408889634)
+    LOG2E = tl.constexpr(LOG2E_PY)
 
     # fmt: off
     @triton.jit
     def _decode(
         Q, K, V, OUT, L,
-        q_b, q_h, q_m, q_d, k_b, k_h, k_n, k_d, v_b, v_h, v_n, v_d,
+        q_b, q_h, q_m, q_d, k_b, k_h, k_n, k_d, v_b, v_h, v_n, v_d, SINK, sink_b, sink_h, sink_m,
         KPM, kpm_b, kpm_n, AM, am_b, am_h, am_m, am_n, BIAS, bias_b, bias_h, bias_m, bias_n,
         nq, nk, hkv, group, span, splits, qk_scale, cap,
         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_CAP: tl.constexpr, PREC: tl.constexpr,
+        HAS_CAP: tl.constexpr, PREC: tl.constexpr, HAS_SINK: tl.constexpr,
     ):
     # fmt: on
         """The partial output ``OUT (B, Hkv, splits, BLOCK_M, BLOCK_DV)`` and log2-sum-exp ``L (B, Hkv,
         splits, BLOCK_M)`` (float32, contiguous) of one key range (program axis 0) of one K/V head
         (axis 1) and batch (axis 2), for every query row of its group: row ``r`` is query ``r % Nq`` of
-        head ``hk G + r // Nq``."""
+        head ``hk G + r // Nq``. With ``HAS_SINK`` the first range's sums start from each row's sink
+        logit ``SINK[b, h, i]`` (strides 0 where broadcast; one term, for a zero value), so that the
+        merged softmax counts it once."""
         split = tl.program_id(0)
         hk, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         rm, rn = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
@@ -127,6 +141,11 @@ if triton is not None:
         )  # (M, BLOCK_D)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m)
+        if HAS_SINK:
+            if split == 0:  # the sink's term is 2^(sink - sink) = 1
+                sink = tl.load(SINK + b * sink_b + h * sink_h + qi * sink_m, mask=rows, other=0.0)
+                m_i = sink.to(tl.float32) * LOG2E
+                l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # running sum of 2^(s - m) v
         lo = split * span
         hi = tl.minimum(nk, lo + span)
@@ -195,7 +214,7 @@ def splits_for(b: int, hkv: int, nk: int, block_n: int, device: torch.device) ->
 
 
 def decode_launch(
-    q, k, v, out, lse, kpm, am, bias, causal: bool, scale: float, cap, splits: int, span: int
+    q, k, v, out, lse, kpm, am, bias, causal: bool, scale: float, cap, splits: int, span: int, sinks=None
 ) -> Launch:
     """The kernel's launch (``kernel, grid, args, keywords``, as :func:`variants.chunked_triton.compile_for`
     takes it): ``out (B, Hkv, splits, BLOCK_M, BLOCK_DV)`` and ``lse (B, Hkv, splits, BLOCK_M)``, float32
@@ -216,11 +235,12 @@ def decode_launch(
         "HAS_BIAS": bias is not None,
         "HAS_CAP": cap is not None,
         "PREC": PREC32 if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
+        "HAS_SINK": sinks is not None,
         "num_warps": warps,
         "num_stages": stages,
     }
     sizes = (nq, nk, hkv, h // hkv, span, splits, scale, 1.0 if cap is None else float(cap))
-    tensors = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride())
+    tensors = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *sink_args(sinks, q))
     return _decode, (splits, hkv, b), (*tensors, *_mask_args(kpm, am, bias, q), *sizes), meta
 
 
@@ -235,11 +255,12 @@ def decode(
     bias: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q (B, H, Nq, D)`` against ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (``H % Hkv == 0``, query
     head ``h`` on K/V head ``h // (H / Hkv)``); ``attn_mask`` and ``bias`` as 4-D views ``(B|1, H|1,
-    Nq|1, Nk)``. Returns ``(B, H, Nq, Dv)`` in ``q``'s dtype, no gradient. Call
-    :func:`decode_refusal` first."""
+    Nq|1, Nk)``; ``sinks (B|1, H, Nq|1)``, a logit per row that joins its softmax for a zero value.
+    Returns ``(B, H, Nq, Dv)`` in ``q``'s dtype, no gradient. Call :func:`decode_refusal` first."""
     b, h, nq, _ = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hkv
@@ -249,7 +270,7 @@ def decode(
     lse = torch.empty(b, hkv, splits, rows, dtype=torch.float32, device=q.device)  # log2-sum-exp
     _run(
         decode_launch(
-            q, k, v, part, lse, key_padding_mask, attn_mask, bias, causal, scale, softcap, splits, span
+            q, k, v, part, lse, key_padding_mask, attn_mask, bias, causal, scale, softcap, splits, span, sinks
         )
     )
     lse = lse * math.log(2)  # (B, Hkv, S, M), natural
