@@ -12,6 +12,10 @@ TFLOP/s over the tiles its block mask visits.
     python scripts/pattern_vs_flex.py --mode fwd_bwd --lengths 1024 4096 16384 --rounds 5
     python scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 \\
         --shape 1 8 64 --shape 4 16 128
+
+``--profile K`` also profiles one call of each contender (``experiments.measure.profile``) and prints
+its K longest kernels (CUDA: device time; the CPU: each operator's own time), so that a kernel whose
+one long program sets the call's time shows up by name.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 import variants
+from experiments.measure.profile import format_table, kernel_table
 from experiments.measure.timing import time_cuda
 
 
@@ -100,6 +105,7 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, action="append", metavar=("B", "H", "D"))
     ap.add_argument("--min-run-time", type=float, default=0.2, help="CUDA: seconds per timing")
     ap.add_argument("--json", help="write every cell here")
+    ap.add_argument("--profile", type=int, default=0, metavar="K", help="print each call's K longest kernels")
     ap.add_argument(
         "--contenders", help="comma-separated names to time (default: all); 'sdpa (dense)' is always timed"
     )
@@ -179,6 +185,13 @@ def main() -> None:
                     f"  {useful:8.3g} TFLOP/s useful{extra}; dense sdpa / this {med_dense / med:.2f}x",
                     flush=True,
                 )
+                if args.profile:
+                    table, total, wall = kernel_table(fns[name], args.device)
+                    print(
+                        f"    profiled call: {wall:.3f} ms wall, {total:.3f} ms in the rows below", flush=True
+                    )
+                    print(format_table(table, total, args.profile, indent="      "), flush=True)
+                    row["kernels"] = [vars(r) for r in table[: args.profile]]
             for a, b in (
                 ("local_window", "flex window"),
                 ("sparse", "flex sparse"),
