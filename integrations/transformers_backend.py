@@ -122,6 +122,15 @@ def implementation(name: str) -> str:
     return PREFIX + name.replace("sdpa", "SDPA").replace("flash", "FLASH")
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword ``model``'s forward takes its K/V cache by: ``cache`` from the transformers release
+    that renamed it (5.2x, which warns on ``past_key_values`` and drops it in 5.40), else
+    ``past_key_values``. ``O(1)``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def name_of(impl: str) -> str:
     """The registered name behind an ``attn_implementation`` string (:func:`implementation`'s
     inverse); one-line ``ValueError`` for a string that is not an attnbench one."""
@@ -440,6 +449,7 @@ HARMLESS_KEYWORDS = frozenset(
         "use_cache",
         "cache_position",
         "past_key_values",
+        "cache",  # past_key_values' new name (transformers 5.2x on)
         "position_embeddings",
     }
 )

@@ -74,10 +74,14 @@ def timed_call(
     if mode == "forward":
         return lambda: model(input_ids=ids[:, :n], attention_mask=mask[:, :n]).last_hidden_state
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :n], attention_mask=mask[:, :n], past_key_values=cache, use_cache=True)
+    model(
+        input_ids=ids[:, :n], attention_mask=mask[:, :n], **{hf.cache_keyword(model): cache}, use_cache=True
+    )
 
     def step() -> torch.Tensor:
-        out = model(input_ids=ids[:, n:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=ids[:, n:], attention_mask=mask, **{hf.cache_keyword(model): cache}, use_cache=True
+        )
         cache.crop(-1)  # transformers 5: a negative count of tokens to drop
         return out.last_hidden_state
 

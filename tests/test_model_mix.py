@@ -124,10 +124,12 @@ def _decode(model, ids, steps, cache):
     """Prefill ``ids`` into ``cache``, then ``steps`` greedy steps: ``(tokens (B, steps), logits (B,
     n + steps - 1, vocab))`` (the prefill's positions, then each step's)."""
     with torch.inference_mode():
-        logits = [model(ids, past_key_values=cache, use_cache=True).logits]  # (B, n, vocab)
+        logits = [model(ids, **{hf.cache_keyword(model): cache}, use_cache=True).logits]  # (B, n, vocab)
         tokens = [logits[-1][:, -1:].argmax(-1)]  # (B, 1)
         for _ in range(steps - 1):
-            logits.append(model(tokens[-1], past_key_values=cache, use_cache=True).logits)  # (B, 1, vocab)
+            logits.append(
+                model(tokens[-1], **{hf.cache_keyword(model): cache}, use_cache=True).logits
+            )  # (B, 1, vocab)
             tokens.append(logits[-1][:, -1:].argmax(-1))
     return torch.cat(tokens, 1), torch.cat(logits, 1)
 
@@ -188,7 +190,9 @@ def test_sinks_on_a_cache_that_dropped_them_are_refused_not_silently_wrong():
         _decode(model, _ids(14), 3, cache)
     # the prefill (every key still there) and a window without sinks on the same cache are fine
     with torch.inference_mode():
-        prefill = model(_ids(14), past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+        prefill = model(
+            _ids(14), **{hf.cache_keyword(model): DynamicCache(config=model.config)}, use_cache=True
+        ).logits
         assert (prefill - model(_ids(14)).logits).abs().max() < TOL
     plain = hf.implementation_for_roles(("local_window", {"window": 8}), "sdpa")
     _, banded = _models(cfg, plain)

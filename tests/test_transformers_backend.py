@@ -92,8 +92,10 @@ def run_case(model, case):
         return model(ids[:, :N], attention_mask=mask[:, :N]).logits, mask[:, :N].bool()
     if case == "prefill_onto_cache":
         cache = DynamicCache(config=model.config)
-        model(ids[:, :PAST], attention_mask=mask[:, :PAST], past_key_values=cache, use_cache=True)
-        out = model(ids[:, PAST:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(
+            ids[:, :PAST], attention_mask=mask[:, :PAST], **{hf.cache_keyword(model): cache}, use_cache=True
+        )
+        out = model(ids[:, PAST:], attention_mask=mask, **{hf.cache_keyword(model): cache}, use_cache=True)
         return out.logits, None  # (B, NEW, vocab): all real tokens
     assert case == "generate"
     out = model.generate(
@@ -217,9 +219,9 @@ def test_grouped_kv_reach_the_variant_from_the_cache_without_a_copy():
     try:
         type(shared).forward = spy
         with torch.inference_mode():
-            m(ids[:, :PAST], attention_mask=mask[:, :PAST], past_key_values=cache, use_cache=True)
+            m(ids[:, :PAST], attention_mask=mask[:, :PAST], **{hf.cache_keyword(m): cache}, use_cache=True)
             seen.clear()
-            m(ids[:, PAST : PAST + 1], attention_mask=mask[:, : PAST + 1], past_key_values=cache)
+            m(ids[:, PAST : PAST + 1], attention_mask=mask[:, : PAST + 1], **{hf.cache_keyword(m): cache})
     finally:
         type(shared).forward = orig
     assert len(seen) == 2  # one call per layer

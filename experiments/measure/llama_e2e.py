@@ -316,7 +316,9 @@ def measure_llama(
 
     def prefill() -> tuple[torch.Tensor, DynamicCache]:
         cache = new_cache()
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits  # (B, N, vocab)
+        logits = model(
+            input_ids=ids, **{hf.cache_keyword(model): cache}, use_cache=True
+        ).logits  # (B, N, vocab)
         return logits[:, -1], cache  # (B, vocab)
 
     prefill_ms: list[float] = []
@@ -338,7 +340,9 @@ def measure_llama(
         for _ in range(new_tokens - 1):
             _sync(dev)
             t0 = time.perf_counter()
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits  # (B, 1, vocab)
+            logits = model(
+                input_ids=token, **{hf.cache_keyword(model): cache}, use_cache=True
+            ).logits  # (B, 1, vocab)
             token = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
             _sync(dev)
             decode_ms.append((time.perf_counter() - t0) * 1e3)
