@@ -31,8 +31,8 @@ step chunked_triton_large 45 python3 run.py -m experiment=gpu variant=chunked,sd
 # chunked's split-K decode kernel (its Triton path) beside sdpa, one query, GB/s against the copy bandwidth
 step decode_chunked 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=chunked,sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_chunked
 # the pattern kernels, each call's longest kernels printed (is sparse's time one tile row's tail?)
-step patterns_small 90 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --profile 6 --json $W/patterns_small.json
-step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,flex sparse,xformers window" --profile 6 --json $W/patterns_large.json
+step patterns_small 90 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],xformers window" --profile 6 --json $W/patterns_small.json
+step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],xformers window" --profile 6 --json $W/patterns_large.json
 step pytest_cuda $((560 - SECONDS)) python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
 grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40
 tail -n 5 "$W/pytest_cuda.log"

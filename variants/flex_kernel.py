@@ -187,13 +187,16 @@ class FlexKernel:
         scale: float | None = None,
         bias: torch.Tensor | None = None,
         softcap: float | None = None,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` through the
         pattern, causal masking and the masks (boolean, True = may attend; ``key_padding_mask (B,
         Nk)``, ``attn_mask`` broadcastable to ``(B, H, Nq, Nk)``), scores scaled by ``scale`` (default
         ``1/sqrt(D)``), soft-capped to ``softcap tanh(s / softcap)`` when given, plus ``bias``
-        (broadcastable to ``(B, H, Nq, Nk)``): ``(B, H, Nq, Dv)``. The caller checks the workload
-        first (:func:`flex_refusal`)."""
+        (broadcastable to ``(B, H, Nq, Nk)``): ``(B, H, Nq, Dv)``; with ``return_lse`` also each row's
+        log-sum-exp ``(B, H, Nq)`` float32, natural log, -inf for a row that sees no key, through which
+        gradients flow (a caller merges it with another part of the row's keys). The caller checks the
+        workload first (:func:`flex_refusal`)."""
         if not torch.is_grad_enabled():  # FlexAttention refuses a CPU input that requires grad even
             # then (a model's learned query, run under no_grad): no graph is built, so detach
             q, k, v = q.detach(), k.detach(), v.detach()
@@ -219,4 +222,11 @@ class FlexKernel:
         with warnings.catch_warnings():
             # uncompiled use is a deliberate choice here (compile=False), not a mistake to warn about
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return self._flex_fn()(q, k, v, block_mask=bm, **extra)  # (B, H, Nq, Dv)
+            if not return_lse:
+                return self._flex_fn()(q, k, v, block_mask=bm, **extra)  # (B, H, Nq, Dv)
+            try:  # torch >= 2.9 asks for the log-sum-exp this way (return_lse is deprecated there)
+                from torch.nn.attention.flex_attention import AuxRequest
+            except ImportError:
+                return self._flex_fn()(q, k, v, block_mask=bm, return_lse=True, **extra)
+            out, aux = self._flex_fn()(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True), **extra)
+            return out, aux.lse  # (B, H, Nq, Dv), (B, H, Nq)
