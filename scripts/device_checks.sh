@@ -4,6 +4,7 @@
 # itself; the records so far are packed into $OUT/gpu.tar.gz after every step.
 #   OUT=/tmp/out bash scripts/device_checks.sh           (issue 34's checks, then pytest -m cuda)
 #   OUT=/tmp/out PART=37 bash scripts/device_checks.sh   (issue 37's xFormers runs: a second call)
+#   OUT=/tmp/out PART=gpu bash scripts/device_checks.sh  (experiment=gpu's forward, gpu_train in bf16)
 # Wheels of what the GPU image lacks (hydra-core, omegaconf, antlr4, xformers) are read from .whl/.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -36,6 +37,11 @@ step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype 
 step pytest_cuda $((560 - SECONDS)) python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
 grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40
 tail -n 5 "$W/pytest_cuda.log"
+elif [ "$PART" = gpu ]; then
+# what results/gpu lacks of experiment=gpu and gpu_train (the H100 run took bf16 fwd_bwd): the forward
+# with its CUDA-graph replay in both dtypes, then gpu_train's bf16 rows; each step keeps what it measured
+step gpu_fwd 300 python3 run.py -m experiment=gpu mode=fwd min_run_time=0.2 isolate=false records_dir=$R/gpu_fwd
+step gpu_train 240 python3 run.py -m experiment=gpu_train dtype=bfloat16 min_run_time=0.2 isolate=false records_dir=$R/gpu_train
 else
 # issue 37's xFormers runs
 step xformers_gpu 110 python3 run.py -m experiment=gpu_xformers variant.lift_gate=true min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers
