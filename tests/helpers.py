@@ -203,6 +203,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).abs().max() / scale)
 
 
+#: whether this process runs Triton's CPU interpreter (set for the child pytest of run_interpreted)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+#: a test that runs Triton kernels: only in the interpreted child (run_interpreted), skipped here
+interpreted = pytest.mark.skipif(
+    not INTERPRETING, reason="run under TRITON_INTERPRET=1 by test_interpreted_tests_pass, in a child pytest"
+)
+
+
 def run_interpreted(test_file: str) -> None:
     """Run ``test_file``'s tests in a child pytest with Triton's CPU interpreter on
     (``TRITON_INTERPRET=1``: Triton reads it when it is imported, so not in this process), and assert

@@ -10,7 +10,6 @@ takes it on CUDA."""
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -18,16 +17,21 @@ import torch
 import variants
 from variants import Unsupported, oracle
 
-from .helpers import CASES, Case, build, flags_allow, make_inputs, rel_err, run_interpreted, workload
+from .helpers import (
+    CASES,
+    INTERPRETING,
+    Case,
+    build,
+    flags_allow,
+    interpreted,
+    make_inputs,
+    rel_err,
+    run_interpreted,
+    workload,
+)
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 ct = importlib.import_module("variants.chunked_triton")
-
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not INTERPRETING, reason="run under TRITON_INTERPRET=1 by test_interpreted_tests_pass, in a child pytest"
-)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the child run itself")

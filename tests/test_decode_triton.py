@@ -9,7 +9,6 @@ are all padding, and rows that see no key at all."""
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import replace
 
 import pytest
@@ -18,16 +17,11 @@ import torch
 import variants
 from variants import Unsupported, oracle
 
-from .helpers import CASES, Case, build, make_inputs, rel_err, run_interpreted
+from .helpers import CASES, INTERPRETING, Case, build, interpreted, make_inputs, rel_err, run_interpreted
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 ct = importlib.import_module("variants.chunked_triton")
 dt = importlib.import_module("variants.decode_triton")
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not INTERPRETING, reason="run under TRITON_INTERPRET=1 by test_interpreted_tests_pass, in a child pytest"
-)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the child run itself")

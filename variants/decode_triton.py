@@ -34,6 +34,7 @@ from .chunked_triton import (
     _mask_args,
     _pad,
     _run,
+    _within_32_bits,
     refusal,
     sink_args,
     tl,
@@ -261,6 +262,7 @@ def decode(
     head ``h`` on K/V head ``h // (H / Hkv)``); ``attn_mask`` and ``bias`` as 4-D views ``(B|1, H|1,
     Nq|1, Nk)``; ``sinks (B|1, H, Nq|1)``, a logit per row that joins its softmax for a zero value.
     Returns ``(B, H, Nq, Dv)`` in ``q``'s dtype, no gradient. Call :func:`decode_refusal` first."""
+    q, k, v = (_within_32_bits(t) for t in (q, k, v))
     b, h, nq, _ = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hkv
