@@ -56,6 +56,31 @@ def test_the_kernel_matches_the_float64_formula(b, h, hkv, nq, nk, d, dv, causal
 
 
 @needs_kernel
+@pytest.mark.parametrize("shape", [(8,), (2, 8, 3)], ids=["per_head", "per_query"])
+def test_sink_logits_join_the_merge_without_a_copy_of_the_cache(shape, monkeypatch):
+    """gpt-oss's sinks: e^sink more in each row's denominator, for a zero value; the formula here
+    is the softmax over the keys and one more logit. The kernel takes them as they are: the cache is
+    not copied with one more key and feature (which a decode step would pay for the whole cache)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((2, 8, 3, 64), (2, 2, 3000, 64), (2, 2, 3000, 32)))
+    sinks = 2 * torch.randn(shape, generator=g)
+    from variants import base
+
+    monkeypatch.setattr(base, "_sink_as_first_key", lambda *a: pytest.fail("the cache was copied"))
+    attn = variants.build("chunked")
+    with torch.no_grad():
+        out = attn(q, k, v, causal=True, sinks=sinks)
+    assert attn.describe()["decode_ran"] == "kernel"
+    kk, vv = (t.double().repeat_interleave(4, dim=1) for t in (k, v))  # (B, H, Nk, D|Dv)
+    s = q.double() @ kk.transpose(-2, -1) / 8  # (B, H, Nq, Nk); D = 64
+    s = s.masked_fill(torch.arange(3000)[None, :] > torch.arange(3)[:, None] + 2997, float("-inf"))
+    logit = sinks.double().view(1, 8, 1) if len(shape) == 1 else sinks.double()  # (B|1, H, Nq|1)
+    full = torch.cat([s, logit.expand(2, 8, 3)[..., None]], dim=-1)  # the sink as one more column
+    want = torch.softmax(full, dim=-1)[..., :-1] @ vv  # its value is 0
+    assert _rel(out, want) <= 1e-5
+
+
+@needs_kernel
 def test_the_kernel_reads_a_strided_cache_and_a_given_scale():
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(2, 2, 300, 16, generator=g)  # (B, Hkv, capacity, D): a view of its first 257

@@ -25,8 +25,9 @@ Decoding (fewer queries than keys, no gradient) runs a split-K kernel (flash-dec
 reading each cached row once, the ranges merged by log-sum-exp), where ``decode=auto`` (default)
 finds one that takes the call:
 
-- on the CPU, a C kernel (:mod:`variants.decode_kernel`; float32, causal masking only), built on
-  first use with the system's C compiler; where it cannot be built, the PyTorch path above runs;
+- on the CPU, a C kernel (:mod:`variants.decode_kernel`; float32, causal masking only, sink logits
+  as one more range of its merge), built on first use with the system's C compiler; where it cannot
+  be built, the PyTorch path above runs;
 - on the Triton path (CUDA), a Triton kernel (:mod:`variants.decode_triton`; every mask, bias and cap
   the Triton path takes, up to 16-64 query rows per K/V head by dtype and head size).
 
@@ -252,9 +253,13 @@ class ChunkedAttention(AttentionVariant):
         return "reference" if self.impl_note else "triton"
 
     def native_sinks(self, w: Workload) -> bool:
-        """The Triton kernels take the sink logits as they are (each row's sums start from its sink):
-        no copy of q, k and v, and D=64 stays 64 (one more feature would pad it to 128)."""
-        return self._path(w) == "triton"
+        """The kernels take the sink logits as they are: the Triton path (each row's sums start from
+        its sink; D=64 stays 64, where one more feature would pad it to 128) and the CPU decode kernel
+        (the sink is one more range of its merge), so neither copies q, k and v (a decode step would
+        copy the whole cache); the PyTorch path adds them as one more key."""
+        if self._path(w) == "triton":
+            return True
+        return self.decode != "torch" and w.nq < w.nk and decode_kernel.unusable(w) is None
 
     def check(self, w: Workload) -> None:
         if self.impl == "triton" and (why := chunked_triton.refusal(w)):  # first: it says why
@@ -305,7 +310,15 @@ class ChunkedAttention(AttentionVariant):
                     raise Unavailable(f"chunked impl=triton: {why}") from None
                 self.impl_ran, self.impl_note = "reference", why
                 self.decode_ran = self.decode_note = None
-        if sinks is not None:  # the Triton path took them as they are; the others as one more key
+        if decoding:
+            why = decode_kernel.unusable(w)
+            if why is None:  # sinks as they are: one more range of its merge
+                self.decode_ran, self.impl_ran = "kernel", None
+                return decode_kernel.decode(
+                    q, k, v, causal=causal, scale=scale, sinks=sinks
+                )  # (B, H, Nq, Dv)
+            self.decode_ran, self.decode_note = "torch", why
+        if sinks is not None:  # the kernels took them as they are; the PyTorch path as one more key
             nk = k.shape[2]
             q, k, v = _sink_as_first_key(q, k, v, sinks, scale)  # (B, H|Hkv, N(+1), D+1), v: Dv
             key_padding_mask, am, bias4 = (
@@ -313,15 +326,6 @@ class ChunkedAttention(AttentionVariant):
                 _prepend(am, True, nk),
                 _prepend(bias4, 0.0, nk),
             )
-            w = Workload.of(
-                q, k, v, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4, softcap=softcap
-            )
-        if decoding:
-            why = decode_kernel.unusable(w)
-            if why is None:
-                self.decode_ran, self.impl_ran = "kernel", None
-                return decode_kernel.decode(q, k, v, causal=causal, scale=scale)  # (B, H, Nq, Dv)
-            self.decode_ran, self.decode_note = "torch", why
         h = q.shape[1]
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # (B, H, Nk, D|Dv): the PyTorch path's heads
         return _ChunkedAttention.apply(

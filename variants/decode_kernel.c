@@ -15,6 +15,8 @@
  * of an OpenMP loop, so the cache is read once, by all threads, whatever the number of pairs. A task
  * walks its range in tiles of TILE keys with an online softmax (running max m, sum l and weighted
  * sum acc per row) and leaves (m, l, acc); the ranges of a pair are then merged by log-sum-exp.
+ * sinks (or NULL): one logit per query row, (bh*R) like out's rows, that joins the row's softmax for
+ * a zero value (gpt-oss): it enters the merge as one more range with m = sink, l = 1, acc = 0.
  * Time O(bh R n (D + Dv)); memory O(bh splits R Dv) besides the inputs.
  */
 #include <math.h>
@@ -149,7 +151,7 @@ static void task(const float *q, const float *k, const float *v, long n, long j0
 /* Returns 0, or -1 if a size is outside what this kernel takes (the caller falls back). */
 int decode_splitk(const float *q, const float *k, const float *v, float *out, long bh, int R, int nq,
                   long n, int D, int Dv, long k_pair, long k_row, long v_pair, long v_row, float scale,
-                  int causal, int splits, int threads) {
+                  int causal, int splits, int threads, const float *sinks) {
     if (R > MAX_ROWS || D > MAX_DIM || Dv > MAX_DIM || n < 1 || splits < 1 || R % nq) return -1;
     long per = (n + splits - 1) / splits;
     long tasks = bh * splits;
@@ -181,7 +183,8 @@ int decode_splitk(const float *q, const float *k, const float *v, float *out, lo
     for (long pr = 0; pr < bh * R; pr++) {
         long p = pr / R;
         int r = (int)(pr % R);
-        float mx = -INFINITY;
+        float sink = sinks ? sinks[pr] : -INFINITY;
+        float mx = sink;
         for (int sidx = 0; sidx < splits; sidx++) {
             float mm = ms[(p * splits + sidx) * R + r];
             mx = mm > mx ? mm : mx;
@@ -189,7 +192,7 @@ int decode_splitk(const float *q, const float *k, const float *v, float *out, lo
         float *o = out + pr * Dv;
         memset(o, 0, sizeof(float) * Dv);
         if (mx == -INFINITY) continue;
-        float denom = 0.0f;
+        float denom = sinks ? expf(sink - mx) : 0.0f; /* the sink's term, for a zero value */
         for (int sidx = 0; sidx < splits; sidx++) {
             long x = p * splits + sidx;
             float mm = ms[x * R + r];

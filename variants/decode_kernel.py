@@ -40,6 +40,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         *(ctypes.c_long,) * 4,
         ctypes.c_float,
         *(ctypes.c_int,) * 3,
+        ctypes.c_void_p,
     ]
 
 
@@ -81,10 +82,20 @@ def unusable(w: Workload) -> str | None:
     return _KERNEL.unusable(refusal(w))
 
 
-def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (float32, CPU,
     no gradient, query head ``h`` on K/V head ``h // (H / Hkv)``; causal bottom-right):
-    ``(B, H, Nq, Dv)``. The caller checked :func:`refusal` and that :func:`kernel` is not None."""
+    ``(B, H, Nq, Dv)``. ``sinks (B|1, H, Nq|1)``: a logit per row that joins its softmax for a zero
+    value, merged as one more key range (no copy of the cache). The caller checked :func:`refusal` and
+    that :func:`kernel` is not None."""
     lib = kernel()
     assert lib is not None, "kernel() returned None: the caller must fall back"
     b, h, nq, d = q.shape
@@ -96,6 +107,8 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, s
     k = k if k.stride(-1) == 1 and k.stride(0) == hkv * k.stride(1) else k.contiguous()
     v = v if v.stride(-1) == 1 and v.stride(0) == hkv * v.stride(1) else v.contiguous()
     out = torch.empty(b * hkv, g * nq, dv, dtype=torch.float32)  # (B*Hkv, G*Nq, Dv)
+    if sinks is not None:  # (B, H, Nq) -> (B*Hkv, G*Nq): row g*Nq + i of a pair is query i of head hkv*G + g
+        sinks = sinks.to(torch.float32).expand(b, h, nq).reshape(b * hkv, g * nq).contiguous()
     threads = torch.get_num_threads()
     splits = max(1, min(nk // _MIN_KEYS_PER_SPLIT, -(-8 * threads // (b * hkv))))
     rc = lib.decode_splitk(
@@ -117,6 +130,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, s
         int(causal),
         splits,
         threads,
+        None if sinks is None else sinks.data_ptr(),
     )
     if rc != 0:
         raise RuntimeError(f"decode kernel refused sizes it was checked for (rc={rc})")
