@@ -333,9 +333,13 @@ def test_merging_two_key_sets_by_log_sum_exp_is_the_softmax_over_both_with_its_g
         strict=True,
     ):
         assert rel_err(got, exp) <= 1e-5
-    none = torch.zeros(2, 7, dtype=torch.bool)  # no key at all: zeros, not NaN
+    none = torch.zeros(2, 7, dtype=torch.bool)  # no key at all: zeros, not NaN, forward and backward
     z, lse_z = _attend_with_lse(q, k2, v2, none)
-    assert torch.equal(_merge(z, lse_z, z, lse_z), torch.zeros_like(z))
+    merged = _merge(z, lse_z, z, lse_z)
+    assert torch.equal(merged, torch.zeros_like(z))
+    lse_z.retain_grad()
+    merged.sum().backward()
+    assert torch.equal(lse_z.grad, torch.zeros_like(lse_z)) and torch.isfinite(q.grad).all()
 
 
 def test_sparse_keeps_global_rows_apart_only_where_their_tile_row_is_the_tail():

@@ -32,6 +32,7 @@ from .helpers import (
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 ct = importlib.import_module("variants.chunked_triton")
+dt = importlib.import_module("variants.decode_triton")
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the child run itself")
@@ -218,6 +219,10 @@ def test_kernels_that_do_not_build_fall_back_under_auto_and_are_unavailable_when
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
     with pytest.raises(Unavailable, match="chunked impl=triton: the Triton kernels did not build"):
         build("chunked", {"impl": "triton"}, case)(q, k, v, **kw)
+    monkeypatch.setattr(dt, "decode", no_build)  # decode=kernel asked for the decode kernel: no fallback
+    monkeypatch.setattr(dt, "decode_refusal", lambda w: None)
+    with pytest.raises(Unavailable, match="chunked decode=kernel: the Triton kernels did not build"):
+        build("chunked", {"decode": "kernel"}, case)(q[:, :, -2:], k, v, causal=True)
 
 
 def test_auto_runs_the_reference_on_the_cpu_and_says_nothing():

@@ -81,6 +81,22 @@ def test_sink_logits_join_the_merge_without_a_copy_of_the_cache(shape, monkeypat
 
 
 @needs_kernel
+def test_sinks_being_trained_take_the_path_with_a_backward():
+    """A frozen model's sink logits trained alone: q, k, v need no gradient but the sinks do, so the
+    decode kernel (no backward) must not take the call."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((1, 4, 1, 16), (1, 2, 300, 16), (1, 2, 300, 16)))
+    sinks = torch.randn(4, generator=g).requires_grad_()
+    attn = variants.build("chunked")
+    out = attn(q, k, v, causal=True, sinks=sinks)
+    assert attn.describe()["decode_ran"] == "torch" and "no backward" in attn.describe()["decode_note"]
+    (got,) = torch.autograd.grad(out.sum(), sinks)
+    want = variants.oracle(attn, q, k, v, causal=True, sinks=sinks)
+    (exp,) = torch.autograd.grad(want.sum(), sinks)
+    assert _rel(got, exp) <= 1e-5
+
+
+@needs_kernel
 def test_the_kernel_reads_a_strided_cache_and_a_given_scale():
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(2, 2, 300, 16, generator=g)  # (B, Hkv, capacity, D): a view of its first 257

@@ -115,6 +115,19 @@ def test_what_the_kernel_cannot_take_runs_the_general_kernels_and_says_why():
     assert torch_path.describe()["decode_ran"] is None and torch_path.describe()["impl_ran"] == "triton"
 
 
+@interpreted
+def test_sinks_being_trained_take_the_kernels_with_a_backward():
+    case = Case("sinks", b=1, h=4, hkv=2, nq=1, nk=200, d=16, dv=16, causal=True, sinks="head")
+    q, k, v, kw = make_inputs(case)
+    kw["sinks"].requires_grad_()  # q, k and v frozen: only the sinks are trained
+    attn = build("chunked", {"impl": "triton"}, case)
+    out = attn(q, k, v, **kw)
+    assert attn.describe()["decode_note"] == "the split-K decode kernel has no backward"
+    (got,) = torch.autograd.grad(out.sum(), kw["sinks"])
+    (exp,) = torch.autograd.grad(oracle(attn, q, k, v, **kw).sum(), kw["sinks"])
+    assert rel_err(got, exp) <= 1e-4
+
+
 def test_refusals_are_one_line():
     w = variants.Workload(
         batch=1, heads=32, kv_heads=1, nq=4, nk=100, head_dim=128, v_head_dim=128, device="cuda"

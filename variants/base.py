@@ -155,7 +155,9 @@ class Workload:
             causal=causal,
             key_padding=key_padding_mask is not None,
             attn_mask=attn_mask is not None,
-            backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            # a sink logit being trained needs a backward too (a frozen model's sinks)
+            backward=torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (q, k, v, sinks)),
             kv_heads=k.shape[1] if k.shape[1] != h else None,
             scale=None if scale is None else float(scale),
             bias=bias is not None,

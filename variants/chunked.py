@@ -285,8 +285,9 @@ class ChunkedAttention(AttentionVariant):
         self.decode_ran = self.decode_note = self.impl_ran = self.impl_note = None
         am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
         w = Workload.of(
-            q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap
-        )
+            q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap,
+            sinks=sinks,
+        )  # fmt: skip  # sinks: a trained sink logit needs the path with a backward
         decoding = self.decode != "torch" and q.shape[2] < k.shape[2]
         self.impl_ran = self._path(w)
         if self.impl_ran == "triton":
@@ -308,6 +309,8 @@ class ChunkedAttention(AttentionVariant):
                 why = f"the Triton kernels did not build for this GPU: {first}"
                 if self.impl == "triton":
                     raise Unavailable(f"chunked impl=triton: {why}") from None
+                if decoding and self.decode == "kernel":  # the decode kernel it asked for
+                    raise Unavailable(f"chunked decode=kernel: {why}") from None
                 self.impl_ran, self.impl_note = "reference", why
                 self.decode_ran = self.decode_note = None
         if decoding:

@@ -541,11 +541,15 @@ class _TritonChunked(torch.autograd.Function):
         b, h, nq, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
         delta = (grad_out.float() * out.float()).sum(-1).reshape(b * h, nq)  # rowsum(dO O) = rowsum(P dP)
-        dq, dk, dvv = _grad(q, (b, h, nq), d), _grad(k, (b, hkv, nk), d), _grad(v, (b, hkv, nk), dv)
+        want_q, want_k, want_v = ctx.needs_input_grad[:3]
+        none = q.new_empty(0)  # stands in for a gradient no kernel writes
+        dq = _grad(q, (b, h, nq), d) if want_q else none
+        dk, dvv = (
+            (_grad(k, (b, hkv, nk), d), _grad(v, (b, hkv, nk), dv)) if want_k or want_v else (none, none)
+        )
         dkdv, dq_ = backward_launches(
             q, k, v, grad_out, lse, delta, dq, dk, dvv, kpm, am, bias, causal, scale, cap
         )
-        want_q, want_k, want_v = ctx.needs_input_grad[:3]
         if want_k or want_v:  # one kernel writes both
             _run(dkdv)
         if want_q:

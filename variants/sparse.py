@@ -424,7 +424,9 @@ def _merge(
     log-sum-exp ``(B, H, R)``: each output weighted by its share ``e^(lse_x - lse)`` of the whole,
     ``lse = log(e^lse_a + e^lse_b)``; a row that sees no key in either is 0. float32, ``O(B H R
     Dv)``."""
-    lse = torch.logaddexp(lse_a, lse_b)  # (B, H, R)
-    safe = lse.masked_fill(lse == float("-inf"), 0.0)
-    wa, wb = torch.exp(lse_a - safe)[..., None], torch.exp(lse_b - safe)[..., None]  # (B, H, R, 1)
+    # a row with no key in either set: logaddexp(-inf, -inf)'s gradient is NaN, so such a row's total
+    # is taken as 0 (its weights come out 0 and its gradients 0)
+    empty = (lse_a == float("-inf")) & (lse_b == float("-inf"))
+    lse = torch.logaddexp(lse_a, lse_b.masked_fill(empty, 0.0))  # (B, H, R)
+    wa, wb = torch.exp(lse_a - lse)[..., None], torch.exp(lse_b - lse)[..., None]  # (B, H, R, 1)
     return wa * out_a.float() + wb * out_b.float()  # (B, H, R, Dv)
