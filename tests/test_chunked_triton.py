@@ -10,6 +10,8 @@ takes it on CUDA."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -223,6 +225,29 @@ def test_kernels_that_do_not_build_fall_back_under_auto_and_are_unavailable_when
     monkeypatch.setattr(dt, "decode_refusal", lambda w: None)
     with pytest.raises(Unavailable, match="chunked decode=kernel: the Triton kernels did not build"):
         build("chunked", {"decode": "kernel"}, case)(q[:, :, -2:], k, v, causal=True)
+
+
+def test_without_triton_the_variants_import_and_chunked_runs_its_other_paths():
+    """``pip install -e .`` does not install Triton: the Triton modules must import without it (the
+    kernels undefined), chunked must run, and impl=triton must say why it cannot."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # import triton now raises ImportError
+        "import torch, variants\n"
+        "from variants import chunked_triton, decode_triton\n"
+        "assert chunked_triton.IMPORT_ERROR and decode_triton.triton is None\n"
+        "q = torch.randn(1, 4, 1, 16); k = torch.randn(1, 2, 40, 16)\n"
+        "a = variants.build('chunked')\n"
+        "out = a(q, k, k, causal=True, sinks=torch.randn(4))\n"
+        "assert out.shape == (1, 4, 1, 16) and a.describe()['impl_ran'] in (None, 'reference')\n"
+        "try:\n"
+        "    variants.build('chunked', impl='triton')(q, k, k)\n"
+        "except variants.Unavailable as exc:\n"
+        "    assert 'Triton could not be imported' in str(exc), exc\n"
+        "else:\n"
+        "    raise AssertionError('impl=triton ran without Triton')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_auto_runs_the_reference_on_the_cpu_and_says_nothing():

@@ -30,7 +30,6 @@ from .chunked_triton import (
     LOG2E_PY,
     PREC32,
     Launch,
-    _at,
     _mask_args,
     _pad,
     _run,
@@ -107,6 +106,8 @@ def decode_refusal(w: Workload) -> str | None:
 
 
 if triton is not None:
+    from .chunked_triton import _at  # a Triton function: defined only where Triton imports
+
     LOG2E = tl.constexpr(LOG2E_PY)
 
     # fmt: off
