@@ -272,7 +272,7 @@ class ChunkedAttention(AttentionVariant):
             if why is not None:
                 raise Unsupported(f"chunked decode=kernel: {why}")
             return
-        why = decode_kernel.refusal(w)  # sinks are one more key and feature: the kernel takes them
+        why = decode_kernel.refusal(w)  # sinks: the kernel takes them, as one more range of its merge
         if why is not None:
             raise Unsupported(f"chunked decode=kernel: {why}")
         if decode_kernel.kernel() is None:
