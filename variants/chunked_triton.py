@@ -105,12 +105,17 @@ TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
 }
 
 
+def tile_class(d: int, dv: int, dtype: torch.dtype) -> tuple[int, int]:
+    """What a tile table is keyed by: the input width in bits (16, or 32 for float32) and the head-size
+    bucket (64, 128 or 256) that holds ``max(d, dv)``."""
+    width = max(d, dv)
+    return 32 if dtype == torch.float32 else 16, 64 if width <= 64 else 128 if width <= 128 else 256
+
+
 def tile(kernel: str, d: int, dv: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, warps, stages)`` of ``kernel`` (``fwd``, ``dkdv``, ``dq``) for head sizes
     ``d``, ``dv`` (:data:`TILES`; ``tests/test_chunked_triton.py`` compiles them for sm_80 and sm_90)."""
-    width = max(d, dv)
-    bucket = 64 if width <= 64 else 128 if width <= 128 else 256
-    return TILES[kernel, 32 if dtype == torch.float32 else 16, bucket]
+    return TILES[(kernel, *tile_class(d, dv, dtype))]
 
 
 def _pad(n: int) -> int:
@@ -396,9 +401,13 @@ def _mask_args(
             args += [ref, 0, 0, 0, 0]
             continue
         t = t.view(torch.uint8) if is_mask else t
-        st = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride(), strict=True)]
-        args += [t, *st]
+        args += [t, *_broadcast_strides(t)]
     return tuple(args)
+
+
+def _broadcast_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides with 0 on every dimension of size 1, so a kernel reads it broadcast there."""
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
 Launch = tuple[Any, tuple[int, int, int], tuple[Any, ...], dict[str, Any]]  # kernel, grid, args, keywords
@@ -434,9 +443,7 @@ def _tiled(kernel: str, q: torch.Tensor, v: torch.Tensor, meta: dict) -> dict:
 def sink_args(sinks: torch.Tensor | None, ref: torch.Tensor) -> tuple[Any, ...]:
     """The sink logits ``(B|1, H, Nq|1)`` as a kernel takes them: the tensor and its strides, 0 on a
     broadcast dimension; ``ref`` stands in for absent ones (never read: ``HAS_SINK`` is off)."""
-    if sinks is None:
-        return (ref, 0, 0, 0)
-    return (sinks, *(0 if n == 1 else st for n, st in zip(sinks.shape, sinks.stride(), strict=True)))
+    return (ref, 0, 0, 0) if sinks is None else (sinks, *_broadcast_strides(sinks))
 
 
 def forward_launch(

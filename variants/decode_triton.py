@@ -36,6 +36,7 @@ from .chunked_triton import (
     _within_32_bits,
     refusal,
     sink_args,
+    tile_class,
     tl,
     triton,
 )
@@ -66,22 +67,22 @@ TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {
 }
 
 
+def _row_buckets(d: int, dv: int, dtype: torch.dtype) -> list[int]:
+    """The row buckets :data:`TILES` has for these head sizes and dtype."""
+    cls = tile_class(d, dv, dtype)
+    return [rows for (*key, rows) in TILES if tuple(key) == cls]
+
+
 def tile(d: int, dv: int, rows: int, dtype: torch.dtype) -> tuple[int, int, int] | None:
     """``(BLOCK_N, warps, stages)`` for head sizes ``d``, ``dv`` and ``rows`` query rows per K/V head
     (:data:`TILES`), or None when no tile takes that many rows. ``O(1)``."""
-    width = max(d, dv)
-    bits = 32 if dtype == torch.float32 else 16
-    bucket = 64 if width <= 64 else 128 if width <= 128 else 256
-    fits = [r for (b, h, r) in TILES if (b, h) == (bits, bucket) and r >= rows]
-    return TILES[bits, bucket, min(fits)] if fits else None
+    fits = [r for r in _row_buckets(d, dv, dtype) if r >= rows]
+    return TILES[(*tile_class(d, dv, dtype), min(fits))] if fits else None
 
 
 def max_rows(d: int, dv: int, dtype: torch.dtype) -> int:
     """The most query rows per K/V head a tile of :data:`TILES` takes at these head sizes and dtype."""
-    width = max(d, dv)
-    bits = 32 if dtype == torch.float32 else 16
-    bucket = 64 if width <= 64 else 128 if width <= 128 else 256
-    return max(r for (b, h, r) in TILES if (b, h) == (bits, bucket))
+    return max(_row_buckets(d, dv, dtype))
 
 
 def decode_refusal(w: Workload) -> str | None:
