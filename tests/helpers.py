@@ -56,6 +56,7 @@ CASES = [
     Case("bias", bias=True, causal=True, padding=True),
     Case("sinks", h=4, hkv=2, causal=True, padding=True, sinks="head"),
     Case("sinks_per_query", nq=8, nk=24, causal=True, bias=True, sinks="query"),
+    Case("sinks_masked", causal=True, mask=True, bias=True, sinks="query"),  # Nq == Nk, every row its own
     Case("softcap", h=4, hkv=2, causal=True, padding=True, bias=True, softcap=0.8),  # bites at |s| ~ 1
     Case("window", h=4, hkv=2, causal=True, padding=True, window=2),  # narrower than local_window's
     Case("window_decode", nq=4, nk=24, causal=True, window=2),

@@ -75,7 +75,8 @@ def _grads(attn, q, k, v, kw, fn):
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     g = g.to(out.device)
     params = [p for p in attn.parameters() if p.requires_grad]
-    return torch.autograd.grad(out, [q, k, v, *params], g.to(out.dtype), allow_unused=True)
+    sinks = [kw["sinks"]] if "sinks" in kw else []  # their gradient too (a model trains them)
+    return torch.autograd.grad(out, [q, k, v, *params, *sinks], g.to(out.dtype), allow_unused=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,7 +85,18 @@ def _grads(attn, q, k, v, kw, fn):
     "case",
     [
         CASE[c]
-        for c in ("plain", "causal_padding", "attn_mask", "short_q", "gqa", "prefill_onto_cache", "bias")
+        for c in (
+            "plain",
+            "causal_padding",
+            "attn_mask",
+            "short_q",
+            "gqa",
+            "prefill_onto_cache",
+            "bias",
+            "sinks",
+            "sinks_per_query",
+            "sinks_masked",
+        )  # fmt: skip
     ],
     ids=lambda c: c.id,
 )
@@ -92,6 +104,8 @@ def test_gradients_match_oracle_fp32(vp, case, device):
     name, knobs = vp
     attn = build(name, knobs, case, device)
     q, k, v, kw = make_inputs(case, requires_grad=True, device=device)
+    if "sinks" in kw:
+        kw["sinks"].requires_grad_(True)
     if not flags_allow(attn, workload(case, backward=True, device=device)):
         with pytest.raises(Unsupported):
             attn(q, k, v, **kw).sum().backward()
@@ -256,6 +270,39 @@ def test_sdpa_auto_finds_its_kernel_once_per_kind_of_call(monkeypatch):
     assert len(spies) == 1
     attn(q[..., :4], q[..., :4], q[..., :4])  # another head size: asked again
     assert len(spies) == 2
+
+
+@pytest.mark.parametrize("dv", [16, 8], ids=["dv_eq_d", "dv_ne_d"])
+def test_sdpa_takes_sinks_on_its_fused_kernel(dv):
+    """gpt-oss's sinks as one more key and feature: with D+1 against Dv (or causal Nq < Nk+1, an
+    explicit mask) PyTorch runs the math kernel, O(Nq Nk) memory and 3-5x the time on a CPU. sdpa
+    keeps equal head sizes and plain causal, so the kernel that runs the call without sinks runs it
+    ('flash', which takes no mask, where Dv = D), within the oracle's error, gradients included
+    (those of the sinks too)."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 4, 40, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 2, 40, dv, generator=g, dtype=torch.float64)
+    k = k[:, :2]  # (B, Hkv, N, D): grouped heads
+    sinks = 1.5 * torch.randn(4, generator=g, dtype=torch.float64)
+    inputs = [t.float().requires_grad_(True) for t in (q, k, v, sinks)]
+    attn = variants.build("sdpa", backend="flash" if dv == 16 else "auto")
+    attn(*inputs[:3], causal=True)
+    without = attn.backend_ran
+    out = attn(*inputs[:3], causal=True, sinks=inputs[3])
+    assert attn.backend_ran == without == ("flash" if dv == 16 else "math") and out.shape == (2, 4, 40, dv)
+    got = torch.autograd.grad(out.square().sum(), inputs)
+    # the oracle: the softmax over the causal keys and one more logit, whose value is 0
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))  # (B, H, N, D|Dv)
+    ref = [t.clone().requires_grad_(True) for t in (q, kk, vv, sinks)]
+    s = ref[0] @ ref[1].transpose(-2, -1) / 4  # (B, H, N, N)
+    s = s.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    full = torch.cat([s, ref[3].view(1, 4, 1, 1).expand(2, 4, 40, 1)], -1)  # (B, H, N, N + 1)
+    want = torch.softmax(full, -1)[..., :-1] @ ref[2]  # (B, H, N, Dv)
+    assert rel_err(out.double(), want) <= 1e-5
+    dq, dk, dv_, ds = torch.autograd.grad(want.square().sum(), ref)
+    dk, dv_ = (t.view(2, 2, 2, 40, -1).sum(2) for t in (dk, dv_))  # (B, H, ...) -> (B, Hkv, ...)
+    for a, b in zip(got, (dq, dk, dv_, ds), strict=True):
+        assert rel_err(a.double(), b) <= 1e-4
 
 
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)

@@ -209,23 +209,39 @@ def causal_offset(nq: int, nk: int) -> int:
 
 
 def _sink_as_first_key(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float | None,
+    *,
+    equal_dims: bool = False,
+    query_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sinks as one more key in front of the others, through one more feature: the queries get
     ``sink / scale`` (``sinks (B|1, H, Nq|1)``), the sink key ``1`` there and 0 elsewhere, the real
     keys 0 there, so the sink key's score is exactly the sink's logit and every other score is
     unchanged; its value is 0. Returns ``q (B, H, Nq, D+1)``, ``k (B, Hkv, Nk+1, D+1)``, ``v (B, Hkv,
     Nk+1, Dv)`` (the sink key is the same for every head: no head is repeated); causal bottom-right
-    alignment still shows every query all its keys and the sink. ``O((Nq + Nk) D)`` copies."""
+    alignment still shows every query all its keys and the sink. ``O((Nq + Nk) D)`` copies.
+
+    For a fused kernel: ``equal_dims`` gives v the extra feature too (``Dv+1``, zeros: fused kernels
+    want equal head sizes, so out[..., :Dv] is the output); ``query_row`` puts one more query in front
+    (zeros: ``Nq+1``, its output row to drop), so that causal self-attention keeps ``Nq == Nk``, plain
+    causal, where ``Nq < Nk`` would need an explicit ``(Nq, Nk)`` mask."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     s = d**-0.5 if scale is None else scale
     extra = (sinks.to(q.dtype) / s).expand(b, h, nq)[..., None]  # (B, H, Nq, 1)
     q = torch.cat([q, extra], -1)  # (B, H, Nq, D+1)
+    if query_row:
+        q = torch.cat([q.new_zeros(b, h, 1, d + 1), q], 2)  # (B, H, Nq+1, D+1)
     sink_key = k.new_zeros(b, hkv, 1, d + 1)
     sink_key[..., d] = 1.0
     k = torch.cat([sink_key, torch.cat([k, k.new_zeros(b, hkv, nk, 1)], -1)], 2)  # (B, Hkv, Nk+1, D+1)
-    v = torch.cat([v.new_zeros(b, hkv, 1, v.shape[-1]), v], 2)  # (B, Hkv, Nk+1, Dv)
+    if equal_dims:
+        v = torch.cat([v, v.new_zeros(b, hkv, nk, 1)], -1)  # (B, Hkv, Nk, Dv+1)
+    v = torch.cat([v.new_zeros(b, hkv, 1, v.shape[-1]), v], 2)  # (B, Hkv, Nk+1, Dv(+1))
     return q, k, v
 
 
@@ -237,6 +253,14 @@ def _prepend(mask: torch.Tensor | None, value: bool | float, nk: int | None = No
     if nk is not None:
         mask = mask.expand(*mask.shape[:-1], nk)  # (..., Nq|1, Nk): a broadcast key dim made real
     return torch.cat([torch.full_like(mask[..., :1], value), mask], -1)  # (..., Nk + 1)
+
+
+def _prepend_row(mask: torch.Tensor | None, value: bool | float, nq: int) -> torch.Tensor | None:
+    """``mask`` (broadcasting to ``(..., Nq, Nk)``) with one query row of ``value`` in front where its
+    query dim is real (``query_row`` of :func:`_sink_as_first_key`); a broadcast one stays."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] != nq or nq == 1:
+        return mask
+    return torch.cat([torch.full_like(mask[..., :1, :], value), mask], -2)  # (..., Nq + 1, Nk)
 
 
 class AttentionVariant(nn.Module):

@@ -38,7 +38,7 @@ class FlexAttention(AttentionVariant):
     backward_devices = frozenset({"cuda"})
     compiled = True
     supports_bias = True
-    supports_sinks = True  # one more key in front (base.forward)
+    supports_sinks = True  # from the log-sum-exp where flex returns it (native_sinks), else one more key
     supports_softcap = True  # in the score_mod, before the bias
     native_gqa = True
     native_scale = True
@@ -71,15 +71,19 @@ class FlexAttention(AttentionVariant):
     def knobs(self) -> dict[str, object]:
         return {"pattern": "full", "block": self.block, "compile": self.compile}
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None):
-        return self._flex(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask,
-            scale=scale,
-            bias=bias,
-            softcap=softcap,
-        )
+    def native_sinks(self, w: Workload) -> bool:
+        # each row's output times its share e^lse / (e^lse + e^sink): no copy, no head size of D+1
+        # (which the kernel pads to 128). Compiled on the CPU, FlexAttention returns no log-sum-exp.
+        return w.device == "cuda" or not self.compile
+
+    def _attend(
+        self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None, sinks=None
+    ):
+        call = dict(causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, scale=scale)
+        if sinks is None:
+            return self._flex(q, k, v, **call, bias=bias, softcap=softcap)  # (B, H, Nq, Dv)
+        out, lse = self._flex(q, k, v, **call, bias=bias, softcap=softcap, return_lse=True)
+        # (B, H, Nq, Dv), (B, H, Nq): the sink's e^sink joins the denominator for a zero value, so the
+        # row's weights shrink by sigmoid(lse - sink); a row that sees no key stays 0 (sigmoid(-inf))
+        share = torch.sigmoid(lse - sinks.float())  # (B, H, Nq); sinks (B|1, H, Nq|1)
+        return (out.float() * share[..., None]).to(q.dtype)  # (B, H, Nq, Dv)
