@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from arg_types import non_negative_int
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -86,8 +88,10 @@ def busy_machine(sweep: bool = True, hogs: int = 1, scratch: Path | None = None)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-sweep", action="store_true", help="only the hog processes")
-    ap.add_argument("--hogs", type=int, default=1, help="spinning processes (default 1)")
+    ap.add_argument("--hogs", type=non_negative_int, default=1, help="spinning processes (default 1)")
     args = ap.parse_args()
+    if args.no_sweep and not args.hogs:  # else it would idle, loading nothing, until Ctrl-C
+        ap.error("--no-sweep with --hogs 0 loads nothing")
     with busy_machine(sweep=not args.no_sweep, hogs=args.hogs) as load:
         print(f"loading the machine (scratch {load.scratch}); Ctrl-C stops it", flush=True)
         try:

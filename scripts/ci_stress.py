@@ -31,6 +31,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from arg_types import positive_int
 from busy_machine import ROOT, busy_machine
 
 SETUP = re.compile(r"^(python -m venv|\. |source |pip install)")
@@ -104,7 +105,7 @@ def run_once(command: str, log: Path, loaded: bool, fresh_clone: bool = False) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=positive_int, default=5)
     ap.add_argument("--quiet", action="store_true", help="nothing beside the runs")
     ap.add_argument("--fresh-clone", action="store_true", help="each run: .ci/run in a new clone of HEAD")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu" / "ci_stress")

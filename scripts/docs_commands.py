@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from arg_types import positive_float
+
 PREFIXES = ("python", "pip", ".", "MALLOC_")
 SHELL_FENCES = {"", "bash", "sh"}
 JOB_LINE = re.compile(r"\] (ok|unsupported|unavailable|error):")
@@ -211,13 +213,17 @@ def load() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, required=True, help="the checkout to run the commands in")
-    parser.add_argument("--cap-s", type=float, default=90.0, help="wall-time cap per command (s)")
+    parser.add_argument("--cap-s", type=positive_float, default=90.0, help="wall-time cap per command (s)")
     parser.add_argument("--out", type=Path, required=True, help="the Markdown report; logs/ goes beside it")
     parser.add_argument("--only", default="", help="run only the commands containing this text")
     parser.add_argument("--list", action="store_true", help="list the commands, run nothing")
     args = parser.parse_args()
     root = args.root.resolve()
+    if not (root / "README.md").is_file():  # extract() reads it first: a bare FileNotFoundError otherwise
+        parser.error(f"--root {args.root}: no README.md there (not a checkout of this project)")
     commands = [c for c in extract(root, args.cap_s) if args.only in c.text]
+    if not commands:  # an empty report is no evidence: never a success
+        parser.error(f"--only {args.only!r}: no command of the documentation contains it")
     if args.list:
         for c in commands:
             print(f"{c.where}\tcap {c.cap_s:.0f}\t{c.skip or '-'}\t{c.text}")

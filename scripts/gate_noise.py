@@ -30,6 +30,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from arg_types import positive_int
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives in the repository, not in site-packages
 
@@ -91,7 +93,7 @@ def summarize(runs: list[dict], title: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--runs", type=positive_int, default=20)
     ap.add_argument("--load", action="store_true", help="a sweep of this suite and a CPU hog beside the runs")
     ap.add_argument("--regression", action="store_true", help="also the regression gates' time ratios")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu" / "gate_noise")
@@ -132,7 +134,10 @@ def main() -> None:
             head = f"run {i + 1}/{args.runs} ({run['seconds']} s, load {run['load_avg']:.1f})"
             print(f"{head}: {shown}", flush=True)
     # every run in the folder, this call's and earlier ones' (runs can be gathered over several calls)
-    everything = [json.loads(line) for line in (args.out / "runs.jsonl").read_text().splitlines()]
+    lines = (args.out / "runs.jsonl").read_text().splitlines()
+    everything = [json.loads(line) for line in lines if line.strip()]
+    if not everything:  # emptied by hand while the runs went on: no table to write, and not a success
+        raise SystemExit(f"error: {args.out / 'runs.jsonl'} holds no runs; nothing to summarize")
     title = f"Gated timing ratios, {'loaded' if args.load else 'quiet'} machine"
     (args.out / "summary.md").write_text(summarize(everything, title))
     print((args.out / "summary.md").read_text())

@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as fn
+from arg_types import non_negative_int, positive_float, positive_int
 from linear_vs_peers import (
     GEMM_N,
     B,
@@ -92,10 +93,10 @@ def contenders(n: int, fla_max: int) -> tuple[list[Contender], dict[str, str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--fla-max", type=int, default=8192, help="largest N for fla's references")
-    ap.add_argument("--gemm-min-run-time", type=float, default=0.5)
+    ap.add_argument("--sizes", type=positive_int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--fla-max", type=non_negative_int, default=8192, help="largest N for fla's references")
+    ap.add_argument("--gemm-min-run-time", type=positive_float, default=0.5)
     ap.add_argument("--out", help="write the Markdown tables here")
     ap.add_argument("--json", help="write every cell here")
     args = ap.parse_args()

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from arg_types import non_negative_int, positive_int
 
 from integrations import transformers_backend as hf
 
@@ -96,25 +97,34 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 x hidden)")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--pad", type=int, default=0, help="left padding of batch row 0, in tokens")
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024])
+    ap.add_argument("--batch", type=positive_int, default=1)
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--hidden", type=positive_int, default=512)
+    ap.add_argument("--intermediate", type=positive_int, default=None, help="MLP width (default 4 x hidden)")
+    ap.add_argument("--heads", type=positive_int, default=8)
+    ap.add_argument("--kv-heads", type=positive_int, default=2)
+    ap.add_argument("--pad", type=non_negative_int, default=0, help="left padding of batch row 0, in tokens")
     ap.add_argument(
         "--mode",
         choices=["forward", "decode"],
         default="forward",
         help="forward: N tokens at once; decode: one token against a cache of N",
     )
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--rounds", type=positive_int, default=15, help="at least 2 (the quartiles need two)")
+    ap.add_argument("--warmup", type=positive_int, default=3, help="untimed calls, the first one compared")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--impls", nargs="+", default=["sdpa", hf.implementation("sdpa"), "eager"])
     args = ap.parse_args()
+    # what transformers or the statistics would otherwise refuse deep inside, or measure wrong
+    if args.rounds < 2:
+        ap.error(f"--rounds {args.rounds}: the interquartile range needs at least 2 rounds")
+    if args.hidden % args.heads:
+        ap.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
+    if args.heads % args.kv_heads:
+        ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.pad >= min(args.lengths):  # a row with no real token: nothing of it to compare
+        ap.error(f"--pad {args.pad} leaves batch row 0 no real token at N={min(args.lengths)} (--lengths)")
     if args.threads:
         torch.set_num_threads(args.threads)
     hf.register([hf.name_of(i) for i in args.impls if i.startswith(hf.PREFIX)])

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as fn
+from arg_types import non_negative_int, positive_float, positive_int
 
 import variants
 from experiments.measure import machine_load
@@ -500,14 +501,25 @@ def run_under_job_allocator() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384], help="causal part's N")
-    ap.add_argument("--peer-n", type=int, default=4096, help="N of the performer and low-rank parts")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--features", type=int, default=256)
-    ap.add_argument("--draws", type=int, default=3, help="feature draws the performer deviations average")
-    ap.add_argument("--fla-retention-max", type=int, default=8192, help="largest N for fla's naive_retention")
-    ap.add_argument("--parts", nargs="+", default=["causal", "performer", "lowrank"])
-    ap.add_argument("--gemm-min-run-time", type=float, default=0.5)
+    ap.add_argument(
+        "--sizes", type=positive_int, nargs="+", default=[2048, 4096, 8192, 16384], help="causal part's N"
+    )
+    ap.add_argument("--peer-n", type=positive_int, default=4096, help="N of the performer and low-rank parts")
+    ap.add_argument("--rounds", type=positive_int, default=7)
+    ap.add_argument("--features", type=positive_int, default=256)
+    ap.add_argument(
+        "--draws", type=positive_int, default=3, help="feature draws the performer deviations average"
+    )
+    ap.add_argument(
+        "--fla-retention-max",
+        type=non_negative_int,
+        default=8192,
+        help="largest N for fla's naive_retention (0: never)",
+    )
+    # choices: a misspelt part would otherwise run nothing and fail on an empty GEMM list
+    parts = ["causal", "performer", "lowrank"]
+    ap.add_argument("--parts", nargs="+", choices=parts, default=parts)
+    ap.add_argument("--gemm-min-run-time", type=positive_float, default=0.5)
     ap.add_argument("--out", help="write the Markdown tables here")
     ap.add_argument("--json", help="write every cell here")
     args = ap.parse_args()

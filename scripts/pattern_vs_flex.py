@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from arg_types import non_negative_int, positive_float, positive_int
 
 import variants
 from experiments.measure.profile import format_table, kernel_table
@@ -102,22 +103,26 @@ def call(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--block", type=int, default=64, help="sparse block (flex sparse uses the same)")
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--rounds", type=positive_int, default=7)
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    ap.add_argument("--window", type=non_negative_int, default=128, help="local_window radius, tokens")
+    ap.add_argument("--block", type=positive_int, default=64, help="sparse block (flex sparse uses the same)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--mode", default="fwd", choices=["fwd", "fwd_bwd"])
-    ap.add_argument("--shape", type=int, nargs=3, action="append", metavar=("B", "H", "D"))
-    ap.add_argument("--min-run-time", type=float, default=0.2, help="CUDA: seconds per timing")
+    ap.add_argument("--shape", type=positive_int, nargs=3, action="append", metavar=("B", "H", "D"))
+    ap.add_argument("--min-run-time", type=positive_float, default=0.2, help="CUDA: seconds per timing")
     ap.add_argument("--json", help="write every cell here")
-    ap.add_argument("--profile", type=int, default=0, metavar="K", help="print each call's K longest kernels")
+    ap.add_argument(
+        "--profile", type=non_negative_int, default=0, metavar="K", help="print each call's K longest kernels"
+    )
     ap.add_argument(
         "--contenders", help="comma-separated names to time (default: all); 'sdpa (dense)' is always timed"
     )
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():  # else torch's AssertionError, mid-setup
+        ap.error("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False)")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = args.shape or [[1, 8, 64]]

@@ -2,9 +2,10 @@
 
 Runs, in one process and interleaved, (a) a full harness job (``experiments.measure.kernel.measure``
 with isolation off, which times through the variant wrapper) and (b) ``torch.utils.benchmark.Timer``
-directly on ``F.scaled_dot_product_attention``; prints both medians and their ratio per round.
+directly on ``F.scaled_dot_product_attention``, both on ``--threads`` torch threads; prints both
+medians and their ratio per round.
 
-    python scripts/timer_agreement.py [--n 1024] [--rounds 5]
+    python scripts/timer_agreement.py [--n 1024] [--rounds 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 import torch.utils.benchmark as tbench
+from arg_types import positive_float, positive_int
 
 from experiments.measure.kernel import measure
 from experiments.measure.spec import JobSpec
@@ -22,13 +24,19 @@ from experiments.measure.spec import JobSpec
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--min-run-time", type=float, default=1.0)
+    ap.add_argument("--n", type=positive_int, default=1024)
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--min-run-time", type=positive_float, default=1.0)
+    ap.add_argument(
+        "--threads", type=positive_int, default=torch.get_num_threads(), help="torch threads of both sides"
+    )
     args = ap.parse_args()
+    # the same threads on both sides: a spec without them runs the harness on every CPU (its affinity)
+    torch.set_num_threads(args.threads)
     spec = JobSpec(
         variant={"_target_": "variants.sdpa.SDPAAttention", "backend": "auto"},
         seq_len=args.n,
+        threads=args.threads,
         min_run_time=args.min_run_time,
         accuracy_rows=64,
     )
@@ -36,12 +44,14 @@ def main() -> None:
     timer = tbench.Timer(
         stmt="F.scaled_dot_product_attention(q, k, v)",
         globals={"F": F, "q": q, "k": k, "v": v},
-        num_threads=torch.get_num_threads(),
+        num_threads=args.threads,
     )
     ratios = []
-    print(f"sdpa N={args.n}, B=1 H=8 D=64 fp32, {torch.get_num_threads()} threads")
+    print(f"sdpa N={args.n}, B=1 H=8 D=64 fp32, {args.threads} threads on both sides")
     for r in range(args.rounds):
         res = measure(spec)
+        if res["status"] != "ok":  # measure never raises: its figures are then missing
+            raise SystemExit(f"error: the harness job did not measure: {res['status']}: {res['reason']}")
         harness = res["figures"]["fwd_median_s"]
         with torch.no_grad():
             direct = timer.blocked_autorange(min_run_time=args.min_run_time).median

@@ -4,17 +4,20 @@ xFormers refuses every CUDA operator when its compiled extension did not load (i
 CUDA version from it). This lifts the gate as the variant's ``lift_gate=true`` does, runs auto, cutlass
 and flash (B=1, N=4096, H=8, D=64, causal, fwd+bwd) against a float64 SDPA, then split-K decoding
 (GQA 8:1, D=128, 64k keys). The host-timer figures are indicative only; sweeps time properly.
+Needs a CUDA GPU and xformers (``pip install -e .[xformers]``); it takes no options.
 
     python scripts/xformers_gate_check.py
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 import torch.nn.functional as F
 
+from variants.base import Unavailable
 from variants.xformers_attn import lift_cuda_gate, load_xformers, quiet_xformers
 
 
@@ -23,7 +26,17 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
-    xops = load_xformers()
+    ap = argparse.ArgumentParser(
+        description=__doc__.rsplit("\n\n", 1)[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.parse_args()
+    # the checks below would fail at their first CUDA tensor with torch's AssertionError
+    if not torch.cuda.is_available():
+        ap.error("no CUDA GPU here (torch.cuda.is_available() is False): this check needs one")
+    try:
+        xops = load_xformers()
+    except Unavailable as exc:
+        ap.error(str(exc))
     print("gate _built_with_cuda =", xops.fmha.common._built_with_cuda)
     lift_cuda_gate(xops)
     causal = xops.LowerTriangularMask()

@@ -324,6 +324,17 @@ def test_cuda_graph_times_get_their_own_table_only_when_recorded(sweep, tmp_path
     assert row["graph_ms"].tolist() == pytest.approx([1.25])
 
 
+def test_a_baseline_with_no_records_is_an_error_before_any_report(sweep, tmp_path, capsys):
+    from experiments.report.report import main
+
+    tmp, _ = sweep
+    out = tmp_path / "report"
+    assert main([str(tmp / "records"), "--out", str(out), "--baseline", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: --baseline {tmp_path / 'nope'}: no records there to compare against"
+    assert not out.exists()  # a report without the comparison asked for is not written
+
+
 def test_baseline_ratios(sweep, tmp_path):
     tmp, _ = sweep
     for r in raw_records(tmp / "records"):

@@ -30,6 +30,34 @@ def test_the_gemm_size_is_fixed_whatever_the_machine_is_doing(monkeypatch):
     assert roofline.gemm_n("cpu", torch.float64) == 2048 and roofline.gemm_n("cuda", torch.bfloat16) == 8192
 
 
+@pytest.mark.parametrize(
+    "rates,want",
+    [
+        # fp16 without half-precision units (2.6 GFLOP/s): float32's GEMM is the ceiling
+        ({(torch.float16, 512): 2.6e9, (torch.float32, 2048): 90e9}, (90e9, 2048, "float32")),
+        # bf16 with bf16 dot products: fast enough at 512 to be measured at 2048, where it is fastest
+        (
+            {(torch.bfloat16, 512): 34e9, (torch.bfloat16, 2048): 363e9, (torch.float32, 2048): 90e9},
+            (363e9, 2048, "bfloat16"),
+        ),
+    ],
+    ids=["fp16_slow", "bf16_fast"],
+)
+def test_a_cpu_half_precision_ceiling_is_the_fastest_gemm_its_kernels_could_use(monkeypatch, rates, want):
+    """CPU kernels compute half-precision inputs in float32: an fp16 GEMM at 2.6 GFLOP/s put every fp16
+    job at 10-25x "the ceiling", and each job measured it again."""
+    calls = []
+
+    def fake(device, dtype, n, min_run_time=0.5):
+        calls.append((dtype, n))
+        return rates[(dtype, n)]
+
+    monkeypatch.setattr(roofline, "gemm_flops_per_s", fake)
+    half = want[2] if want[2] != "float32" else "float16"
+    assert roofline.cpu_half_gemm(getattr(torch, half)) == want
+    assert set(calls) == set(rates)  # a slow half GEMM is not run at 2048 (6.6 s a call at 2.6 GFLOP/s)
+
+
 def test_a_ceiling_below_the_jobs_own_rate_is_implausible():
     roof = {"gemm_flops_per_s": 50e9, "threads": 1}
     assert roofline.implausible(60.0, roof, threads=1)  # 60 GFLOP/s of attention above a 50 GFLOP/s GEMM

@@ -526,6 +526,19 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         (["-m", "seq_len=64,0"], "error: seq_len must be > 0, got 0"),
         (["-m", "variant=local_window", "variant.window=-5"], "error: window must be >= 0"),
         (["-m", "variant=naive,sdpa", "padding=0.5,1.5"], "error: padding must be in [0, 1), got 1.5"),
+        # a named sweep or task that does not exist: one line, not Hydra's page of search paths
+        (["-m", "experiment=nosuch"], "error: unknown experiment 'nosuch'; known: causal, cross, decode,"),
+        (["+task=nosuch"], "error: unknown task 'nosuch'; known: copy, recall, reverse (conf/task/)"),
+        # settings a task or model job would ignore, or that would label its record wrongly
+        (["+task=recall", "task.steps=0"], "error: task.steps must be an integer >= 1, got 0"),
+        (
+            ["+task=recall", "seq_len=128", "heads=3"],
+            "error: task jobs build their own attention calls: heads=3",
+        ),
+        (
+            ["experiment=llama", "seq_len=128"],
+            "error: seq_len=128 but a model job prefills model.prefill_len",
+        ),
     ],
 )
 def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, message):
@@ -590,6 +603,29 @@ def test_a_wrong_result_fails_the_sweep_whether_measured_or_reused(tmp_path):
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == f"{wrong}: exit code 1"
     assert "sweep finished: 1 job(s): 0 measured, 1 reused from earlier records in records_dir" in p.stdout
     assert "resume=false measures them again" in p.stdout
+
+
+def test_a_run_that_measured_nothing_exits_1(tmp_path):
+    """Every job unsupported (retention is causal only): the records are kept as data, but neither the
+    sweep nor a single run passes, and a sweep that reuses those records fails the same way."""
+    args = ["variant=retention", *[f"{k}={v}" for k, v in SMALL.items()]]
+    p = run_sweep(tmp_path, *args)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "sweep finished: 1 job(s): 0 measured, 1 unsupported (see the status table)" in p.stdout
+    last = "no job measured anything (1 unsupported; the status table says why): exit code 1"
+    assert p.stderr.strip().splitlines()[-1] == last
+    assert [r["status"] for r in read_records(tmp_path / "records")] == ["unsupported"]
+    p = run_sweep(tmp_path, *args, sweep="again")  # reused, and still nothing measured
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == last
+    single = [sys.executable, "run.py", *sweep_overrides(*args), f"records_dir={tmp_path / 'single'}"]
+    single.append(f"hydra.run.dir={tmp_path / 'run'}")
+    p = subprocess.run(single, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert (
+        p.stderr.strip().splitlines()[-1]
+        == "the job ended 'unsupported', so it measured nothing: exit code 1"
+    )
+    assert [r["status"] for r in read_records(tmp_path / "single")] == ["unsupported"]
 
 
 def test_a_second_sweep_into_a_busy_records_dir_is_refused_before_work(tmp_path):
@@ -830,14 +866,21 @@ def test_a_slow_canary_beside_another_measuring_job_is_not_measured_again(tmp_pa
 def test_the_last_line_of_a_sweep_counts_what_it_did():
     from experiments.sweep.callbacks import failures, finished_line
 
-    def e(status, invalid=False, record="r.json"):
-        return {"status": status, "record": record, **({"invalid": True} if invalid else {})}
+    def e(status, invalid=False, record="r.json", reused=None):
+        extra = {"invalid": True} if invalid else {}
+        return {"status": status, "record": record, **extra, **({"reused": reused} if reused else {})}
 
     assert finished_line([e("ok"), e("ok")]) == "sweep finished: 2 job(s): 2 measured"
     line = finished_line([e("ok"), e("skipped"), e("unavailable"), e("unsupported"), e("unavailable")])
-    assert line.startswith("sweep finished: 5 job(s): 4 measured (2 unavailable, 1 unsupported: see the")
+    assert line.startswith("sweep finished: 5 job(s): 1 measured, 2 unavailable, 1 unsupported (see the")
     assert "1 reused from earlier records" in line and "resume=false measures them again" in line
     assert failures([e("ok"), e("unsupported")]) == []  # findings about a variant, not failures
+    assert failures([e("skipped", reused="ok"), e("oom")]) == []
+    assert failures([e("skipped")]) == []  # a manifest from before the reused status: taken as measured
+    # a run that measured nothing must not pass, whether it ran its jobs now or reused their records
+    assert failures([e("unsupported"), e("skipped", reused="unavailable"), e("oom")]) == [
+        "no job measured anything (1 oom, 1 unavailable, 1 unsupported; the status table says why)"
+    ]
     assert failures([e("ok", invalid=True), e("skipped", invalid=True), e("error")]) == [
         "1 job(s) ended 'error' (see the status table)",
         "2 job(s) computed a wrong result: INVALID, their output failed the check against the float64 oracle",

@@ -193,6 +193,78 @@ def test_task_knobs_are_validated():
         make_task("nope", 64)
 
 
+def test_every_task_setting_and_knob_is_documented_with_its_default():
+    """docs/tasks.md's Settings tables name every training setting and every task knob, with the
+    default the code has (the defaults live in the code only; the tables say what each one means)."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    from experiments.measure.tasks.data import TASKS, task_knobs
+    from experiments.measure.tasks.train import Settings
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    section = doc.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    settings = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", section, re.M))
+    knobs, task = {}, None
+    for name, knob, default in re.findall(r"^\|\s*(`\w+`)?\s*\| `(\w+)` \| ([^|]+?) \|", section, re.M):
+        task = (name or "").strip("`") or task
+        knobs[(task, knob)] = default
+
+    def shown(value):  # as the YAML would write it
+        if value is None or isinstance(value, bool):
+            return {None: "null", True: "true", False: "false"}[value]
+        return str(value)
+
+    want = {f.name: shown(f.default) for f in fields(Settings)}
+    got = {k: v for k, v in settings.items() if k in want}
+    assert got.keys() == want.keys(), (
+        f"settings missing from docs/tasks.md: {sorted(want.keys() - got.keys())}"
+    )
+    wrong = {k: (got[k], want[k]) for k in want if float_or(got[k]) != float_or(want[k])}
+    assert not wrong, f"docs/tasks.md says (doc, code): {wrong}"
+    want_knobs = {(t, k): shown(v) for t in TASKS for k, v in task_knobs(t).items()}
+    assert knobs.keys() == want_knobs.keys(), (
+        f"task knobs missing or extra: {knobs.keys() ^ want_knobs.keys()}"
+    )
+    wrong = {k: (knobs[k], v) for k, v in want_knobs.items() if float_or(knobs[k]) != float_or(v)}
+    assert not wrong, f"docs/tasks.md says (doc, code): {wrong}"
+
+
+def float_or(text: str) -> float | str:
+    """``text`` as a number where it is one (``3e-3`` and ``0.003`` are the same default)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+@pytest.mark.parametrize(
+    "task,msg",
+    [
+        ({"steps": 0}, "task.steps must be an integer >= 1, got 0"),  # was: ok, loss 0, an untrained model
+        ({"batch_size": -1}, "task.batch_size must be an integer >= 1"),
+        ({"test_size": 0}, "task.test_size must be an integer >= 1"),
+        ({"lr": 0}, "task.lr must be a number > 0"),
+        ({"clip": -1.0}, "task.clip must be a number >= 0"),
+        ({"heads": 3}, "task.heads must divide task.d_model"),
+        ({"max_train_s": 0}, "task.max_train_s must be > 0"),
+        ({"num_pairs": 0}, "recall needs 1 <= num_pairs"),
+        ({"nosuch": 3}, "task 'recall' has no knob or training setting nosuch; its knobs: num_pairs"),
+        ({"gap": 40}, "needs seq_len >="),  # possible only at a longer seq_len than 64
+    ],
+)
+def test_task_settings_are_checked_before_any_job(task, msg):
+    """A sweep refuses them in one line before it starts, as it does a kernel job's bad knob, instead
+    of a job ending 'error' (or worse, 'ok') after launch."""
+    from experiments.sweep.schema import BenchConfig, validate
+
+    cfg = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "seq_len": 64}
+    validate(BenchConfig.from_config({**cfg, "task": {"name": "recall"}}))  # the defaults pass
+    with pytest.raises(ValueError, match=msg):
+        validate(BenchConfig.from_config({**cfg, "task": {"name": "recall", **task}}))
+
+
 # ---------------------------------------------------------------------------------------------- model
 def test_position_encoding_is_the_papers():
     pe = sinusoidal_positions(50, 8, dtype=torch.float64)

@@ -113,6 +113,11 @@ def _manifest_entries(path: Path, rep: LoadReport) -> list[Path]:
     return out
 
 
+#: JSON files a sweep writes beside its records (:mod:`experiments.sweep.runner`: the machine's
+#: ceilings and canary per device, dtype and thread count), which a report reads past without a word
+SWEEP_FILES = ("roofline-", "canary-")
+
+
 def load_records(inputs: Iterable[str | Path]) -> tuple[list[dict[str, Any]], LoadReport]:
     """Read every record under ``inputs``; each record gets ``_path``. Copies of one record count once."""
     rep = LoadReport()
@@ -131,7 +136,8 @@ def load_records(inputs: Iterable[str | Path]) -> tuple[list[dict[str, Any]], Lo
             rep.unreadable.append(f"{path}: {exc}")
             continue
         if not (isinstance(rec, dict) and "config_hash" in rec and "status" in rec):
-            rep.not_records.append(str(path))
+            if not path.name.startswith(SWEEP_FILES):  # the sweep's own ceilings and canary: expected
+                rep.not_records.append(str(path))
             continue
         env = rec.get("env") or {}
         ident = (rec["config_hash"], env.get("host"), rec.get("started_at"), rec.get("finished_at"))

@@ -358,7 +358,9 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
     )
     for ax, (title, what, sub, col) in zip(axes[:, 0], panels, strict=True):
         annot = pivot_cells(sub, text(col))
-        vals = sub.assign(_v=np.log10(pd.to_numeric(sub[col], errors="coerce").where(sub["status"] == "ok")))
+        err = pd.to_numeric(sub[col], errors="coerce").where(sub["status"] == "ok")
+        # an error of exactly 0 (a window that covers every key) is the best colour, not a gray "no figure"
+        vals = sub.assign(_v=np.log10(err.clip(lower=1e-16)))
         vals = vals.pivot_table(index="variant", columns=length_axis(sub), values="_v", aggfunc="last")
         vals = vals.reindex(index=annot.index, columns=[int(c.split("=")[1]) for c in annot.columns])
         ax.set_facecolor("#e6e6e6")  # cells without an error figure: gray, with the status written in

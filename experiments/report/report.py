@@ -21,6 +21,7 @@ Each kind of job has its section (the store's ``kind`` column says which rows ar
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -73,6 +74,9 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
         read = pd.to_numeric(sub.get("roofline_read_bytes_per_s", pd.Series(dtype=float)), errors="coerce")
         read_text = f", read {read.median() / 1e9:.3g} GB/s" if read.notna().any() else ""
         n = sub["roofline_gemm_n"].iloc[0] if "roofline_gemm_n" in sub else "?"
+        gemm_dtype = sub["roofline_gemm_dtype"].dropna() if "roofline_gemm_dtype" in sub else []
+        if len(gemm_dtype) and gemm_dtype.iloc[0] != dtype:  # a CPU's half precision: float32's GEMM
+            n = f"{n}, in {gemm_dtype.iloc[0]}"
         lo, hi = gemm.min() / 1e9, gemm.max() / 1e9
         spread = f" (sweeps ranged {lo:.3g}-{hi:.3g})" if gemm.nunique() > 1 else ""
         lines.append(
@@ -170,6 +174,10 @@ def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | N
     return sections
 
 
+class NoBaseline(Exception):
+    """A comparison was asked for (``--baseline``) and its paths hold no record."""
+
+
 def report_paths(
     paths: Sequence[str | Path],
     out_dir: str | Path | None = None,
@@ -191,6 +199,10 @@ def report_paths(
     if baseline:
         print("baseline: ", end="")
         base = store.load(baseline)
+        if base.empty:  # the comparison asked for cannot be made: say so before writing anything
+            raise NoBaseline(
+                f"--baseline {' '.join(map(str, baseline))}: no records there to compare against"
+            )
     out.mkdir(parents=True, exist_ok=True)
     written = store.save(df, out)
     # task and pretrained jobs have files of their own (the task table puts the kernel records' speed
@@ -269,13 +281,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-plots", action="store_true", help="tables and store only")
     args = ap.parse_args(argv)
-    written = report_paths(
-        args.paths,
-        args.out,
-        baseline=args.baseline,
-        all_measurements=args.all_measurements,
-        plots=not args.no_plots,
-    )
+    try:
+        written = report_paths(
+            args.paths,
+            args.out,
+            baseline=args.baseline,
+            all_measurements=args.all_measurements,
+            plots=not args.no_plots,
+        )
+    except NoBaseline as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0 if written else 1
 
 

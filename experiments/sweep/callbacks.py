@@ -219,13 +219,15 @@ def unreadable_records(records_dir: Path) -> list[Path]:
 
 
 def finished_line(entries: list[dict[str, Any]]) -> str:
-    """``sweep finished: 5 job(s): 2 measured, 3 reused ...``: what the sweep did, from its manifest."""
+    """``sweep finished: 5 job(s): 2 measured, 1 unsupported (...), 2 reused ...``: what the sweep did,
+    from its manifest; "measured" counts the jobs that ended ``ok``."""
     records = [e for e in entries if e["record"] is not None]
     reused = sum(e.get("status") == "skipped" for e in records)
-    line = f"sweep finished: {len(records)} job(s): {len(records) - reused} measured"
+    ok = sum(e.get("status") == "ok" for e in records)
+    line = f"sweep finished: {len(records)} job(s): {ok} measured"
     other = Counter(e["status"] for e in records if e.get("status") not in ("ok", "skipped"))
     if other:  # a job that measured nothing says so here, not only in a table further up
-        line += " (" + ", ".join(f"{n} {s}" for s, n in sorted(other.items())) + ": see the status table)"
+        line += ", " + ", ".join(f"{n} {s}" for s, n in sorted(other.items())) + " (see the status table)"
     if reused:
         line += (
             f", {reused} reused from earlier records in records_dir (same config, code and machine; "
@@ -236,8 +238,10 @@ def finished_line(entries: list[dict[str, Any]]) -> str:
 
 def failures(entries: list[dict[str, Any]], empty: str | None = None) -> list[str]:
     """Why the sweep fails ([] when it does not): jobs that ended ``error``, had an invalid config or
-    computed a wrong result, or no job at all (``empty``: the sweep overrides that may have matched
-    nothing)."""
+    computed a wrong result, no job at all (``empty``: the sweep overrides that may have matched
+    nothing), or no job that measured anything (every one ``unsupported``, ``unavailable``, ``oom``, ...,
+    measured now or reused: a findings-only sweep is data, but a run that measured nothing must not
+    pass)."""
     if not entries:
         return [f"the sweep launched no job: {empty or 'a sweep list'} matched nothing"]
     count = {
@@ -251,7 +255,21 @@ def failures(entries: list[dict[str, Any]], empty: str | None = None) -> list[st
         "invalid": "job(s) computed a wrong result: INVALID, their output failed the check against the "
         "float64 oracle",
     }
-    return [f"{n} {why[k]}" for k, n in count.items() if n]
+    out = [f"{n} {why[k]}" for k, n in count.items() if n]
+    # a reused record's status is in its entry (older manifests: unknown, taken as measured)
+    measured = [
+        e
+        for e in entries
+        if e.get("status") == "ok" or (e.get("status") == "skipped" and e.get("reused", "ok") == "ok")
+    ]
+    if not measured and not out:  # (otherwise the lines above say what went wrong)
+        ended = Counter(e.get("reused") or e.get("status") for e in entries)
+        out.append(
+            "no job measured anything ("
+            + ", ".join(f"{n} {s}" for s, n in sorted(ended.items()))
+            + "; the status table says why)"
+        )
+    return out
 
 
 def warn_parallel_timing(config: DictConfig) -> None:

@@ -4,8 +4,9 @@
 
 - refuses a setting the config does not have (``seqlen=64`` or ``+seqlen=64``, which Hydra would
   add and no job would read) with one line naming the closest known ones;
-- refuses an unknown variant (``variant=nosuch``) or an enum value the schema does not know
-  (``dtype=fp8``) with one line naming what is known, and exit code 1;
+- refuses an unknown variant (``variant=nosuch``), named sweep or other group option
+  (``experiment=nosuch``, ``+task=nosuch``) or an enum value the schema does not know (``dtype=fp8``)
+  with one line naming what is known, and exit code 1;
 - turns ``variant.<knob>=<value>`` into ``++variant.<knob>=<value>``, so a knob the variant's config
   file does not list reaches the runner, which names the variant's real knobs in one line
   (``unknown knob 'windo' for local_window; knobs: window, block``) instead of Hydra asking for ``+``.
@@ -49,6 +50,16 @@ def known_variants() -> list[str]:
 def variants_only() -> list[str]:
     """The registered variants (the names of :func:`known_variants` that are not knob presets)."""
     return [k for k in known_variants() if "/" not in k]
+
+
+#: config groups whose option a command line names (``experiment=quick``, ``+task=recall``)
+_GROUPS = ("experiment", "task", "model", "pretrained")
+
+
+def group_options(group: str) -> list[str]:
+    """The options of config group ``group``: its files under ``conf/<group>/``."""
+    root = CONF / group
+    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
 
 
 def known_settings() -> list[str]:
@@ -125,6 +136,11 @@ def preflight(argv: list[str]) -> list[str]:
         elif bare == "variant" and (m := _GLOB.match(value)):
             if not fnmatch.filter(known_variants(), m.group(1)):
                 _fail(f"'{arg}' matches no variant; known variants: {', '.join(variants_only())}")
+        elif bare in _GROUPS and _PLAIN.match(value):
+            known = group_options(bare)
+            for name in value.split(","):
+                if name not in known and name != "null":
+                    _fail(f"unknown {bare} '{name}'; known: {', '.join(known)} (conf/{bare}/)")
         elif bare in CHOICES and _PLAIN.match(value):
             allowed = [e.value for e in CHOICES[bare]]
             for v in value.split(","):

@@ -126,7 +126,16 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         line = f"[{label}] skipped: already measured ({existing.name})"
         _say(line)
         old = json.loads(existing.read_text())
-        _manifest(sweep_dir, chash, existing, "skipped", line=line, invalid=not _valid(old))
+        _manifest(
+            sweep_dir,
+            chash,
+            existing,
+            "skipped",
+            line=line,
+            invalid=not _valid(old),
+            reused=old.get("status"),
+        )
+        _end_single_run(old)
         return old
 
     from ..measure.kernel import precheck
@@ -180,9 +189,19 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     _manifest(sweep_dir, chash, path, record["status"], line=line, invalid=not _valid(record))
     _say(line)
     log.debug("record: %s", path)  # the manifest lists it; the terminal shows the summary line
-    if record["status"] == "error" and hc.mode != RunMode.MULTIRUN:
-        raise SystemExit(1)  # a single run that failed says so; a sweep says so at its end
+    _end_single_run(record)
     return record
+
+
+def _end_single_run(record: dict[str, Any]) -> None:
+    """A single run (not ``-m``) whose job measured nothing (``error``, ``unsupported``,
+    ``unavailable``, ``oom``, ...) or computed a wrong result exits 1, its record written; a sweep says
+    so at its end (:func:`experiments.sweep.callbacks.failures`)."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN or (record["status"] == "ok" and _valid(record)):
+        return
+    why = "computed a wrong result (INVALID)" if record["status"] == "ok" else f"ended '{record['status']}'"
+    print(f"the job {why}, so it measured nothing: exit code 1", file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def _write_somewhere(record: dict[str, Any], records_dir: Path, sweep_dir: Path) -> Path:
@@ -230,14 +249,18 @@ def _manifest(
     reason: str | None = None,
     line: str | None = None,
     invalid: bool = False,
+    reused: str | None = None,
 ) -> None:
     """Append this job's record path to the sweep's manifest (one short line: an atomic append), with
-    the job's summary ``line`` for the submitting process to show (:mod:`experiments.sweep.progress`)
-    and ``invalid`` when its result failed the correctness check (the sweep then exits 1)."""
+    the job's summary ``line`` for the submitting process to show (:mod:`experiments.sweep.progress`),
+    ``invalid`` when its result failed the correctness check (the sweep then exits 1) and, for a job
+    skipped because it was measured before, the status of the record it ``reused``."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     entry = {"config_hash": chash, "record": None if path is None else str(path), "status": status}
     if invalid:
         entry["invalid"] = True
+    if reused is not None:
+        entry["reused"] = reused
     if reason is not None:
         entry["reason"] = reason
     if line is not None:

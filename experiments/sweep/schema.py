@@ -83,28 +83,44 @@ def validate(conf: BenchConfig) -> None:
         raise ValueError(f"round must be >= 0, got {conf.round}")
     if conf.bias not in BIASES:
         raise ValueError(f"bias must be one of null, alibi; got {conf.bias!r}")
+    if conf.kind is not Kind.kernel:
+        _refuse_kernel_knobs(conf)
     if conf.kind is Kind.pretrained:
         _validate_pretrained(conf)
-    elif conf.kind is not Kind.kernel:
-        _refuse_kernel_knobs(conf)
     if conf.kind is Kind.model:
         _validate_model(conf)
+    if conf.kind is Kind.task:
+        _validate_task(conf)
     if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
         raise ValueError("variant must be chosen: variant=<name> (docs/variants.md lists them)")
 
 
-#: workload settings only a kernel job reads: a task or model job builds its own calls
-KERNEL_ONLY = ("causal", "cross", "padding", "kv_len", "kv_heads", "bias", "scale")
+#: workload and timing settings only a kernel job reads: a task, model or pretrained job builds its own
+#: model and calls, and times them its own way
+KERNEL_ONLY = (
+    "causal", "cross", "padding", "kv_len", "kv_heads", "bias", "scale",
+    "batch", "tokens", "heads", "head_dim", "v_head_dim", "mode", "min_run_time", "accuracy_rows",
+    "cuda_graph",
+)  # fmt: skip
+#: where each kind of job takes what a kernel job's settings say
+_OWN_SETTINGS = {
+    Kind.task: "task.heads, task.d_model, task.batch_size, task.causal",
+    Kind.model: "model.heads, model.kv_heads, model.hidden, model.batch, model.prefill_len",
+    Kind.pretrained: "pretrained.batch; the encoder runs as it is: bidirectional, whole texts, its own heads",
+}
 
 
 def _refuse_kernel_knobs(conf: BenchConfig) -> None:
-    """One line naming the kernel-only settings a task or model job was given (it would ignore them:
-    a task's model is causal through ``task.causal``, a transformers model attends as it is built)."""
-    given = [name for name in KERNEL_ONLY if getattr(conf, name)]
+    """One line naming the kernel-only settings a task, model or pretrained job was given away from
+    their defaults: it would ignore them, and its record would still carry them (and be stored apart
+    from the same measurement without them)."""
+    defaults = BenchConfig(variant=None)
+    given = [n for n in KERNEL_ONLY if getattr(conf, n) != getattr(defaults, n)]
+    given = [f"{n}={getattr(getattr(conf, n), 'value', getattr(conf, n))}" for n in given]  # enums by value
     if given:
         raise ValueError(
             f"{conf.kind.value} jobs build their own attention calls: {', '.join(given)} apply to kernel "
-            "jobs only (a task's causal model: task.causal=true)"
+            f"jobs only; a {conf.kind.value} job's own: {_OWN_SETTINGS[conf.kind]}"
         )
 
 
@@ -118,6 +134,12 @@ def _validate_model(conf: BenchConfig) -> None:
     from ..measure.model_job import ModelSettings
 
     m = {**asdict(ModelSettings()), **dict(conf.model)}
+    if conf.seq_len != m["prefill_len"]:
+        raise ValueError(
+            f"seq_len={conf.seq_len} but a model job prefills model.prefill_len={m['prefill_len']} tokens: "
+            "its record would say the wrong N; set model.prefill_len instead (experiment=llama ties "
+            "seq_len to it)"
+        )
     window, every, full = m["sliding_window"], m["full_every"], m["full_variant"]
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(
@@ -143,17 +165,22 @@ def _validate_model(conf: BenchConfig) -> None:
         raise ValueError(f"model.rolling_cache must be true or false, got {m['rolling_cache']!r}")
 
 
+def _validate_task(conf: BenchConfig) -> None:
+    """A task job's settings and knobs, checked before any job starts: its training settings in range,
+    its knobs the task's own, and the task possible at ``seq_len`` (building it draws no data)."""
+    from ..measure.tasks.data import make_task
+    from ..measure.tasks.train import Settings
+
+    name, _, knobs = Settings.split(dict(conf.task))  # Settings checks its ranges
+    make_task(name, conf.seq_len, **knobs)
+
+
 def _validate_pretrained(conf: BenchConfig) -> None:
-    """A pretrained job encodes whole texts with the encoder's own heads: the workload knobs it
-    ignores must be at their defaults, and the retrieval task needs its 5 neighbours."""
+    """A pretrained job's settings: the retrieval task needs its 5 neighbours, a batch, a band and
+    distinct full layers (the workload knobs it ignores: :func:`_refuse_kernel_knobs`)."""
     from ..measure.pretrained.job import DEFAULTS, TOP_K
 
     p = {**DEFAULTS, **dict(conf.pretrained)}
-    if conf.causal or conf.cross or conf.padding or conf.kv_len or conf.kv_heads or conf.bias or conf.scale:
-        raise ValueError(
-            "pretrained jobs run the encoder as it is (bidirectional, whole texts, its own heads): "
-            "causal, cross, padding, kv_len, kv_heads, bias and scale do not apply"
-        )
     if not isinstance(p["texts"], int) or p["texts"] < TOP_K:
         raise ValueError(f"pretrained.texts must be an integer >= {TOP_K} (the retrieval task's neighbours)")
     if not isinstance(p["batch"], int) or p["batch"] < 1:

@@ -299,10 +299,13 @@ def make_task(name: str, seq_len: int, **knobs: Any) -> Task:
     """The task ``name`` at length ``seq_len`` with its knobs; unknown names or knobs are errors."""
     if name not in TASKS:
         raise ValueError(f"unknown task '{name}'; known tasks: {', '.join(sorted(TASKS))}")
-    try:
-        return TASKS[name](seq_len, **knobs)
-    except TypeError as exc:  # an unknown knob: say which ones the task takes
-        raise ValueError(f"task '{name}': {exc}; it takes {list(task_knobs(name))}") from None
+    unknown = sorted(set(knobs) - set(task_knobs(name)))
+    if unknown:
+        raise ValueError(
+            f"task '{name}' has no knob or training setting {', '.join(unknown)}; its knobs: "
+            f"{', '.join(task_knobs(name))} (training settings: experiments/measure/tasks/train.py Settings)"
+        )
+    return TASKS[name](seq_len, **knobs)
 
 
 def is_test(src: torch.Tensor) -> torch.Tensor:

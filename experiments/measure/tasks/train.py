@@ -79,6 +79,34 @@ class Settings:
     peak_memory: bool = False  # after training, measure one more training step's peak memory
     # (step_peak_mib: the allocator's bytes above those held before it; experiment=lra_efficiency)
 
+    def __post_init__(self) -> None:
+        """One ``ValueError`` line, naming ``task.<setting>``, for a value out of range: a run of 0 steps
+        would record an untrained model's accuracy as a result."""
+        at_least = {"steps": 1, "batch_size": 1, "d_model": 1, "heads": 1, "layers": 1, "ffn": 1}
+        at_least |= {"test_size": 1, "eval_batch": 1, "distance_bins": 1}
+        at_least |= {"warmup": 0, "decoder_layers": 0, "heatmap_size": 0}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"task.{name} must be an integer >= {low}, got {value!r}")
+        for name in ("lr", "weight_decay", "clip", "param_budget"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or value < 0
+                or (name == "lr" and not value)
+            ):
+                raise ValueError(
+                    f"task.{name} must be a number {'>' if name == 'lr' else '>='} 0, got {value!r}"
+                )
+        if self.d_model % self.heads:
+            raise ValueError(
+                f"task.heads must divide task.d_model, got d_model={self.d_model}, heads={self.heads}"
+            )
+        if self.max_train_s is not None and not self.max_train_s > 0:
+            raise ValueError(f"task.max_train_s must be > 0 (or null: no cap), got {self.max_train_s!r}")
+
     @classmethod
     def split(cls, task_cfg: dict[str, Any]) -> tuple[str, Settings, dict[str, Any]]:
         """``(name, settings, task knobs)`` from a ``conf/task`` dict."""

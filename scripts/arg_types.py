@@ -1,0 +1,41 @@
+"""argparse ``type=`` functions the scripts share: counts, sizes and durations that make no sense at 0 or
+below are refused by the parser, with the option's name, instead of crashing deep inside torch (or
+measuring nothing and exiting 0).
+
+    ap.add_argument("--rounds", type=positive_int, default=7)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse prefixes the option's name to the message)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, say)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):  # `not >` also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+    return value

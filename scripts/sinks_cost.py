@@ -1,0 +1,92 @@
+"""What attention sinks (gpt-oss's per-head logits) cost sdpa: the call without sinks, with them as sdpa
+takes them now (the sink key shaped for the fused kernel), and as every variant once took them (one more
+key and feature, head sizes D+1 against Dv: PyTorch's math kernel), interleaved round by round in one
+process; median ms [min-max] and each form's peak memory (the allocator's bytes above those held).
+
+    python scripts/sinks_cost.py [--lengths 1024 4096] [--threads 2] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from arg_types import positive_float, positive_int
+from torch.utils import benchmark
+
+import variants
+from experiments.measure.memory import cpu_peak_bytes
+from variants.sdpa import SDPAAttention
+
+
+class _AsOneMoreKey(SDPAAttention):
+    """sdpa handed the sinks as every variant once was: ``forward`` adds the sink key and feature."""
+
+    def native_sinks(self, w: variants.Workload) -> bool:
+        return False
+
+
+def _call(attn: SDPAAttention, inputs: tuple, sinks: torch.Tensor | None, causal: bool, backward: bool):
+    """One timed call: the forward, and the backward of its sum when ``backward``."""
+
+    def run() -> None:
+        with torch.set_grad_enabled(backward):
+            out = attn(*inputs, causal=causal, sinks=sinks)
+            if backward:
+                out.sum().backward()
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--min-run-time", type=positive_float, default=0.5, help="seconds per timed figure")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    forms = {
+        "no sinks": SDPAAttention(),
+        "sinks (now)": SDPAAttention(),
+        "sinks (one more key)": _AsOneMoreKey(),
+    }
+    print(f"sdpa, B=1 H=8 D=64 fp32, {args.threads} threads, {args.rounds} rounds: median ms [min-max], peak")
+    for n in args.lengths:
+        for causal in (True, False):
+            for backward in (False, True):
+                g = torch.Generator().manual_seed(0)
+                inputs = tuple(
+                    torch.randn(1, 8, n, 64, generator=g).requires_grad_(backward) for _ in range(3)
+                )
+                sinks = torch.randn(8, generator=g)
+                calls = {
+                    name: _call(attn, inputs, None if name == "no sinks" else sinks, causal, backward)
+                    for name, attn in forms.items()
+                }
+                times: dict[str, list[float]] = {name: [] for name in calls}
+                for _ in range(args.rounds):  # interleaved: a slow moment hits every form alike
+                    for name, run in calls.items():
+                        timer = benchmark.Timer("run()", globals={"run": run}, num_threads=args.threads)
+                        times[name].append(
+                            timer.blocked_autorange(min_run_time=args.min_run_time).median * 1e3
+                        )
+                peak = {name: cpu_peak_bytes(run) / 2**20 for name, run in calls.items()}
+                med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+                cells = "; ".join(
+                    f"{name} {med[name]:.1f} [{min(t):.1f}-{max(t):.1f}] {peak[name]:.0f} MiB"
+                    + (
+                        f" ({med[name] / med['no sinks']:.2f}x, {attn.backend_ran})"
+                        if name != "no sinks"
+                        else ""
+                    )
+                    for (name, t), attn in zip(times.items(), forms.values(), strict=True)
+                )
+                print(
+                    f"N={n} {'causal' if causal else 'full'} {'fwd+bwd' if backward else 'fwd'}: {cells}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
