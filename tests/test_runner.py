@@ -888,6 +888,24 @@ def test_the_last_line_of_a_sweep_counts_what_it_did():
     assert failures([]) == ["the sweep launched no job: a sweep list matched nothing"]
 
 
+def test_a_sweep_whose_objective_no_record_has_fails(tmp_path):
+    """A misspelt objective made every trial of an optimising sweep NaN, and the sweep passed."""
+    from experiments.sweep.callbacks import objective_missing
+
+    rec = tmp_path / "r.json"
+    rec.write_text(json.dumps({"status": "ok", "figures": {"fwd_median_s": 0.1, "peak_mib": 3.0}}))
+    ok = [{"status": "ok", "record": str(rec)}]
+    assert objective_missing(ok, None) == [] and objective_missing(ok, "peak_mib") == []
+    assert objective_missing(ok, "fwd_medain_s") == [
+        "objective=fwd_medain_s is a figure of none of the 1 measured record(s), so every job returned "
+        "NaN; did you mean fwd_median_s?"
+    ]
+    reused = [{"status": "skipped", "reused": "ok", "record": str(rec)}]
+    assert objective_missing(reused, "nope")[0].endswith("their figures: fwd_median_s, peak_mib")
+    # nothing measured: nothing to tell a misspelling by (failures() says the sweep measured nothing)
+    assert objective_missing([{"status": "unsupported", "record": str(rec)}], "nope") == []
+
+
 def test_a_job_returns_its_objective_figure():
     from experiments.sweep.runner import objective
 

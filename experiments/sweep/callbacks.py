@@ -2,10 +2,11 @@
 
 Exit status of a sweep: 1 when any job ended ``error``, had an invalid config, or computed a wrong
 result (figures ``valid: false``: its output failed the check against the float64 oracle, whether
-measured now or reused), and when the sweep launched no job at all (an empty ``glob(...)``); else 0.
-Exit 1 comes after every record and the report are written. ``unsupported``, ``unavailable``,
-``oom``, ``timeout``, ``killed`` and ``nan`` are results about the variant or the machine, recorded
-as data, not failures of the sweep.
+measured now or reused), when the sweep launched no job at all (an empty ``glob(...)``), when no job
+measured anything (every one ``unsupported``, ``unavailable``, ...), and when the ``objective`` it
+was asked to return is a figure of none of its records; else 0. Exit 1 comes after every record and
+the report are written. ``unsupported``, ``unavailable``, ``oom``, ``timeout``, ``killed`` and
+``nan`` are results about the variant or the machine, recorded as data, not failures of the sweep.
 
 The last line before the exit code's says how many jobs were measured and how many were reused from
 earlier records (``resume``), and how to measure those again.
@@ -13,6 +14,7 @@ earlier records (``resume``), and how to measure those again.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -181,6 +183,7 @@ class SweepCallback(Callback):
             )
         globs = [o for o in config.hydra.overrides.task if "glob(" in o]
         why = failures(entries, empty=" or ".join(f"'{g}'" for g in globs) or None)
+        why += objective_missing(entries, config.get("objective"))
         if interrupted and not entries:
             why = []  # stopped before a job finished: not an empty sweep list
         if why:  # after every record and the report are written: a sweep with a broken job fails
@@ -270,6 +273,30 @@ def failures(entries: list[dict[str, Any]], empty: str | None = None) -> list[st
             + "; the status table says why)"
         )
     return out
+
+
+def objective_missing(entries: list[dict[str, Any]], figure: str | None) -> list[str]:
+    """``["objective=<figure> is a figure of none of the N measured records ..."]`` when the sweep was
+    asked to return a figure (for an optimising sweeper) that no ``ok`` record has: a misspelt name
+    made every trial NaN. ``[]`` when it was not asked, or nothing was measured to tell."""
+    if not figure:
+        return []
+    figures = []
+    for e in entries:
+        if e.get("record") and (e.get("status") == "ok" or e.get("reused") == "ok"):
+            try:
+                figures.append(json.loads(Path(e["record"]).read_text()).get("figures") or {})
+            except (OSError, json.JSONDecodeError):
+                continue
+    if not figures or any(figure in f for f in figures):
+        return []
+    names = sorted({k for f in figures for k, v in f.items() if isinstance(v, int | float)})
+    close = difflib.get_close_matches(figure, names, n=3)
+    hint = f"did you mean {' or '.join(close)}?" if close else f"their figures: {', '.join(names)}"
+    return [
+        f"objective={figure} is a figure of none of the {len(figures)} measured record(s), so every job "
+        f"returned NaN; {hint}"
+    ]
 
 
 def warn_parallel_timing(config: DictConfig) -> None:
