@@ -357,6 +357,23 @@ def test_baseline_ratios(sweep, tmp_path):
     assert "other-machine" in sec.note and "9.9" in sec.note
 
 
+def test_a_baseline_of_the_same_records_is_not_a_comparison(sweep, tmp_path):
+    """A sweep run twice reuses its records (resume): both sides are then the same measurement, which
+    read "within noise" in every cell. Tags (``extra``) label the sides and are not matched on."""
+    tmp, _ = sweep
+    cur = store.load([tmp / "records"], verbose=False)
+    sec = baseline_table(cur, cur)
+    assert cell(sec, "speedup", "naive", 64) == "same record"
+    assert "(of 0 compared)" in sec.note and "the same record on both sides" in sec.note
+    for r in raw_records(tmp / "records"):
+        r["extra"] = {"run": "before"}
+        r["started_at"] = "2020-01-01T00:00:00+00:00"  # another measurement of the same jobs
+        write_record(r, tmp_path)
+    sec = baseline_table(cur, store.load([tmp_path], verbose=False))
+    assert cell(sec, "speedup", "naive", 64).startswith(("1.00x", "0.", "1.")), sec.note
+    assert "same record" not in sec.note and "No baseline record" not in sec.note
+
+
 def test_partial_sweep_loads_what_is_there(sweep, tmp_path, capsys):
     tmp, _ = sweep
     recs = sorted((tmp / "records").rglob("*.json"))

@@ -491,6 +491,51 @@ def test_entry_point_plugin_is_a_variant_choice_with_knobs(tmp_path):
     assert bad.stderr.strip() == "error: unknown knob 'temprature' for myplug_attn; knobs: temperature, tag"
 
 
+def test_a_plugin_that_registers_nothing_under_its_name_says_so(tmp_path):
+    """An entry point naming a module that forgot @register (or registered another name): without a
+    word the variant was just 'unknown', as if the plugin were not installed."""
+    (tmp_path / "forgetful.py").write_text(
+        "from variants.naive import NaiveAttention\n\nclass Mine(NaiveAttention):\n    pass\n"
+    )
+    dist = tmp_path / "forgetful-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: forgetful\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[attnbench.variants]\nforgot = forgetful\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    code = "import variants; print('forgot' in variants.available())"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert p.stdout.strip() == "False"
+    assert "plugin 'forgot' (forgetful) loaded but registered no variant named 'forgot'" in p.stderr
+
+
+@pytest.mark.parametrize("name", ["", "a,b", "my attn", "x=1"])
+def test_a_variant_name_a_command_line_cannot_say_is_refused(name):
+    with pytest.raises(ValueError, match="letters, digits"):
+        variants.register(name)
+
+
+def test_a_variant_returning_the_wrong_shape_is_named_in_one_line():
+    """A third party's _attend returning (B, Nq, H, Dv), or None: one line naming the class and the
+    shape it owed, not a torch error about tensor sizes further on."""
+    from variants.naive import NaiveAttention
+
+    class Transposed(NaiveAttention):
+        def _attend(self, q, k, v, **kw):
+            return super()._attend(q, k, v, **kw).transpose(1, 2)
+
+    class Forgot(NaiveAttention):
+        def _attend(self, q, k, v, **kw):
+            return None
+
+    q = torch.randn(1, 8, 16, 4)
+    with pytest.raises(TypeError, match=r"Transposed._attend returned \(1, 16, 8, 4\); expected a tensor"):
+        Transposed()(q, q, q)
+    with pytest.raises(
+        TypeError, match=r"Forgot._attend returned NoneType; expected a tensor \(B, H, Nq, Dv\)"
+    ):
+        Forgot()(q, q, q)
+
+
 def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
     from experiments.sweep.checks import variant_label
     from tests.faulty import CrashingAttention

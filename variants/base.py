@@ -487,7 +487,15 @@ class AttentionVariant(nn.Module):
             kw["window"] = window
         if sinks is not None:
             kw["sinks"] = sink_logits(sinks, w.heads)  # (B|1, H, Nq|1)
-        return self._attend(q, k, v, **kw)
+        out = self._attend(q, k, v, **kw)
+        want = (w.batch, w.heads, w.nq, w.v_head_dim)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:  # a third party's bug, named
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(
+                f"{type(self).__qualname__}._attend returned {got}; expected a tensor "
+                f"(B, H, Nq, Dv) = {want}"
+            )
+        return out
 
     def _attend(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import re
 import types
 import typing
 import warnings
@@ -23,6 +24,8 @@ from .base import AttentionVariant
 ENTRY_POINT_GROUP = "attnbench.variants"
 
 _REGISTRY: dict[str, type[AttentionVariant]] = {}
+#: a variant's name: what ``variant=<name>`` and the tests' ids carry
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _entry_points_loaded = False
 
 
@@ -35,6 +38,12 @@ class UnknownVariant(KeyError):
 
 def register(name: str) -> Callable[[type[AttentionVariant]], type[AttentionVariant]]:
     """Class decorator: register an :class:`AttentionVariant` subclass under ``name``."""
+
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"variant name {name!r}: letters, digits, '_', '-' or '.', not empty (a command line says "
+            "variant=<name>, and a sweep splits on commas)"
+        )
 
     def deco(cls: type[AttentionVariant]) -> type[AttentionVariant]:
         if not (isinstance(cls, type) and issubclass(cls, AttentionVariant)):
@@ -69,6 +78,13 @@ def _load_entry_points() -> None:
             continue
         if isinstance(obj, type) and issubclass(obj, AttentionVariant) and ep.name not in _REGISTRY:
             register(ep.name)(obj)
+        elif ep.name not in _REGISTRY:  # a module that registered nothing, or under another name
+            warnings.warn(
+                f"attention variant plugin '{ep.name}' ({ep.value}) loaded but registered no variant "
+                f"named '{ep.name}': point the entry point at the class, or decorate it with "
+                f"@register('{ep.name}')",
+                stacklevel=2,
+            )
 
 
 def available(pattern: str = "*") -> list[str]:

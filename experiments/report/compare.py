@@ -13,7 +13,9 @@ from ..records.store import CELL_KEYS, is_false, newest_mask
 from .format import Section
 from .grouping import group_keys, groups, mode_times, pivot_cells, status_cell, usable
 
-MATCH_KEYS = [k for k in CELL_KEYS if k != "env_host"]  # what a baseline row is matched on
+#: what a baseline row is matched on: not the host (comparing machines is the point) and not the
+#: free-form ``extra`` tags (``+extra.run=before`` and ``after`` label the two sides of a comparison)
+MATCH_KEYS = [k for k in CELL_KEYS if k not in ("env_host", "extra")]
 
 
 #: a speedup within this fraction of 1 is within noise whatever the two runs' spreads say: their
@@ -71,13 +73,16 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
         "peak_mib",
         "variant",
         "env_host",
+        "record_id",
     ]
 
     def with_times(df: pd.DataFrame) -> pd.DataFrame:
         t = mode_times(df)
+        # one record's identity: a sweep that reused its records (resume) hands the same one to both sides
+        ident = df[["config_hash", "env_host", "started_at", "finished_at"]].astype(str).agg("|".join, axis=1)
         return df.assign(
             time_s=t["time_s"], q1_s=t["q1_s"], q3_s=t["q3_s"], peak_mib=_col(df, "peak_mib"),
-            machine_slowdown=_col(df, "machine_slowdown"),
+            machine_slowdown=_col(df, "machine_slowdown"), record_id=ident,
         )  # fmt: skip
 
     cur, base = with_times(cur), with_times(base)
@@ -90,12 +95,16 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     both = ok_now & ok_base
     m["speedup"] = (m["time_s_base"] / m["time_s"]).where(both)
     m["memory_ratio"] = (m["peak_mib"] / m["peak_mib_base"]).where(both)
+    same = m["record_id"] == m["record_id_base"]
     m["verdict"] = m.apply(lambda r: noise_verdict(r) if pd.notna(r["speedup"]) else None, axis=1)
+    m.loc[same, "verdict"] = "same record"
 
     def ratio_cell(col: str) -> Callable[[pd.Series], str]:
         def cell(row: pd.Series) -> str:
             if row["_merge"] == "left_only":
                 return "no baseline"
+            if row["verdict"] == "same record":
+                return "same record"
             now = status_cell(row)
             if now:
                 return now
@@ -119,14 +128,19 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
         sec.parts.append((f"{title}: speedup vs baseline", pivot_cells(sub, ratio_cell("speedup"))))
         sec.parts.append((f"{title}: memory vs baseline", pivot_cells(sub, ratio_cell("memory_ratio"))))
     if unmatched:
-        sec.note += f" No baseline record at all for: {'; '.join(unmatched)}."
+        labels = ", ".join(sorted(base["variant"].astype(str).unique()))
+        sec.note += (
+            f" No baseline record of the same workload, variant (with its knobs) and N for: "
+            f"{'; '.join(unmatched)} (the baseline's variants: {labels})."
+        )
     sec.note = f"{verdict_summary(m['verdict'])}. " + sec.note
     sec.data = m.drop(columns=["_merge", "started_at"])
     return sec
 
 
 def verdict_summary(verdicts: pd.Series) -> str:
-    """``3 faster, 1 slower, 5 within noise, 2 on a slow machine (of 11 compared)``."""
+    """``3 faster, 1 slower, 5 within noise, 2 on a slow machine (of 11 compared)``, and how many cells
+    hold the same record on both sides (not compared)."""
     n = verdicts.value_counts()
     parts = [
         f"{n.get('faster', 0)} faster",
@@ -135,7 +149,13 @@ def verdict_summary(verdicts: pd.Series) -> str:
     ]
     if n.get("slow machine", 0):
         parts.append(f"{n['slow machine']} on a slow machine")
-    return ", ".join(parts) + f" (of {int(n.sum())} compared)"
+    text = ", ".join(parts) + f" (of {int(n.sum() - n.get('same record', 0))} compared)"
+    if n.get("same record", 0):  # not a comparison: resume handed both sides the same measurement
+        text += (
+            f"; {n['same record']} cell(s) are the same record on both sides (a sweep that reused its "
+            "records: resume=false measures them again)"
+        )
+    return text
 
 
 def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
