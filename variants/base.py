@@ -492,8 +492,7 @@ class AttentionVariant(nn.Module):
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:  # a third party's bug, named
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise TypeError(
-                f"{type(self).__qualname__}._attend returned {got}; expected a tensor "
-                f"(B, H, Nq, Dv) = {want}"
+                f"{type(self).__qualname__}._attend returned {got}; expected a tensor (B, H, Nq, Dv) = {want}"
             )
         return out
 
