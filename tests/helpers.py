@@ -185,15 +185,23 @@ def flags_allow(cls: type[AttentionVariant] | AttentionVariant, w: Workload) -> 
     )
 
 
-def oracle_hint(name: str, err: float, tol: float) -> str:
-    """The message of a failed comparison with :func:`variants.oracle`: the error and the hooks of the
-    variant the oracle builds its expected output from (README, "Adding a variant")."""
+def oracle_hint(name: str, err: float, tol: float, case: Case | None = None) -> str:
+    """The message of a failed comparison with :func:`variants.oracle`: the error, the call's features
+    the variant claimed to take (``case``), and the hooks of the variant the oracle builds its expected
+    output from (README, "Adding a variant")."""
+    features = [f for f in ("bias", "sinks", "softcap", "window") if case is not None and getattr(case, f)]
+    claimed = (
+        f" This call passes {', '.join(f'{f}=' for f in features)}, which the variant says it takes "
+        "(its supports_ facts): check that _attend applies it. Otherwise:"
+        if features
+        else ""
+    )
     return (
-        f"{name}: relative error {err:.3g} against the float64 oracle (allowed {tol:g}). The oracle computes "
-        "softmax(reference_scores(q, k)) over the pairs pattern() allows, plus the call's masks: a variant "
-        "that scores pairs differently (a temperature, a bias) overrides reference_scores(); one that skips "
-        "pairs, pattern() (and num_pairs()/flops() follow it); one that is not a restricted softmax, "
-        "oracle_forward()"
+        f"{name}: relative error {err:.3g} against the float64 oracle (allowed {tol:g}).{claimed} The oracle "
+        "computes softmax(reference_scores(q, k)) over the pairs pattern() allows, plus the call's masks: a "
+        "variant that scores pairs differently (a temperature, a bias of its own) overrides "
+        "reference_scores(); one that skips pairs, pattern() (and num_pairs()/flops() follow it); one that "
+        "is not a restricted softmax, oracle_forward()"
     )
 
 

@@ -47,7 +47,7 @@ def test_forward_matches_oracle_fp32(vp, case, device):
     assert out.shape == (case.b, case.h, case.nq, case.dv)
     assert out.dtype == q.dtype
     err = rel_err(out, oracle(attn, q, k, v, **kw))
-    assert err <= 1e-5, oracle_hint(name, err, 1e-5)
+    assert err <= 1e-5, oracle_hint(name, err, 1e-5, case)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,7 +116,7 @@ def test_gradients_match_oracle_fp32(vp, case, device):
         assert (gg is None) == (ww is None)
         if gg is not None:
             err = rel_err(gg, ww)
-            assert err <= 1e-4, "gradient: " + oracle_hint(name, err, 1e-4)
+            assert err <= 1e-4, "gradient: " + oracle_hint(name, err, 1e-4, case)
 
 
 @pytest.mark.parametrize("device", DEVICES)
