@@ -77,7 +77,12 @@ def _load_entry_points() -> None:
             )
             continue
         if isinstance(obj, type) and issubclass(obj, AttentionVariant) and ep.name not in _REGISTRY:
-            register(ep.name)(obj)
+            try:
+                register(ep.name)(obj)
+            except ValueError as exc:  # a name no command line can say: the plugin is left out, saying so
+                warnings.warn(
+                    f"attention variant plugin '{ep.name}' ({ep.value}) left out: {exc}", stacklevel=2
+                )
         elif ep.name not in _REGISTRY:  # a module that registered nothing, or under another name
             warnings.warn(
                 f"attention variant plugin '{ep.name}' ({ep.value}) loaded but registered no variant "
