@@ -1,7 +1,8 @@
 """What attention sinks (gpt-oss's per-head logits) cost sdpa: the call without sinks, with them as sdpa
 takes them now (the sink key shaped for the fused kernel), and as every variant once took them (one more
 key and feature, head sizes D+1 against Dv: PyTorch's math kernel), interleaved round by round in one
-process; median ms [min-max] and each form's peak memory (the allocator's bytes above those held).
+process; median ms [min-max], each form's peak memory (the allocator's bytes above those held) and its
+useful GFLOP/s as a share of a 2048x2048 fp32 GEMM timed in the same run (the machine's ceiling).
 
     python scripts/sinks_cost.py [--lengths 1024 4096] [--threads 2] [--rounds 5]
 """
@@ -16,6 +17,7 @@ from torch.utils import benchmark
 
 import variants
 from experiments.measure.memory import cpu_peak_bytes
+from experiments.measure.roofline import gemm_flops_per_s, gemm_n
 from variants.sdpa import SDPAAttention
 
 
@@ -51,7 +53,9 @@ def main() -> None:
         "sinks (now)": SDPAAttention(),
         "sinks (one more key)": _AsOneMoreKey(),
     }
+    gemm = gemm_flops_per_s("cpu", torch.float32, gemm_n("cpu", torch.float32))
     print(f"sdpa, B=1 H=8 D=64 fp32, {args.threads} threads, {args.rounds} rounds: median ms [min-max], peak")
+    print(f"GEMM ceiling (2048x2048 fp32, this run): {gemm / 1e9:.0f} GFLOP/s")
     for n in args.lengths:
         for causal in (True, False):
             for backward in (False, True):
@@ -73,8 +77,12 @@ def main() -> None:
                         )
                 peak = {name: cpu_peak_bytes(run) / 2**20 for name, run in calls.items()}
                 med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+                # useful FLOPs: 4 N^2 D per head forward (QK^T and PV), half of it causal; backward 2.5x
+                flops = 4 * n * n * 64 * 8 * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+                share = {name: flops / (m / 1e3) / gemm for name, m in med.items()}
                 cells = "; ".join(
-                    f"{name} {med[name]:.1f} [{min(t):.1f}-{max(t):.1f}] {peak[name]:.0f} MiB"
+                    f"{name} {med[name]:.1f} [{min(t):.1f}-{max(t):.1f}] {peak[name]:.0f} MiB "
+                    f"{share[name]:.0%} of GEMM"
                     + (
                         f" ({med[name] / med['no sinks']:.2f}x, {attn.backend_ran})"
                         if name != "no sinks"
