@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks of the open issues in one lease (a lent GPU machine runs this from the repo root;
 # results come back under $OUT). Each step has its own time limit, so one that overruns costs only
-# itself; the records so far are packed into $OUT/gpu.tar.gz after every step.
-#   OUT=/tmp/out bash scripts/device_checks.sh           (issue 34's checks, then pytest -m cuda)
-#   OUT=/tmp/out PART=37 bash scripts/device_checks.sh   (issue 37's xFormers runs: a second call)
+# itself; the records so far are packed into $OUT/gpu.tar.gz after every step. PART picks the steps:
+#   OUT=/tmp/out bash scripts/device_checks.sh           (one 10-minute lease: the goals of issues 34
+#                                                         and 37 first, then pytest -m cuda, then the rest)
+#   OUT=/tmp/out PART=34 bash scripts/device_checks.sh   (issue 34's checks, then pytest -m cuda)
+#   OUT=/tmp/out PART=37 bash scripts/device_checks.sh   (issue 37's xFormers runs)
 #   OUT=/tmp/out PART=gpu bash scripts/device_checks.sh  (experiment=gpu's forward, gpu_train in bf16)
 # Wheels of what the GPU image lacks (hydra-core, omegaconf, antlr4, xformers) are read from .whl/.
 set -u
@@ -25,28 +27,36 @@ step() {  # step NAME SECONDS COMMAND...: its output in $W/NAME.log, its exit st
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$W/gpu.txt"
 python3 -c "import torch, triton, xformers; print('torch', torch.__version__, 'triton', triton.__version__, 'xformers', xformers.__version__)" 2>&1 | grep -v WARN | tee -a "$W/gpu.txt"
 R=$W/records
-if [ "${PART:-34}" = 34 ]; then
 # issue 34: chunked's Triton path (auto takes it on CUDA) beside dense sdpa, N=1k-16k, both dtypes and modes
-step chunked_triton 120 python3 run.py -m experiment=gpu variant=chunked,sdpa min_run_time=0.2 isolate=false records_dir=$R/chunked_triton
-step chunked_triton_large 45 python3 run.py -m experiment=gpu variant=chunked,sdpa batch=4 heads=16 head_dim=128 seq_len=16384 dtype=bfloat16 mode=fwd_bwd min_run_time=0.2 isolate=false records_dir=$R/chunked_triton_large
-# chunked's split-K decode kernel (its Triton path) beside sdpa, one query, GB/s against the copy bandwidth
-step decode_chunked 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=chunked,sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_chunked
-# the pattern kernels, each call's longest kernels printed (is sparse's time one tile row's tail?)
-step patterns_small 90 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],xformers window" --profile 6 --json $W/patterns_small.json
-step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],xformers window" --profile 6 --json $W/patterns_large.json
-step pytest_cuda $((560 - SECONDS)) python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
-grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40
-tail -n 5 "$W/pytest_cuda.log"
-elif [ "$PART" = gpu ]; then
+chunked_triton() { step chunked_triton 110 python3 run.py -m experiment=gpu variant=chunked,sdpa min_run_time=0.1 isolate=false records_dir=$R/chunked_triton; }
+chunked_triton_large() { step chunked_triton_large 40 python3 run.py -m experiment=gpu variant=chunked,sdpa batch=4 heads=16 head_dim=128 seq_len=16384 dtype=bfloat16 mode=fwd_bwd min_run_time=0.1 isolate=false records_dir=$R/chunked_triton_large; }
+# one query against 16k-128k keys (GQA 32:4, D=128): chunked's split-K Triton kernel beside sdpa; GB/s
+# against the copy bandwidth
+decode_chunked() { step decode_chunked 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=chunked,sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode; }
+# the pattern kernels, each call's longest kernels printed (is sparse's time one tile row's tail?); on
+# CUDA xFormers' window is a contender too (issue 37)
+patterns_small() { step patterns_small 90 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],xformers window" --profile 6 --json $W/patterns_small.json; }
+patterns_large() { step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],xformers window" --profile 6 --json $W/patterns_large.json; }
+pytest_cuda() {
+    step pytest_cuda "$1" python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
+    grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40
+    tail -n 5 "$W/pytest_cuda.log"
+}
+# issue 37: xFormers operator by operator (auto, cutlass, flash), then its split-K decode beside sdpa's
+xformers_gpu() { step xformers_gpu "${1:-110}" python3 run.py -m experiment=gpu_xformers variant.lift_gate=true min_run_time=0.1 isolate=false records_dir=$R/gpu_xformers; }
+sdpa_gpu() { step sdpa_gpu 45 python3 run.py -m experiment=gpu variant=sdpa min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers; }
+decode_sdpa() { step decode_sdpa 70 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode; }
+decode_splitk() { step decode_splitk 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=xformers variant.op=triton_splitk,auto variant.lift_gate=true seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode; }
 # what results/gpu lacks of experiment=gpu and gpu_train (the H100 run took bf16 fwd_bwd): the forward
 # with its CUDA-graph replay in both dtypes, then gpu_train's bf16 rows; each step keeps what it measured
-step gpu_fwd 300 python3 run.py -m experiment=gpu mode=fwd min_run_time=0.2 isolate=false records_dir=$R/gpu_fwd
-step gpu_train 240 python3 run.py -m experiment=gpu_train dtype=bfloat16 min_run_time=0.2 isolate=false records_dir=$R/gpu_train
-else
-# issue 37's xFormers runs
-step xformers_gpu 110 python3 run.py -m experiment=gpu_xformers variant.lift_gate=true min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers
-step sdpa_gpu 45 python3 run.py -m experiment=gpu variant=sdpa min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers
-step decode 70 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_cuda
-step decode_splitk 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=xformers variant.op=triton_splitk,auto variant.lift_gate=true seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode_cuda
-fi
+gpu_fwd() { step gpu_fwd 300 python3 run.py -m experiment=gpu mode=fwd min_run_time=0.2 isolate=false records_dir=$R/gpu_fwd; }
+gpu_train() { step gpu_train 240 python3 run.py -m experiment=gpu_train dtype=bfloat16 min_run_time=0.2 isolate=false records_dir=$R/gpu_train; }
+case "${PART:-lease}" in
+lease)  # the goals first, so a step that overruns leaves them measured; chunked's sdpa rows are the baseline
+    chunked_triton; patterns_small; patterns_large; pytest_cuda 130; xformers_gpu 100; decode_chunked; decode_splitk ;;
+34) chunked_triton; chunked_triton_large; decode_chunked; patterns_small; patterns_large; pytest_cuda $((560 - SECONDS)) ;;
+37) xformers_gpu; sdpa_gpu; decode_sdpa; decode_splitk ;;
+gpu) gpu_fwd; gpu_train ;;
+*) echo "PART must be lease, 34, 37 or gpu, not $PART"; exit 2 ;;
+esac
 cat "$W/summary.txt"
