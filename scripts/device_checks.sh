@@ -43,7 +43,7 @@ pytest_cuda() {
     tail -n 5 "$W/pytest_cuda.log"
 }
 # issue 37: xFormers operator by operator (auto, cutlass, flash), then its split-K decode beside sdpa's
-xformers_gpu() { step xformers_gpu "${1:-110}" python3 run.py -m experiment=gpu_xformers variant.lift_gate=true min_run_time=0.1 isolate=false records_dir=$R/gpu_xformers; }
+xformers_gpu() { step xformers_gpu "${1:-110}" python3 run.py -m experiment=gpu_xformers variant=xformers variant.lift_gate=true min_run_time=0.1 isolate=false records_dir=$R/gpu_xformers; }
 sdpa_gpu() { step sdpa_gpu 45 python3 run.py -m experiment=gpu variant=sdpa min_run_time=0.2 isolate=false records_dir=$R/gpu_xformers; }
 decode_sdpa() { step decode_sdpa 70 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode; }
 decode_splitk() { step decode_splitk 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=xformers variant.op=triton_splitk,auto variant.lift_gate=true seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode; }

@@ -53,8 +53,8 @@ def contenders(window: int, block: int, device: str) -> dict[str, variants.Atten
         # xFormers' local-attention type; lift_gate: its PyTorch-backed operators run on a torch the
         # wheel was not built for (the record-free script says nothing else about it)
         c["xformers window"] = variants.build("xformers", window=window, lift_gate=True)
-        # sparse with its global rows and columns kept in the block mask, whatever the shape: what
-        # computing them apart (sparse's choice with few batch-heads) saves or costs, side by side
+        # sparse with its global rows kept in the block mask, whatever the shape: what computing them
+        # apart (sparse's choice with few batch-heads) saves or costs, side by side
         inside = variants.build("sparse", block=block, impl="flex")
         inside._global_rows_apart = lambda q, k, causal: False
         c["sparse[global in mask]"] = inside
@@ -68,19 +68,19 @@ def visited_pairs(attn: variants.AttentionVariant, q: torch.Tensor, k: torch.Ten
     tiles), per (batch, head); None where the route that ran was not flex."""
     if attn.describe().get("impl_ran") != "flex":
         return None
-    # sparse's global rows and columns, where computed apart, are dense calls beside the kernel
-    # (variants/sparse.py): the kernel is handed the other rows; the pairs of the dense parts count
+    # sparse's global query rows, where computed apart, are one dense call beside the kernel
+    # (variants/sparse.py), whose block mask skips them; the pairs of the dense call count
     n = k.shape[2]
     apart = attn.describe().get("global_rows") == "dense"
-    ng = min(attn.global_blocks * attn.block, n) if apart else 0
+    ng = min(attn.global_blocks * attn.block, q.shape[2]) if apart else 0
     kernel = attn._flex_local if apart else attn._flex
-    bm = kernel.block_mask(q[:, :, ng:], k, False, None, None)
+    bm = kernel.block_mask(q, k, False, None, None)
     if bm is None:
         return None
     tiles = bm.kv_num_blocks.sum() + (bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0)
     qt, kt = bm.BLOCK_SIZE
     per_head = int(tiles) * qt * kt // (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
-    return per_head + ng * n + (q.shape[2] - ng) * ng  # the kernel's tiles, the global rows and columns
+    return per_head + ng * n  # the kernel's tiles and the dense global rows
 
 
 def call(

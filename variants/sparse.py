@@ -46,12 +46,12 @@ The layout is computed by ``impl``:
   PyTorch, accumulating low-precision inputs in float32 (the reference).
 - ``flex``: this very layout as a FlexAttention block mask (:mod:`variants.flex_kernel`: a Triton
   kernel on CUDA that skips the tiles outside the layout, fwd and bwd; no backward on the CPU; no
-  float64). With few batch-heads on a GPU its global rows and columns are computed apart: the
-  global query rows as one dense SDPA call, the other rows' global keys densely, merged with the
-  kernel's output by log-sum-exp (in the block mask the rows' tile row would walk every key tile in
-  the forward, and the columns' tile column every query tile in the backward, while the others walk
-  a handful, and set the kernel's time); ``global_rows`` in the record says where they ran
-  (``dense`` or ``block mask``).
+  float64). With few batch-heads on a GPU its global query rows are one dense SDPA call beside the
+  kernel (in the block mask their tile row would walk every key tile while the others walk a
+  handful, and set the kernel's time); ``global_rows`` in the record says where they ran (``dense``
+  or ``block mask``). The global key columns stay in the block mask: computed apart as well (dense,
+  merged by log-sum-exp) they cost more than their backward tail saved, at every shape timed on an
+  H100 (docs/variants.md).
 - ``auto``: on the CPU ``kernel`` where it takes the call (else ``sdpa``, and ``impl_note`` says
   why); on CUDA ``flex`` when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
   ``sdpa``. The record's ``impl_ran`` says which ran.
@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from . import sparse_kernel
-from .base import AttentionVariant, Unavailable, Unsupported, Workload, repeat_kv
+from .base import AttentionVariant, Unavailable, Unsupported, Workload
 from .flex_kernel import FlexKernel, flex_refusal
 from .gathered_sdpa import gathered_sdpa
 from .masks import sdpa_blocked, softmax_blocked_, zero_empty_rows
@@ -127,9 +127,9 @@ class BlockSparseAttention(AttentionVariant):
         self._rows: dict[tuple[int, int, bool], sparse_kernel.Layout] = {}
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._flex = FlexKernel(self._layout_mask_mod, block)
-        # the layout without its global rows and columns, which are computed densely (_flex_attend)
-        self._flex_local = FlexKernel(self._local_mask_mod, block)
-        self._apart: dict[tuple, bool] = {}  # per shape: global rows and columns apart (flex only)
+        # the layout without its global query rows, which are one dense SDPA call instead (_flex_attend)
+        self._flex_local = FlexKernel(self._local_rows_mask_mod, block)
+        self._apart: dict[tuple, bool] = {}  # per shape: global rows apart from the kernel (flex only)
         self.global_rows_ran: str | None = None
 
     def knobs(self) -> dict[str, object]:
@@ -191,13 +191,12 @@ class BlockSparseAttention(AttentionVariant):
         blocks = self.block_pattern(max(nq, nk), causal).to(device)  # (nb, nb)
         return layout_mask_mod(nq, nk, blocks, self.block, causal)
 
-    def _local_mask_mod(self, nq: int, nk: int, causal: bool, device: torch.device) -> MaskMod:
-        """:meth:`_layout_mask_mod` without its global rows and columns (positions ``< global_blocks *
-        block``): a global query row sees nothing, no query sees a global key; both are computed apart,
-        densely (:meth:`_flex_attend`)."""
+    def _local_rows_mask_mod(self, nq: int, nk: int, causal: bool, device: torch.device) -> MaskMod:
+        """:meth:`_layout_mask_mod` with the global query rows (positions ``< global_blocks * block``)
+        seeing nothing: they are computed apart, densely (:meth:`_flex_attend`)."""
         layout = self._layout_mask_mod(nq, nk, causal, device)
         ng, off = self.global_blocks * self.block, max(0, nk - nq)
-        return lambda qi, ki: layout(qi, ki) & (qi + off >= ng) & (ki >= ng)
+        return lambda qi, ki: layout(qi, ki) & (qi + off >= ng)
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
@@ -324,51 +323,38 @@ class BlockSparseAttention(AttentionVariant):
         return self._rows[nq, nk, causal]
 
     def _flex_attend(self, q, k, v, *, causal, key_padding_mask):
-        """The layout on FlexAttention's kernel, its global rows and columns apart where they would be
-        its tail. The ``g * block`` global query rows see every key and the global key columns are
-        seen by every query: in the block mask, the rows' one tile row walks all ``N / tile`` key
-        tiles in the forward, the columns' one tile column all query tiles in the backward's dK/dV
-        pass, while every other walks a handful; with few batch-heads those tiles set the kernel's
-        time (H100, B=1 H=8 N=16384: sparse 1.4x faster than dense SDPA, local_window 4.1x). Apart,
-        the global rows are one dense SDPA call (``O(g block N)``); every other row attends to the
-        layout without the global columns on the kernel and to the global columns densely
-        (``O(N g block)``), and the two are merged by their log-sum-exps, gradients through both."""
+        """The layout on FlexAttention's kernel, its global query rows apart where they would be its
+        tail: those ``g * block`` rows see every key, so in the block mask their one tile row walks
+        all ``N / tile`` key tiles while every other walks a handful, and with few batch-heads that
+        row sets the kernel's time. They are one dense SDPA call instead (``O(g block N)``), and the
+        kernel skips them (they come out zero there and are replaced)."""
         nq, nk = q.shape[2], k.shape[2]
-        ng = min(self.global_blocks * self.block, nk)  # global key columns: positions < ng
-        ngq = max(0, ng - (nk - nq))  # global query rows among the queries (the first ngq)
-        self.global_rows_ran = "block mask" if ng else None
-        if ng == 0 or not self._global_rows_apart(q, k, causal):
+        ngq = max(0, min(self.global_blocks * self.block, nk) - (nk - nq))  # global query rows
+        self.global_rows_ran = "block mask" if ngq else None
+        if ngq == 0 or not self._global_rows_apart(q, k, causal):
             return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         self.global_rows_ran = "dense"
-        parts = []
-        if ngq:
-            off = nk - nq
-            blocked = torch.zeros(1, 1, ngq, nk, dtype=torch.bool, device=q.device)  # True = may not attend
-            if causal:  # key j after the query at position i + off
-                blocked = torch.ones(1, 1, ngq, nk, dtype=torch.bool, device=q.device).triu(1 + off)
-            if key_padding_mask is not None:
-                blocked = blocked | ~key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, ngq, Nk)
-            gqa = k.shape[1] != q.shape[1]
-            parts.append(sdpa_blocked(q[:, :, :ngq], k, v, blocked, enable_gqa=gqa))  # (B, H, ngq, Dv)
-        if ngq < nq:
-            rows = q[:, :, ngq:]  # (B, H, R, D): the last R queries, each after every global key
-            local, lse = self._flex_local(
-                rows, k, v, causal=causal, key_padding_mask=key_padding_mask, return_lse=True
-            )
-            pad = None if key_padding_mask is None else key_padding_mask[:, :ng].to(q.device)  # (B, ng)
-            glob, lse_g = _attend_with_lse(rows, k[:, :, :ng], v[:, :, :ng], pad)  # (B, H, R, Dv), (B, H, R)
-            parts.append(_merge(local, lse, glob, lse_g).to(q.dtype))
-        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # (B, H, Nq, Dv)
+        off = nk - nq
+        blocked = torch.zeros(1, 1, ngq, nk, dtype=torch.bool, device=q.device)  # True = may not attend
+        if causal:  # key j after the query at position i + off
+            blocked = torch.ones(1, 1, ngq, nk, dtype=torch.bool, device=q.device).triu(1 + off)
+        if key_padding_mask is not None:
+            blocked = blocked | ~key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, ngq, Nk)
+        gqa = k.shape[1] != q.shape[1]
+        glob = sdpa_blocked(q[:, :, :ngq], k, v, blocked, enable_gqa=gqa)  # (B, H, ngq, Dv)
+        if ngq == nq:
+            return glob
+        rest = self._flex_local(q, k, v, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, Nq, Dv)
+        return torch.cat([glob, rest[:, :, ngq:]], dim=2)  # (B, H, Nq, Dv)
 
     def _global_rows_apart(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-        """Whether the global rows and columns are computed apart from the kernel: where their one
-        tile row (every key tile; a tile column, every query tile, in the backward) would outlast the
-        rest of the kernel's tiles spread over the GPU's multiprocessors, i.e. with few batch-heads.
-        On an H200 (bf16 fwd+bwd, N=16384) with the rows apart (the columns still in the block mask):
-        B=1 H=8 D=64 sparse 1.79x faster than dense SDPA; B=4 H=16 D=128 5.5x, against 6.9x on an H100
-        with both in the block mask, so the dense calls cost more than the tail they remove once the
-        kernel is busy. Never on the CPU: no tail there, and the compiled CPU kernel returns no
-        log-sum-exp to merge with (torch 2.13). Cached per shape."""
+        """Whether the global query rows go to a dense call beside the kernel: where their one tile row
+        (every key tile) would outlast the rest of the kernel's tiles spread over the GPU's
+        multiprocessors, i.e. with few batch-heads. On an H200 (bf16 fwd+bwd, N=16384) with the rows
+        apart: B=1 H=8 D=64 sparse 1.79x faster than dense SDPA; B=4 H=16 D=128 5.5x, against 6.9x on
+        an H100 with them in the block mask, so the dense call and the concatenation cost more than
+        the tail they remove once the kernel is busy. Never on the CPU: no tail there. Cached per
+        shape."""
         if q.device.type != "cuda":
             return False
         b, h, nq, _ = q.shape
@@ -399,34 +385,3 @@ class BlockSparseAttention(AttentionVariant):
             return int(self.pattern(nq, nk, causal).sum())
         return layout_pairs(nq, *self.layout(nq, causal), self.block, self.global_blocks, causal)
 
-
-def _attend_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q (B, H, R, D)`` over a few keys ``k (B, Hkv, G, D)``, ``v (B, Hkv, G,
-    Dv)`` (every one visible but the padded, ``key_padding_mask (B, G)``), in float32: the output
-    ``(B, H, R, Dv)`` and each row's log-sum-exp ``(B, H, R)`` (-inf where every key is padding; its
-    output row is then 0). ``O(B H R G (D + Dv))`` time, ``O(B H R G)`` memory."""
-    h = q.shape[1]
-    k, v = repeat_kv(k, h).float(), repeat_kv(v, h).float()  # (B, H, G, D|Dv): G is small
-    s = (q.float() @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, R, G)
-    if key_padding_mask is not None:
-        s = s.masked_fill(~key_padding_mask[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, R)
-    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])  # (B, H, R, G); 0 if padded
-    return p @ v, lse
-
-
-def _merge(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """The softmax over two disjoint sets of keys from each set's output ``(B, H, R, Dv)`` and
-    log-sum-exp ``(B, H, R)``: each output weighted by its share ``e^(lse_x - lse)`` of the whole,
-    ``lse = log(e^lse_a + e^lse_b)``; a row that sees no key in either is 0. float32, ``O(B H R
-    Dv)``."""
-    # a row with no key in either set: logaddexp(-inf, -inf)'s gradient is NaN, so such a row's total
-    # is taken as 0 (its weights come out 0 and its gradients 0)
-    empty = (lse_a == float("-inf")) & (lse_b == float("-inf"))
-    lse = torch.logaddexp(lse_a, lse_b.masked_fill(empty, 0.0))  # (B, H, R)
-    wa, wb = torch.exp(lse_a - lse)[..., None], torch.exp(lse_b - lse)[..., None]  # (B, H, R, 1)
-    return wa * out_a.float() + wb * out_b.float()  # (B, H, R, Dv)
