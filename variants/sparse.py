@@ -73,10 +73,18 @@ from .registry import register
 IMPLS = ("auto", "kernel", "sdpa", "blocked", "flex")
 
 
+# How many key tiles more than the balanced load the global tile row must walk before a dense call
+# beside the kernel pays for itself (its launch, mask and concatenation, forward and backward). H100,
+# bf16 fwd+bwd, B=1 H=8 D=64, 2026-11-26: 19 tiles more (N=4096) lost (1.39 ms apart against 0.76 in
+# the block mask), 74 more (N=16384) won (2.34 against 3.17); 40 is about their geometric mean.
+MIN_TAIL_EXCESS_TILES = 40
+
+
 def tail_bound(batch_heads: int, tiles_per_head: float, key_tiles: int, sms: int) -> bool:
-    """Whether one tile row that visits all ``key_tiles`` outlasts the kernel's other work: the
-    ``batch_heads * tiles_per_head`` tiles spread evenly over ``sms`` multiprocessors. ``O(1)``."""
-    return key_tiles > batch_heads * tiles_per_head / sms
+    """Whether one tile row that visits all ``key_tiles`` outlasts the kernel's other work (the
+    ``batch_heads * tiles_per_head`` tiles spread evenly over ``sms`` multiprocessors) by at least
+    :data:`MIN_TAIL_EXCESS_TILES` tiles. ``O(1)``."""
+    return key_tiles - batch_heads * tiles_per_head / sms >= MIN_TAIL_EXCESS_TILES
 
 
 @register("sparse")
@@ -350,11 +358,11 @@ class BlockSparseAttention(AttentionVariant):
     def _global_rows_apart(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         """Whether the global query rows go to a dense call beside the kernel: where their one tile row
         (every key tile) would outlast the rest of the kernel's tiles spread over the GPU's
-        multiprocessors, i.e. with few batch-heads. On an H200 (bf16 fwd+bwd, N=16384) with the rows
-        apart: B=1 H=8 D=64 sparse 1.79x faster than dense SDPA; B=4 H=16 D=128 5.5x, against 6.9x on
-        an H100 with them in the block mask, so the dense call and the concatenation cost more than
-        the tail they remove once the kernel is busy. Never on the CPU: no tail there. Cached per
-        shape."""
+        multiprocessors by enough tiles to pay for the dense call, i.e. with few batch-heads and long
+        sequences. On an H100 (bf16 fwd+bwd, 2026-11-26) with the rows apart against in the block
+        mask: B=1 H=8 D=64 N=16384 2.34 against 3.17 ms (1.82x faster than dense SDPA), N=4096 1.39
+        against 0.76; on an H200, B=4 H=16 D=128 N=16384 5.5x faster than dense SDPA apart against
+        6.9x in the block mask (an H100). Never on the CPU: no tail there. Cached per shape."""
         if q.device.type != "cuda":
             return False
         b, h, nq, _ = q.shape
@@ -384,4 +392,3 @@ class BlockSparseAttention(AttentionVariant):
         if nq != nk:
             return int(self.pattern(nq, nk, causal).sum())
         return layout_pairs(nq, *self.layout(nq, causal), self.block, self.global_blocks, causal)
-
