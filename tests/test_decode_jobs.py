@@ -142,6 +142,20 @@ def test_decode_bandwidth_is_shown_against_the_read_ceiling_and_the_tighter_roof
     assert small["roofline_ms"].tolist() == pytest.approx([5e6 / 40e9 * 1e3] * 6)
 
 
+def test_cuda_decode_bandwidth_is_also_shown_from_the_cuda_graph_replay():
+    # eager: 5e6 bytes in 1 ms; the replay (launches removed) in 0.1 ms: 50 GB/s, 250% of a 20 GB/s copy
+    df = _decode_frame().assign(fwd_graph_median_s=1e-4)
+    sec = bandwidth_table(df)
+    titles = [title for title, _ in sec.parts]
+    assert len(titles) == 4 and "CUDA graph" in titles[1] and "CUDA graph" not in titles[0]
+    assert sec.parts[1][1].loc["sdpa", "Nk=4096"] == "50.0 (250%)"
+    assert sec.data["graph_gbytes_per_s"].tolist() == pytest.approx([50.0] * 6)
+    assert "replayed as a CUDA graph" in sec.note
+    # without a replay (the CPU) neither the table, nor its columns, nor the sentence
+    plain = bandwidth_table(_decode_frame())
+    assert len(plain.parts) == 2 and "graph_gbytes_per_s" not in plain.data and "CUDA graph" not in plain.note
+
+
 def test_self_attention_sweeps_keep_the_query_length_axis():
     df = _decode_frame().assign(kv_len=None)
     df = df[df["kv_len"].isna()].drop_duplicates("seq_len")
