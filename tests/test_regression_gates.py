@@ -139,8 +139,9 @@ def test_inaccurate_copy_fails_the_error_gate():
     assert len(fails) == 1 and "relative error" in fails[0], fails
 
 
-def test_registered_copy_without_a_baseline_entry_asks_for_a_refresh():
+def test_registered_copy_without_a_baseline_entry_asks_for_a_refresh(monkeypatch):
     name = "naive_slowed_for_test"
+    monkeypatch.setattr(Slowed, "__module__", "variants.naive_slowed")  # as if a module of this package
     variants.register(name)(Slowed)
     try:
         keys = {c.key: c for c in gates.cases()}
@@ -153,6 +154,22 @@ def test_registered_copy_without_a_baseline_entry_asks_for_a_refresh():
         unregister(name)
         del Slowed.name  # register() set it; inherit naive's again
     assert name not in variants.available()
+
+
+def test_a_third_party_variant_is_not_held_to_this_repository_s_baseline():
+    """A variant registered from another package (an entry point): this baseline cannot hold entries
+    for it (a machine without the plugin could neither check nor refresh them), so the gates leave it
+    to its own repository; the registry-wide correctness tests still run it."""
+    name = "naive_slowed_elsewhere"
+    assert Slowed.__module__.split(".")[0] != "variants"  # this test module: not the package
+    variants.register(name)(Slowed)
+    try:
+        assert name in variants.available() and name not in variants.builtin()
+        assert not [c for c in gates.cases() if c.name == name]
+        assert {c.name for c in gates.cases()} == set(variants.builtin())
+    finally:
+        unregister(name)
+        del Slowed.name
 
 
 # ------------------------------------------------------------------------------ comparison rules

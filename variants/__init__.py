@@ -10,7 +10,7 @@ from importlib import import_module
 
 from .base import AttentionVariant, Unavailable, Unsupported, Workload
 from .reference import full_attention_reference, oracle, reference_attention
-from .registry import ENTRY_POINT_GROUP, UnknownVariant, available, build, get, register
+from .registry import ENTRY_POINT_GROUP, UnknownVariant, available, build, builtin, get, register
 
 # importing a module runs its @register; one module per built-in variant
 BUILTIN_MODULES = (
@@ -45,6 +45,7 @@ __all__ = [
     "Unsupported",
     "Workload",
     "available",
+    "builtin",
     "build",
     "full_attention_reference",
     "get",

@@ -98,6 +98,15 @@ def available(pattern: str = "*") -> list[str]:
     return sorted(n for n in _REGISTRY if fnmatch.fnmatchcase(n, pattern))
 
 
+def builtin(pattern: str = "*") -> list[str]:
+    """Sorted names matching ``pattern`` whose class this package defines: the variants the
+    repository's own regression gates and committed tables cover (a third party's, registered by
+    entry point, are checked by the registry-wide tests wherever they are installed, and gated in
+    their own repository)."""
+    package = __name__.split(".")[0]
+    return [n for n in available(pattern) if _REGISTRY[n].__module__.split(".")[0] == package]
+
+
 def get(name: str) -> type[AttentionVariant]:
     """The class registered as ``name``; :class:`UnknownVariant` lists the known names."""
     _load_entry_points()
