@@ -573,6 +573,13 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         (["-m", "variant=naive,sdpa", "padding=0.5,1.5"], "error: padding must be in [0, 1), got 1.5"),
         # a named sweep or task that does not exist: one line, not Hydra's page of search paths
         (["-m", "experiment=nosuch"], "error: unknown experiment 'nosuch'; known: causal, cross, decode,"),
+        # Hydra's own multi-line errors, as one line: a value of the wrong type, a launcher misspelt
+        (["seq_len=abc"], "error: seq_len=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+        (["-m", "batch=1,x"], "error: batch=x: Value 'x' of type 'str' could not be converted to Integer"),
+        (
+            ["-m", "hydra/launcher=jobilb"],
+            "error: hydra/launcher=jobilb: no such option; available: basic, joblib, slurm,",
+        ),
         (["+task=nosuch"], "error: unknown task 'nosuch'; known: copy, recall, reverse (conf/task/)"),
         # settings a task or model job would ignore, or that would label its record wrongly
         (["+task=recall", "task.steps=0"], "error: task.steps must be an integer >= 1, got 0"),

@@ -7,6 +7,8 @@
 - refuses an unknown variant (``variant=nosuch``), named sweep or other group option
   (``experiment=nosuch``, ``+task=nosuch``) or an enum value the schema does not know (``dtype=fp8``)
   with one line naming what is known, and exit code 1;
+- gives Hydra's own composition errors one line: a value of the wrong type (``seq_len=abc``) or a
+  Hydra group option that does not exist (``hydra/launcher=jobilb``, with the available ones);
 - turns ``variant.<knob>=<value>`` into ``++variant.<knob>=<value>``, so a knob the variant's config
   file does not list reaches the runner, which names the variant's real knobs in one line
   (``unknown knob 'windo' for local_window; knobs: window, block``) instead of Hydra asking for ``+``.
@@ -163,8 +165,8 @@ def _job_overrides(args: list[str]) -> list[list[str]] | None:
                 return None  # another config, or not a run
             continue
         key, eq, value = arg.partition("=")
-        if not eq or key.lstrip("+~").startswith("hydra"):
-            continue
+        if not eq or (key.lstrip("+~").startswith("hydra") and not key.lstrip("+~").startswith("hydra/")):
+            continue  # Hydra's own settings; a Hydra group's option (hydra/launcher=...) is checked
         if not _PLAIN.match(value):
             return None
         lists.append([f"{key}={v}" for v in value.split(",")] if "," in value else [arg])
@@ -179,17 +181,36 @@ def check_jobs(args: list[str]) -> None:
         return
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from .checks import check_job, one_line
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for job in jobs:
             try:
-                cfg = OmegaConf.to_container(compose("config", overrides=job), resolve=True, enum_to_str=True)
-            except HydraException:
-                return  # Hydra's own message, when it composes the same overrides, says it better
+                composed = compose("config", overrides=job, return_hydra_config=True)
+            except HydraException as exc:
+                _fail(composition_error(exc))
+            with open_dict(composed):
+                del composed["hydra"]  # checked by composing; the job's checks read the rest
+            cfg = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
             try:
                 check_job(cfg)
             except Exception as exc:
                 _fail(one_line(exc))
+
+
+def composition_error(exc: Exception) -> str:
+    """Hydra's multi-line composition error as one line: a value of the wrong type (``seq_len=abc``:
+    its override and OmegaConf's reason) or a group option that does not exist
+    (``hydra/launcher=jobilb``: the option and the available ones)."""
+    text = str(exc)
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    options = re.search(r"Available options in '[^']+':\n((?:\t[^\n]+\n?)+)", text)
+    if missing:
+        group, name = missing.groups()
+        known = ", ".join(line.strip() for line in options.group(1).splitlines()) if options else ""
+        return f"{group}={name}: no such option" + (f"; available: {known}" if known else "")
+    head = text.strip().splitlines()[0].removeprefix("Error merging override ")
+    cause = str(exc.__cause__).strip().splitlines()[0] if exc.__cause__ else ""
+    return f"{head}: {cause}" if cause else head
