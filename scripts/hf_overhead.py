@@ -28,7 +28,9 @@ from collections.abc import Callable
 
 import torch
 from arg_types import non_negative_int, positive_int
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import variants
 from integrations import transformers_backend as hf
 
 
@@ -125,6 +127,13 @@ def main() -> None:
         ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     if args.pad >= min(args.lengths):  # a row with no real token: nothing of it to compare
         ap.error(f"--pad {args.pad} leaves batch row 0 no real token at N={min(args.lengths)} (--lengths)")
+    theirs = sorted(set(ALL_ATTENTION_FUNCTIONS.keys()) | {"eager"})
+    for impl in args.impls:
+        if impl.startswith(hf.PREFIX) and hf.name_of(impl) not in variants.available():
+            known = ", ".join(variants.available())
+            ap.error(f"--impls {impl}: no variant '{hf.name_of(impl)}'; known: {known}")
+        if not impl.startswith(hf.PREFIX) and impl not in theirs:
+            ap.error(f"--impls {impl}: transformers knows {', '.join(theirs)}; ours are {hf.PREFIX}<variant>")
     if args.threads:
         torch.set_num_threads(args.threads)
     hf.register([hf.name_of(i) for i in args.impls if i.startswith(hf.PREFIX)])

@@ -39,6 +39,12 @@ CASES = [
         "--lengths",
         id="hf-overhead",
     ),
+    pytest.param(["scripts/hf_overhead.py", "--impls", "bogus"], "--impls bogus", id="hf-overhead-impl"),
+    pytest.param(
+        ["scripts/hf_overhead.py", "--impls", "attnbench_nosuch"],
+        "no variant 'nosuch'",
+        id="hf-overhead-ours",
+    ),
     pytest.param(["scripts/sinks_cost.py", "--lengths", "0", "--rounds", "1"], "--lengths", id="sinks-cost"),
     pytest.param(["scripts/gate_noise.py", "--runs", "0", "--out", "{tmp}/gn"], "--runs", id="gate-noise"),
     pytest.param(["scripts/ci_stress.py", "--runs", "0", "--out", "{tmp}/cs"], "--runs", id="ci-stress"),
