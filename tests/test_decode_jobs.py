@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -246,6 +247,14 @@ def test_a_decode_job_times_the_step_of_a_variant_with_a_state_and_records_what_
     lin = sec.data[sec.data["variant"] == "linear"].sort_values("kv_len")
     assert list(lin["s_per_token"]) == [figs["linear", nk]["step_median_s"] for nk in (64, 256)]
     assert "MiB" in sec.parts[0][1].to_string()
+    assert "graph" not in sec.parts[0][0] and "graph_s_per_token" not in sec.data  # the CPU: no replay
+    # on CUDA the forward over the cache has a CUDA-graph replay: shown beside the eager time; a state
+    # variant's step has none, and keeps its step time alone
+    graphed = decode_table(df.assign(fwd_graph_median_s=2e-5))
+    assert "CUDA graph" in graphed.parts[0][0] and "replayed as a CUDA graph" in graphed.note
+    per = graphed.data.set_index(["variant", "kv_len"])["graph_s_per_token"]
+    assert per["sdpa", 256] == pytest.approx(2e-5) and np.isnan(per["linear", 256])
+    assert ", graph 0.02 (" in graphed.parts[0][1].loc["sdpa", "Nk=256"]
 
 
 def test_a_decoding_store_gets_the_decode_plots_and_others_do_not(tmp_path):

@@ -316,17 +316,28 @@ def decode_table(df: pd.DataFrame) -> Section:
     if dec.empty:
         return sec
     per_token = dec["ms_per_token"] / 1e3
+    has_graph = dec["graph_ms_per_token"].notna().any()
 
     def cell(row: pd.Series) -> str:
-        return f"{num(row['ms_per_token'])} ms ({num(row['state_mib'])} MiB)"
+        graph = "" if pd.isna(row["graph_ms_per_token"]) else f", graph {num(row['graph_ms_per_token'])}"
+        return f"{num(row['ms_per_token'])} ms{graph} ({num(row['state_mib'])} MiB)"
 
+    what = "ms per token, eager and replayed as a CUDA graph" if has_graph else "ms per token"
     for title, sub in groups(dec, keys):
-        sec.parts.append((f"{title}: ms per token (state MiB)", pivot_cells(sub, _value_cell(cell))))
+        sec.parts.append((f"{title}: {what} (state MiB)", pivot_cells(sub, _value_cell(cell))))
+    if has_graph:
+        sec.note += (
+            " `graph`: the forward replayed as a CUDA graph, without the host's launches, as a serving "
+            "loop that captures its decode step runs it; on a GPU a decode call's eager time is mostly "
+            "those launches."
+        )
+    graph_col = {"graph_s_per_token": dec["graph_ms_per_token"] / 1e3} if has_graph else {}
     sec.data = _numbers(
         dec,
         keys,
         {
             "s_per_token": per_token,
+            **graph_col,
             "state_bytes": _col(dec, "state_bytes"),
             "stepped": _col(dec, "step_median_s").notna(),
         },
@@ -337,7 +348,9 @@ def decode_table(df: pd.DataFrame) -> Section:
 def decode_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The decoding rows (causal, fewer queries than keys, forward) of records that carry
     ``state_bytes``, with ``ms_per_token`` (the step where it was timed, else the forward over the
-    cache, over the queries per call) and ``state_mib``; empty for a sweep without them."""
+    cache, over the queries per call), ``graph_ms_per_token`` (that forward replayed as a CUDA graph,
+    where it was: NaN on the CPU and for a timed step) and ``state_mib``; empty for a sweep without
+    them."""
     if "state_bytes" not in df or "kv_len" not in df:
         return df.iloc[:0]
     nk, nq = _col(df, "kv_len"), _col(df, "seq_len")
@@ -345,10 +358,13 @@ def decode_rows(df: pd.DataFrame) -> pd.DataFrame:
     dec = df[(nk > nq) & (df["mode"] == "fwd") & causal]
     dec = dec[_col(dec, "state_bytes").notna() | (dec["status"] != "ok")]
     call = _col(dec, "fwd_median_s")
+    graph = _col(dec, "fwd_graph_median_s").where(_col(dec, "step_median_s").isna())
     if "step_median_s" in dec:
         call = _col(dec, "step_median_s").fillna(call)
     return dec.assign(
-        ms_per_token=call * 1e3 / _col(dec, "seq_len"), state_mib=_col(dec, "state_bytes") / 2**20
+        ms_per_token=call * 1e3 / _col(dec, "seq_len"),
+        graph_ms_per_token=graph * 1e3 / _col(dec, "seq_len"),
+        state_mib=_col(dec, "state_bytes") / 2**20,
     )
 
 

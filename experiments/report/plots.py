@@ -210,11 +210,16 @@ def plot_time(df: pd.DataFrame, out_dir: Path) -> Path | None:
 
 def plot_decode(df: pd.DataFrame, out_dir: Path) -> Path | None:
     """``decode_vs_nk.png``: time per decoded token against the context (log-log): the decoding step
-    of a variant with a fixed-size state, the forward over the K/V cache of the others."""
+    of a variant with a fixed-size state, the forward over the K/V cache of the others (on CUDA that
+    forward replayed as a CUDA graph where it was: eager, a decode call's time is the host's)."""
+    dec = decode_rows(_usable_rows(df))
+    graphed = not dec.empty and dec["graph_ms_per_token"].notna().any()
+    if graphed:
+        dec = dec.assign(ms_per_token=dec["graph_ms_per_token"].fillna(dec["ms_per_token"]))
     return _plot_vs_n(
-        decode_rows(_usable_rows(df)),
+        dec,
         "ms_per_token",
-        "ms per token",
+        "ms per token" + (" (CUDA graph replay where timed)" if graphed else ""),
         "Decoding: time per token vs context (a state variant's step; the others' forward over the cache)",
         out_dir / "decode_vs_nk.png",
         band=None,
