@@ -302,3 +302,20 @@ def test_16_bit_kernels_do_not_spill_on_sm90(d):
     for kernel, launch in _launches(d, torch.bfloat16, features=False).items():
         used = ct.compile_for(launch, 90)
         assert used["stack"] == 0, f"{kernel} D={d}: {used}"
+
+
+def test_rows_past_32_bit_offsets_are_copied_before_the_kernels_see_them(monkeypatch):
+    """The kernels index one batch-head's rows in 32 bits: a view whose rows reach past 2^31 elements
+    (a (B, N, H, D) layout of a very long sequence) goes in as a contiguous copy, any other as it is.
+    Meta tensors: the strides of such a view without its 8 GiB."""
+    near = torch.empty_strided((1, 2, 3, 4), (0, 4, 2**29, 1), device="meta")  # reach 2^30 + 3
+    far = torch.empty_strided((1, 2, 3, 4), (0, 4, 2**30, 1), device="meta")  # reach 2^31 + 3
+    assert ct._within_32_bits(near) is near
+    copied = ct._within_32_bits(far)
+    assert copied.is_contiguous() and copied.shape == far.shape
+    # and attend hands the kernels the copy, for each of q, k and v
+    seen = []
+    monkeypatch.setattr(ct._TritonChunked, "apply", lambda q, k, v, *rest: seen.extend((q, k, v)))
+    common = dict(causal=False, key_padding_mask=None, attn_mask=None, bias=None, scale=1.0, softcap=None)
+    ct.attend(far, near, far, **common)
+    assert [t.is_contiguous() for t in seen] == [True, False, True]
