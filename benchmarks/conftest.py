@@ -109,8 +109,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for k, v in old.get("entries", {}).items()
         if k in keys and same_config
     }
-    kept.update({k: {**v, "measured_on": gates.machine_info()["cpu_model"]} for k, v in new.items()})
-    gates.write_baseline(kept)
+    here = gates.machine_info()
+    kept.update({k: {**v, "measured_on": here["cpu_model"]} for k, v in new.items()})
+    # a partial (-k) refresh on the machine of the last full one keeps its header: the header would
+    # otherwise take the refreshing shell's details (its default thread count) for every entry's
+    partial = len(kept) > len(new) and before == here["cpu_model"]
+    gates.write_baseline(kept, machine=old.get("machine") if partial else None)
     if reporter is not None:
         reporter.write_line(
             f"baseline written: {gates.BASELINE_PATH} ({len(new)} measured, {len(kept) - len(new)} kept)",

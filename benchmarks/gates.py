@@ -467,13 +467,15 @@ def load_baseline(path: Path = BASELINE_PATH) -> dict[str, Any]:
         return json.load(f)
 
 
-def write_baseline(entries: dict[str, dict[str, Any]], path: Path = BASELINE_PATH) -> None:
+def write_baseline(
+    entries: dict[str, dict[str, Any]], path: Path = BASELINE_PATH, machine: dict[str, Any] | None = None
+) -> None:
     """Write a baseline for the current :func:`config`, atomically, keys sorted; ``machine`` is the
-    machine of this write, each entry's ``measured_on`` the CPU that measured it."""
+    machine of this write unless given, each entry's ``measured_on`` the CPU that measured it."""
     doc = {
         "refresh_command": REFRESH_COMMAND,
         "config": config(),
-        "machine": machine_info(),
+        "machine": machine or machine_info(),
         "entries": {k: entries[k] for k in sorted(entries)},
     }
     tmp = path.with_name(path.name + ".tmp")

@@ -257,3 +257,35 @@ def test_benchmark_only_is_refused_rather_than_skipping_the_gates():
     p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]  # pytest's usage error
     assert "--benchmark-only would skip the gates" in p.stderr and "--benchmark-enable" in p.stderr
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["-k refresh", "full refresh"])
+def test_a_partial_refresh_keeps_the_baseline_header_of_the_machine_that_wrote_it(monkeypatch, partial):
+    """``-k naive`` rewrites naive's entries and keeps the others with their header; only a refresh of
+    every case (or one from another CPU) writes this shell's machine details in the header."""
+    from types import SimpleNamespace
+
+    from benchmarks import conftest
+
+    cpu = gates.machine_info()["cpu_model"]
+    header = {"cpu_model": cpu, "torch_threads_default": 99}  # what a full refresh's shell had
+    old = {"config": gates.config(), "machine": header, "entries": {"naive/fwd": {"status": "ok"}}}
+    if not partial:
+        old["entries"] = {}
+    written = {}
+    monkeypatch.setattr(gates, "load_baseline", lambda: old)
+    monkeypatch.setattr(
+        gates, "cases", lambda: [SimpleNamespace(key="naive/fwd"), SimpleNamespace(key="sdpa/fwd")]
+    )
+    monkeypatch.setattr(
+        gates, "write_baseline", lambda entries, machine=None: written.update(e=entries, m=machine)
+    )
+    stash = {conftest._ENTRIES: {"sdpa/fwd": {"status": "ok"}}}
+    config = SimpleNamespace(
+        getoption=lambda name, default=None: True,
+        stash=stash,
+        pluginmanager=SimpleNamespace(get_plugin=lambda name: None),
+    )
+    conftest.pytest_sessionfinish(SimpleNamespace(config=config, testsfailed=0), 0)
+    assert set(written["e"]) == ({"naive/fwd", "sdpa/fwd"} if partial else {"sdpa/fwd"})
+    assert written["m"] == (header if partial else None)  # None: write_baseline takes this machine's
