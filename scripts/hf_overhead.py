@@ -132,7 +132,7 @@ def main() -> None:
         if impl.startswith(hf.PREFIX) and hf.name_of(impl) not in variants.available():
             known = ", ".join(variants.available())
             ap.error(f"--impls {impl}: no variant '{hf.name_of(impl)}'; known: {known}")
-        if not impl.startswith(hf.PREFIX) and impl not in theirs:
+        if not impl.startswith(hf.PREFIX) and impl not in theirs and "/" not in impl:  # "/": a Hub kernel
             ap.error(f"--impls {impl}: transformers knows {', '.join(theirs)}; ours are {hf.PREFIX}<variant>")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -308,16 +308,27 @@ def test_flex_sparse_leaves_its_global_rows_to_one_dense_call(monkeypatch, causa
 
 
 def test_sparse_keeps_global_rows_apart_only_where_their_tile_row_is_the_tail():
-    # the shapes timed on an H100 and an H200 (bf16 fwd+bwd, tiles 128, 132 SMs; the share of the 128 x
-    # 128 tiles the block mask visits, from scripts/pattern_vs_flex.py): N=16384 at B*H = 8 was faster
-    # with the rows apart (2.34 ms against 3.17), at B*H = 64 slower; N=4096 at B*H = 8 slower (1.39
-    # against 0.76: the tail is too short to pay for the dense call); N=65536 faster (H200)
+    # the shapes timed (bf16 fwd+bwd, tiles 128, 132 SMs; the share of the 128 x 128 tiles the block
+    # mask visits, from scripts/pattern_vs_flex.py). Side by side on one H100: N=16384 at B*H = 8 faster
+    # with the rows apart (2.34 ms against 3.17), N=4096 slower (1.39 against 0.76: the tail is too
+    # short to pay for the dense call). Across two cards only: B*H = 64 at N=16384 slower apart (H200
+    # 5.5x dense SDPA, H100 in the block mask 6.9x), B*H = 8 at N=65536 faster (7.9x against 5.6x)
     from variants.sparse import tail_bound
 
     assert tail_bound(8, 0.054 * 128 * 128, 128, 132)
     assert not tail_bound(64, 0.054 * 128 * 128, 128, 132)
     assert not tail_bound(8, 0.208 * 32 * 32, 32, 132)
     assert tail_bound(8, 0.014 * 512 * 512, 512, 132)
+
+
+def test_causal_sparse_keeps_its_global_rows_in_the_block_mask():
+    # causal, the global rows see only their own first tile: nothing to spare, whatever the tail rule
+    # says of the whole key range (checked before the device, so a CUDA device object suffices here)
+    from types import SimpleNamespace
+
+    attn = variants.build("sparse", block=64, impl="flex")
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), shape=(1, 8, 16384, 64))
+    assert attn._global_rows_apart(on_gpu, on_gpu, causal=True) is False
 
 
 def test_flex_tiles_on_cuda_and_block_sizes_the_gpu_kernel_cannot_take():

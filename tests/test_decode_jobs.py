@@ -152,6 +152,10 @@ def test_cuda_decode_bandwidth_is_also_shown_from_the_cuda_graph_replay():
     assert sec.parts[1][1].loc["sdpa", "Nk=4096"] == "50.0 (250%)"
     assert sec.data["graph_gbytes_per_s"].tolist() == pytest.approx([50.0] * 6)
     assert "replayed as a CUDA graph" in sec.note
+    # a store of both devices: the replay's table for the CUDA group alone
+    mixed = bandwidth_table(pd.concat([_decode_frame(), df.assign(device="cuda")], ignore_index=True))
+    graph_titles = [title for title, _ in mixed.parts if "CUDA graph" in title]
+    assert len(mixed.parts) == 6 and graph_titles and all(t.startswith("cuda") for t in graph_titles)
     # without a replay (the CPU) neither the table, nor its columns, nor the sentence
     plain = bandwidth_table(_decode_frame())
     assert len(plain.parts) == 2 and "graph_gbytes_per_s" not in plain.data and "CUDA graph" not in plain.note

@@ -607,6 +607,26 @@ def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, messag
     assert not list(tmp_path.glob("*.json")) and not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "variant=naive,sdpa"],
+        ["-m", "hydra/sweeper=optuna", "hydra.sweeper.params.seq_len=choice(32,64)"],
+        ["hydra/job_logging=disabled", "hydra.job.chdir=true", "seq_len=32"],
+        ["hydra.searchpath=[file:///nonexistent]", "hydra/launcher=elsewhere"],  # Hydra's to find
+    ],
+    ids=["joblib", "optuna", "logging", "searchpath"],
+)
+def test_hydra_s_own_options_pass_the_preflight(args):
+    """The one-line refusals must not refuse what Hydra takes: its launchers, sweepers and settings
+    (a group option from another config folder is Hydra's to find)."""
+    from experiments.sweep.hydra_nodes import register_hydra_pieces
+    from experiments.sweep.preflight import preflight
+
+    register_hydra_pieces()
+    assert preflight(["run.py", *args])[1:] == args
+
+
 def test_a_sweep_that_matches_no_job_fails_in_one_line(tmp_path):
     p = run_sweep(tmp_path, "variant=glob(zzz*)")  # checked before Hydra launches anything
     assert p.returncode == 1 and p.stdout == ""

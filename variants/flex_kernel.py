@@ -195,7 +195,7 @@ class FlexKernel:
         ``1/sqrt(D)``), soft-capped to ``softcap tanh(s / softcap)`` when given, plus ``bias``
         (broadcastable to ``(B, H, Nq, Nk)``): ``(B, H, Nq, Dv)``; with ``return_lse`` also each row's
         log-sum-exp ``(B, H, Nq)`` float32, natural log, -inf for a row that sees no key, through which
-        gradients flow (a caller merges it with another part of the row's keys). The caller checks the
+        gradients flow (flex's sinks weigh the output by it). The caller checks the
         workload first (:func:`flex_refusal`)."""
         if not torch.is_grad_enabled():  # FlexAttention refuses a CPU input that requires grad even
             # then (a model's learned query, run under no_grad): no graph is built, so detach

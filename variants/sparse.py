@@ -49,9 +49,10 @@ The layout is computed by ``impl``:
   float64). With few batch-heads on a GPU its global query rows are one dense SDPA call beside the
   kernel (in the block mask their tile row would walk every key tile while the others walk a
   handful, and set the kernel's time); ``global_rows`` in the record says where they ran (``dense``
-  or ``block mask``). The global key columns stay in the block mask: computed apart as well (dense,
-  merged by log-sum-exp) they cost more than their backward tail saved, at every shape timed on an
-  H100 (docs/variants.md).
+  or ``block mask``; causal attention keeps them in the block mask, where they see only their own
+  past). The global key columns stay in the block mask: computed apart as well (dense, in float32,
+  merged by log-sum-exp) they cost more than their backward tail saved at B=1, H=8, D=64, N=4096 to
+  65536 on an H100 (results/gpu/NOTES.md).
 - ``auto``: on the CPU ``kernel`` where it takes the call (else ``sdpa``, and ``impl_note`` says
   why); on CUDA ``flex`` when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
   ``sdpa``. The record's ``impl_ran`` says which ran.
@@ -362,8 +363,9 @@ class BlockSparseAttention(AttentionVariant):
         sequences. On an H100 (bf16 fwd+bwd, 2026-11-26) with the rows apart against in the block
         mask: B=1 H=8 D=64 N=16384 2.34 against 3.17 ms (1.82x faster than dense SDPA), N=4096 1.39
         against 0.76; on an H200, B=4 H=16 D=128 N=16384 5.5x faster than dense SDPA apart against
-        6.9x in the block mask (an H100). Never on the CPU: no tail there. Cached per shape."""
-        if q.device.type != "cuda":
+        6.9x in the block mask (an H100). Never causal: the global rows then see only their own first
+        tile, no tail. Never on the CPU: no tail there. Cached per shape."""
+        if causal or q.device.type != "cuda":
             return False
         b, h, nq, _ = q.shape
         nk = k.shape[2]

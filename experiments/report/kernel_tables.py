@@ -227,7 +227,7 @@ def bandwidth_table(df: pd.DataFrame) -> Section:
         sec.parts.append(
             (f"{title}: GB/s (% of copy / % of read bandwidth)", pivot_cells(sub, _value_cell(_gbps_text)))
         )
-        if has_graph:
+        if graph_bps.loc[sub.index].notna().any():  # this group's device replayed its calls (CUDA)
             graph = sub.assign(bytes_per_s=graph_bps.loc[sub.index])  # the replay's time, same cells
             sec.parts.append(
                 (
@@ -322,8 +322,9 @@ def decode_table(df: pd.DataFrame) -> Section:
         graph = "" if pd.isna(row["graph_ms_per_token"]) else f", graph {num(row['graph_ms_per_token'])}"
         return f"{num(row['ms_per_token'])} ms{graph} ({num(row['state_mib'])} MiB)"
 
-    what = "ms per token, eager and replayed as a CUDA graph" if has_graph else "ms per token"
     for title, sub in groups(dec, keys):
+        graphed = sub["graph_ms_per_token"].notna().any()  # this group's device replayed its calls (CUDA)
+        what = "ms per token, eager and replayed as a CUDA graph" if graphed else "ms per token"
         sec.parts.append((f"{title}: {what} (state MiB)", pivot_cells(sub, _value_cell(cell))))
     if has_graph:
         sec.note += (

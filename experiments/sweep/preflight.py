@@ -165,7 +165,10 @@ def _job_overrides(args: list[str]) -> list[list[str]] | None:
                 return None  # another config, or not a run
             continue
         key, eq, value = arg.partition("=")
-        if not eq or (key.lstrip("+~").startswith("hydra") and not key.lstrip("+~").startswith("hydra/")):
+        bare = key.lstrip("+~")
+        if bare == "hydra.searchpath":
+            return None  # options from other config folders: Hydra finds them, this compose would not
+        if not eq or (bare.startswith("hydra") and not bare.startswith("hydra/")):
             continue  # Hydra's own settings; a Hydra group's option (hydra/launcher=...) is checked
         if not _PLAIN.match(value):
             return None
