@@ -2,8 +2,8 @@
 # The GPU checks of the open issues in one lease (a lent GPU machine runs this from the repo root;
 # results come back under $OUT). Each step has its own time limit, so one that overruns costs only
 # itself; the records so far are packed into $OUT/gpu.tar.gz after every step. PART picks the steps:
-#   OUT=/tmp/out bash scripts/device_checks.sh           (one 10-minute lease: the goals of issues 34
-#                                                         and 37 first, then pytest -m cuda, then the rest)
+#   OUT=/tmp/out bash scripts/device_checks.sh           (one 10-minute lease: what issue 34 still
+#                                                         lacks, its open goal first, then the full sweeps)
 #   OUT=/tmp/out PART=34 bash scripts/device_checks.sh   (issue 34's checks, then pytest -m cuda)
 #   OUT=/tmp/out PART=37 bash scripts/device_checks.sh   (issue 37's xFormers runs)
 #   OUT=/tmp/out PART=gpu bash scripts/device_checks.sh  (experiment=gpu's forward, gpu_train in bf16)
@@ -49,14 +49,18 @@ decode_sdpa() { step decode_sdpa 70 python3 run.py -m experiment=decode device=c
 decode_splitk() { step decode_splitk 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=xformers variant.op=triton_splitk,auto variant.lift_gate=true seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode; }
 # what results/gpu lacks of experiment=gpu and gpu_train (the H100 run took bf16 fwd_bwd): the forward
 # with its CUDA-graph replay in both dtypes, then gpu_train's bf16 rows; each step keeps what it measured
-gpu_fwd() { step gpu_fwd 300 python3 run.py -m experiment=gpu mode=fwd min_run_time=0.2 isolate=false records_dir=$R/gpu_fwd; }
-gpu_train() { step gpu_train 240 python3 run.py -m experiment=gpu_train dtype=bfloat16 min_run_time=0.2 isolate=false records_dir=$R/gpu_train; }
+gpu_fwd() { step gpu_fwd "${1:-300}" python3 run.py -m experiment=gpu mode=fwd min_run_time=0.2 isolate=false records_dir=$R/gpu_fwd; }
+gpu_train() { step gpu_train "${1:-240}" python3 run.py -m experiment=gpu_train dtype=bfloat16 min_run_time=0.2 isolate=false records_dir=$R/gpu_train; }
 case "${PART:-lease}" in
-lease)  # the goals first, so a step that overruns leaves them measured; chunked's sdpa rows are the baseline
+lease)  # what issue 34 still lacks after the H100 lease of 2026-11-26 (results/gpu/NOTES.md), the open
+    # goal first (sparse at B=1 H=8 D=64, profiled), then the full sweeps; a step that overruns keeps
+    # the records it wrote, and later steps still run
+    patterns_small; chunked_triton_large; gpu_fwd 250; gpu_train $((SECONDS < 540 ? 570 - SECONDS : 30)) ;;
+h100_2026_11_26)  # the order that lease ran (issues 34 and 37)
     chunked_triton; patterns_small; patterns_large; pytest_cuda 130; xformers_gpu 100; decode_chunked; decode_splitk ;;
 34) chunked_triton; chunked_triton_large; decode_chunked; patterns_small; patterns_large; pytest_cuda $((560 - SECONDS)) ;;
 37) xformers_gpu; sdpa_gpu; decode_sdpa; decode_splitk ;;
 gpu) gpu_fwd; gpu_train ;;
-*) echo "PART must be lease, 34, 37 or gpu, not $PART"; exit 2 ;;
+*) echo "PART must be lease, h100_2026_11_26, 34, 37 or gpu, not $PART"; exit 2 ;;
 esac
 cat "$W/summary.txt"
