@@ -35,8 +35,8 @@ chunked_triton_large() { step chunked_triton_large 40 python3 run.py -m experime
 decode_chunked() { step decode_chunked 50 python3 run.py -m experiment=decode device=cuda dtype=bfloat16 variant=chunked,sdpa seq_len=1 kv_len=16384,65536,131072 isolate=false records_dir=$R/decode; }
 # the pattern kernels, each call's longest kernels printed (is sparse's time one tile row's tail?); on
 # CUDA xFormers' window is a contender too (issue 37)
-patterns_small() { step patterns_small 90 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],xformers window" --profile 6 --json $W/patterns_small.json; }
-patterns_large() { step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],xformers window" --profile 6 --json $W/patterns_large.json; }
+patterns_small() { step patterns_small 90 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],sparse[global dense],xformers window" --profile 6 --json $W/patterns_small.json; }
+patterns_large() { step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],sparse[global dense],xformers window" --profile 6 --json $W/patterns_large.json; }
 pytest_cuda() {
     step pytest_cuda "$1" python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
     grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40

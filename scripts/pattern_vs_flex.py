@@ -53,11 +53,12 @@ def contenders(window: int, block: int, device: str) -> dict[str, variants.Atten
         # xFormers' local-attention type; lift_gate: its PyTorch-backed operators run on a torch the
         # wheel was not built for (the record-free script says nothing else about it)
         c["xformers window"] = variants.build("xformers", window=window, lift_gate=True)
-        # sparse with its global rows kept in the block mask, whatever the shape: what computing them
-        # apart (sparse's choice with few batch-heads) saves or costs, side by side
-        inside = variants.build("sparse", block=block, impl="flex")
-        inside._global_rows_apart = lambda q, k, causal: False
-        c["sparse[global in mask]"] = inside
+        # sparse with its global rows in the block mask, and apart, whatever the shape: what sparse's
+        # per-shape choice (global_rows=auto) saves or costs, side by side
+        c["sparse[global in mask]"] = variants.build(
+            "sparse", block=block, impl="flex", global_rows="block_mask"
+        )
+        c["sparse[global dense]"] = variants.build("sparse", block=block, impl="flex", global_rows="dense")
     else:
         c["local_window[blocked]"] = variants.build("local_window", window=window, impl="blocked")
     return {name: attn.to(device) for name, attn in c.items()}
@@ -217,6 +218,7 @@ def main() -> None:
                 ("local_window", "flex window"),
                 ("sparse", "flex sparse"),
                 ("sparse", "sparse[global in mask]"),
+                ("sparse[global dense]", "sparse[global in mask]"),
                 ("xformers window", "local_window"),
             ):
                 if a in times and b in times:

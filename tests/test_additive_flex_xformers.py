@@ -287,11 +287,12 @@ def test_flex_sparse_leaves_its_global_rows_to_one_dense_call(monkeypatch, causa
     # none, those rows come from a dense call, and the output is still the layout's (the oracle)
     monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device: 8)
     n, block = 96, 8
-    attn = _eager("sparse", block=block, window_blocks=1, global_blocks=1, random_blocks=1, impl="flex")
+    layout = dict(block=block, window_blocks=1, global_blocks=1, random_blocks=1, impl="flex")
+    attn = _eager("sparse", **layout)
     q, k, v, kw = make_inputs(Case("g", b=2, h=2, nq=nq, nk=n, d=8, dv=8, causal=causal, padding=True))
     attn(q, k, v, **kw)
-    assert attn.describe()["global_rows"] == "block mask"  # the CPU: no tail to remove
-    monkeypatch.setattr(attn, "_global_rows_apart", lambda q, k, causal: True)  # as with few heads on a GPU
+    assert attn.describe()["global_rows"] == "block mask"  # auto on the CPU: no tail to remove
+    attn = _eager("sparse", **layout, global_rows="dense")  # as auto chooses with few heads on a GPU
     out = attn(q, k, v, **kw)
     assert attn.describe()["global_rows"] == "dense"
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
@@ -319,6 +320,24 @@ def test_sparse_keeps_global_rows_apart_only_where_their_tile_row_is_the_tail():
     assert not tail_bound(64, 0.054 * 128 * 128, 128, 132)
     assert not tail_bound(8, 0.208 * 32 * 32, 32, 132)
     assert tail_bound(8, 0.014 * 512 * 512, 512, 132)
+
+
+def test_global_rows_is_a_knob_of_the_flex_route_alone():
+    with pytest.raises(ValueError, match="global_rows must be one of auto, dense, block_mask; got 'apart'"):
+        variants.build("sparse", global_rows="apart")
+    q = torch.randn(1, 2, 32, 8)
+    for impl in (
+        "kernel",
+        "sdpa",
+        "blocked",
+    ):  # they compute the global rows their own way: said, not ignored
+        attn = variants.build("sparse", block=8, impl=impl, global_rows="dense")
+        with pytest.raises(
+            Unsupported,
+            match=f"global_rows=dense places the global rows of the flex route; this call runs impl={impl}",
+        ):
+            attn(q, q, q)
+    assert variants.build("sparse", global_rows="block_mask").knobs()["global_rows"] == "block_mask"
 
 
 def test_causal_sparse_keeps_its_global_rows_in_the_block_mask():

@@ -50,9 +50,10 @@ The layout is computed by ``impl``:
   kernel (in the block mask their tile row would walk every key tile while the others walk a
   handful, and set the kernel's time); ``global_rows`` in the record says where they ran (``dense``
   or ``block mask``; causal attention keeps them in the block mask, where they see only their own
-  past). The global key columns stay in the block mask: computed apart as well (dense, in float32,
-  merged by log-sum-exp) they cost more than their backward tail saved at B=1, H=8, D=64, N=4096 to
-  65536 on an H100 (results/gpu/NOTES.md).
+  past; the knob ``global_rows=dense|block_mask`` forces either, ``auto`` decides per shape). The
+  global key columns stay in the block mask: computed apart as well (dense, in float32, merged by
+  log-sum-exp) they cost more than their backward tail saved at B=1, H=8, D=64, N=4096 to 65536 on
+  an H100 (results/gpu/NOTES.md).
 - ``auto``: on the CPU ``kernel`` where it takes the call (else ``sdpa``, and ``impl_note`` says
   why); on CUDA ``flex`` when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
   ``sdpa``. The record's ``impl_ran`` says which ran.
@@ -72,6 +73,7 @@ from .patterns import MaskMod, block_layout, layout_blocks, layout_mask_mod, lay
 from .registry import register
 
 IMPLS = ("auto", "kernel", "sdpa", "blocked", "flex")
+GLOBAL_ROWS = ("auto", "dense", "block_mask")  # where the flex route computes the global query rows
 
 
 # How many key tiles more than the balanced load the global tile row must walk before a dense call
@@ -113,10 +115,15 @@ class BlockSparseAttention(AttentionVariant):
         seed: int = 0,
         stride_blocks: int = 0,
         impl: str = "auto",
+        global_rows: str = "auto",
     ) -> None:
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"sparse impl must be one of {', '.join(IMPLS)}; got '{impl}'")
+        if global_rows not in GLOBAL_ROWS:
+            raise ValueError(
+                f"sparse global_rows must be one of {', '.join(GLOBAL_ROWS)}; got '{global_rows}'"
+            )
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if min(window_blocks, global_blocks, random_blocks, stride_blocks) < 0:
@@ -131,6 +138,7 @@ class BlockSparseAttention(AttentionVariant):
         self.seed = seed
         self.stride_blocks = stride_blocks
         self.impl = impl
+        self.global_rows = global_rows
         self.impl_ran: str | None = None
         self.impl_note: str | None = None  # why auto did not take the kernel on the CPU
         self._rows: dict[tuple[int, int, bool], sparse_kernel.Layout] = {}
@@ -150,6 +158,7 @@ class BlockSparseAttention(AttentionVariant):
             "seed": self.seed,
             "stride_blocks": self.stride_blocks,
             "impl": self.impl,
+            "global_rows": self.global_rows,
         }
 
     def choose_impl(self, w: Workload) -> str:
@@ -165,6 +174,11 @@ class BlockSparseAttention(AttentionVariant):
         super().check(w)
         if self.choose_impl(w) == "flex" and (why := flex_refusal(w, layout_block=self.block)):
             raise Unsupported(f"sparse impl=flex {why}")
+        if self.global_rows != "auto" and self.choose_impl(w) != "flex":
+            raise Unsupported(
+                f"sparse global_rows={self.global_rows} places the global rows of the flex route; this "
+                f"call runs impl={self.choose_impl(w)}, which computes them its own way"
+            )
         if self.impl == "kernel":
             if why := sparse_kernel.refusal(w):
                 raise Unsupported(f"sparse impl=kernel: {why}")
@@ -364,7 +378,10 @@ class BlockSparseAttention(AttentionVariant):
         mask: B=1 H=8 D=64 N=16384 2.34 against 3.17 ms (1.82x faster than dense SDPA), N=4096 1.39
         against 0.76; on an H200, B=4 H=16 D=128 N=16384 5.5x faster than dense SDPA apart against
         6.9x in the block mask (an H100). Never causal: the global rows then see only their own first
-        tile, no tail. Never on the CPU: no tail there. Cached per shape."""
+        tile, no tail. Never on the CPU: no tail there. Cached per shape. The ``global_rows`` knob
+        (``dense``, ``block_mask``) overrides this rule."""
+        if self.global_rows != "auto":
+            return self.global_rows == "dense"
         if causal or q.device.type != "cuda":
             return False
         b, h, nq, _ = q.shape
