@@ -15,7 +15,7 @@ see no key outputs zeros with zero gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -263,6 +263,35 @@ def _prepend_row(mask: torch.Tensor | None, value: bool | float, nq: int) -> tor
     return torch.cat([torch.full_like(mask[..., :1, :], value), mask], -2)  # (..., Nq + 1, Nk)
 
 
+def sinks_as_first_key(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    scale: float | None,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    equal_dims: bool = False,
+    query_row: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """A call with ``sinks (B|1, H, Nq|1)`` made into one without them: ``q``, ``k``, ``v`` grown by the
+    sink key (:func:`_sink_as_first_key`, with its ``equal_dims`` and ``query_row``) and the call's
+    other inputs grown with them, as keywords: the sink key visible to every query with bias 0 (and
+    with ``query_row`` one visible row in front), and the original scale resolved (``D`` grew by one).
+    The caller drops what ``equal_dims`` and ``query_row`` add to the output. ``O((Nq + Nk) D)``
+    copies, plus one column (and row) of each mask and the bias."""
+    nq, nk = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = _sink_as_first_key(q, k, v, sinks, scale, equal_dims=equal_dims, query_row=query_row)
+    attn_mask, bias = _prepend(attn_mask, True, nk), _prepend(bias, 0.0, nk)  # (..., Nq|1, Nk + 1)
+    if query_row:
+        attn_mask, bias = _prepend_row(attn_mask, True, nq), _prepend_row(bias, 0.0, nq)
+    call = {"key_padding_mask": _prepend(key_padding_mask, True), "attn_mask": attn_mask, "bias": bias}
+    return q, k, v, {**call, "scale": scale}
+
+
 class AttentionVariant(nn.Module):
     """Base class: ``forward(q, k, v, *, causal, key_padding_mask, attn_mask, scale, bias)`` returns
     ``(B, H, Nq, Dv)``.
@@ -458,15 +487,11 @@ class AttentionVariant(nn.Module):
             attn_mask = band if attn_mask is None else attn_mask & band
             window = None
         if sinks is not None and not self.native_sinks(w):
-            return self.forward(
-                *_sink_as_first_key(q, k, v, sink_logits(sinks, w.heads), w.scale),
-                causal=causal,
-                key_padding_mask=_prepend(key_padding_mask, True),
-                attn_mask=_prepend(attn_mask, True, w.nk),
-                scale=w.scale if w.scale is not None else w.head_dim**-0.5,  # D grows by one below
-                bias=_prepend(bias, 0.0, w.nk),
-                cross=cross,
-            )
+            q, k, v, call = sinks_as_first_key(
+                q, k, v, sink_logits(sinks, w.heads), scale=w.scale,
+                key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias,
+            )  # fmt: skip
+            return self.forward(q, k, v, causal=causal, cross=cross, **call)
         kw: dict[str, object] = {
             "causal": causal,
             "key_padding_mask": key_padding_mask,

@@ -48,9 +48,8 @@ from .base import (
     Unavailable,
     Unsupported,
     Workload,
-    _prepend,
-    _sink_as_first_key,
     repeat_kv,
+    sinks_as_first_key,
 )
 from .registry import register
 
@@ -322,13 +321,10 @@ class ChunkedAttention(AttentionVariant):
                 )  # (B, H, Nq, Dv)
             self.decode_ran, self.decode_note = "torch", why
         if sinks is not None:  # the kernels took them as they are; the PyTorch path as one more key
-            nk = k.shape[2]
-            q, k, v = _sink_as_first_key(q, k, v, sinks, scale)  # (B, H|Hkv, N(+1), D+1), v: Dv
-            key_padding_mask, am, bias4 = (
-                _prepend(key_padding_mask, True),
-                _prepend(am, True, nk),
-                _prepend(bias4, 0.0, nk),
-            )
+            q, k, v, call = sinks_as_first_key(
+                q, k, v, sinks, scale=scale, key_padding_mask=key_padding_mask, attn_mask=am, bias=bias4
+            )  # (B, H|Hkv, N(+1), D+1), v: Dv
+            key_padding_mask, am, bias4 = call["key_padding_mask"], call["attn_mask"], call["bias"]
         h = q.shape[1]
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # (B, H, Nk, D|Dv): the PyTorch path's heads
         return _ChunkedAttention.apply(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .base import AttentionVariant, Unsupported, Workload, _prepend, _prepend_row, _sink_as_first_key
+from .base import AttentionVariant, Unsupported, Workload, sinks_as_first_key
 from .masks import combined_mask, empty_rows
 from .registry import register
 
@@ -99,22 +99,18 @@ class SDPAAttention(AttentionVariant):
         return True  # _attend_with_sinks: one more key, but shaped for the fused kernels
 
     def _attend_with_sinks(self, q, k, v, sinks, *, causal, key_padding_mask, attn_mask, scale, bias):
-        """``sinks (B|1, H, Nq|1)`` as one more key in front (``_sink_as_first_key``), shaped so that
+        """``sinks (B|1, H, Nq|1)`` as one more key in front (``sinks_as_first_key``), shaped so that
         the fused kernels still take the call: v gets the extra feature too (equal head sizes; with
         ``D+1`` against ``Dv`` PyTorch runs the math kernel, ``O(Nq Nk)`` memory and 3x the time on a
         CPU), and causal self-attention one more query in front (``Nq+1 == Nk+1``: plain causal, not
         an explicit mask). Returns ``(B, H, Nq, Dv)``, a view of the larger output."""
-        nq, nk, d, dv = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
-        row = causal and nq == nk
-        q, k, v = _sink_as_first_key(q, k, v, sinks, scale, equal_dims=dv == d, query_row=row)
-        attn_mask, bias = _prepend(attn_mask, True, nk), _prepend(bias, 0.0, nk)  # (..., Nq|1, Nk + 1)
-        if row:
-            attn_mask, bias = _prepend_row(attn_mask, True, nq), _prepend_row(bias, 0.0, nq)
-        out = self._attend(
-            q, k, v, causal=causal, key_padding_mask=_prepend(key_padding_mask, True), attn_mask=attn_mask,
-            scale=d**-0.5 if scale is None else scale,  # D grew by one
-            bias=bias,
-        )  # fmt: skip  # (B, H, row + Nq, Dv(+1))
+        dv = v.shape[-1]
+        row = causal and q.shape[2] == k.shape[2]
+        q, k, v, call = sinks_as_first_key(
+            q, k, v, sinks, scale=scale, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+            bias=bias, equal_dims=dv == q.shape[-1], query_row=row,
+        )  # fmt: skip
+        out = self._attend(q, k, v, causal=causal, **call)  # (B, H, row + Nq, Dv(+1))
         return out[:, :, int(row) :, :dv]
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, sinks=None):
