@@ -113,6 +113,10 @@ def _manifest_entries(path: Path, rep: LoadReport) -> list[Path]:
     return out
 
 
+#: the store's columns that identify one record (one measurement): copies of it count once, and a
+#: comparison that finds it on both sides has compared nothing
+RECORD_IDENTITY = ["config_hash", "env_host", "started_at", "finished_at"]
+
 #: JSON files a sweep writes beside its records (:mod:`experiments.sweep.runner`: the machine's
 #: ceilings and canary per device, dtype and thread count), which a report reads past without a word
 SWEEP_FILES = ("roofline-", "canary-")
@@ -140,7 +144,12 @@ def load_records(inputs: Iterable[str | Path]) -> tuple[list[dict[str, Any]], Lo
                 rep.not_records.append(str(path))
             continue
         env = rec.get("env") or {}
-        ident = (rec["config_hash"], env.get("host"), rec.get("started_at"), rec.get("finished_at"))
+        ident = (
+            rec["config_hash"],
+            env.get("host"),
+            rec.get("started_at"),
+            rec.get("finished_at"),
+        )  # RECORD_IDENTITY
         ident += (rec.get("job_wall_s"),)
         if ident in seen_ids:  # the same record copied into two folders (e.g. outputs/ and results/)
             rep.duplicates += 1
@@ -374,7 +383,7 @@ def load(inputs: Iterable[str | Path], verbose: bool = True) -> pd.DataFrame:
         frames = [f for f in (df, *(read_store(p) for p in saved)) if len(f)]
         df = pd.concat(frames, ignore_index=True) if frames else df
         before = len(df)
-        df = df.drop_duplicates(subset=["config_hash", "env_host", "started_at", "finished_at"])
+        df = df.drop_duplicates(subset=RECORD_IDENTITY)
         rep.duplicates += before - len(df)
         rep.files += len(saved)
         df = finish(df) if len(df) else df

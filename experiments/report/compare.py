@@ -9,7 +9,7 @@ import pandas as pd
 
 from ..measure.canary import SLOW_RATIO
 from ..records.rounds import numeric as _col
-from ..records.store import CELL_KEYS, is_false, newest_mask
+from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask
 from .format import Section
 from .grouping import group_keys, groups, mode_times, pivot_cells, status_cell, usable
 
@@ -79,7 +79,7 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     def with_times(df: pd.DataFrame) -> pd.DataFrame:
         t = mode_times(df)
         # one record's identity: a sweep that reused its records (resume) hands the same one to both sides
-        ident = df[["config_hash", "env_host", "started_at", "finished_at"]].astype(str).agg("|".join, axis=1)
+        ident = df[RECORD_IDENTITY].astype(str).agg("|".join, axis=1)
         return df.assign(
             time_s=t["time_s"], q1_s=t["q1_s"], q3_s=t["q3_s"], peak_mib=_col(df, "peak_mib"),
             machine_slowdown=_col(df, "machine_slowdown"), record_id=ident,
