@@ -306,10 +306,8 @@ def plot_scaling(df: pd.DataFrame, out_dir: Path) -> Path | None:
         for bars in ax.containers:
             ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
         # a negative exponent (a launch-bound time that falls with N) must show, not be cut off at 0
-        ax.set_xlim(
-            min(0.0, float(long["exponent"].min()) * 1.15 - 0.3),
-            max(2.3, float(long["exponent"].max()) * 1.15),
-        )
+        low = float(long["exponent"].min())
+        ax.set_xlim(low * 1.15 - 0.3 if low < 0 else 0, max(2.3, float(long["exponent"].max()) * 1.15))
     g.legend.set_title("exponent of")
     # above the facet titles; bbox_inches="tight" on saving keeps it in the picture
     lo, hi = int(long["time_points"].min()), int(long["time_points"].max())
