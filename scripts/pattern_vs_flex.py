@@ -59,6 +59,12 @@ def contenders(window: int, block: int, device: str) -> dict[str, variants.Atten
             "sparse", block=block, impl="flex", global_rows="block_mask"
         )
         c["sparse[global dense]"] = variants.build("sparse", block=block, impl="flex", global_rows="dense")
+        # the block mask in tiles of the layout's own blocks (whole tiles, no predicate; autotuned), its
+        # global rows placed by the per-shape rule and in the mask
+        c["sparse[tile 64]"] = variants.build("sparse", block=block, impl="flex", cuda_tile=64)
+        c["sparse[tile 64 global in mask]"] = variants.build(
+            "sparse", block=block, impl="flex", cuda_tile=64, global_rows="block_mask"
+        )
     else:
         c["local_window[blocked]"] = variants.build("local_window", window=window, impl="blocked")
     return {name: attn.to(device) for name, attn in c.items()}
@@ -203,7 +209,7 @@ def main() -> None:
                 extra = f", {tiles:.3g} TFLOP/s over visited tiles ({visited / n / n:.1%})" if tiles else ""
                 lo, hi = min(times[name]) * 1e3, max(times[name]) * 1e3
                 print(
-                    f"  {name:22s} {med * 1e3:9.3f} ms [{lo:.3g}-{hi:.3g}]"
+                    f"  {name:30s} {med * 1e3:9.3f} ms [{lo:.3g}-{hi:.3g}]"
                     f"  {useful:8.3g} TFLOP/s useful{extra}; dense sdpa / this {med_dense / med:.2f}x",
                     flush=True,
                 )
@@ -219,6 +225,7 @@ def main() -> None:
                 ("sparse", "flex sparse"),
                 ("sparse", "sparse[global in mask]"),
                 ("sparse[global dense]", "sparse[global in mask]"),
+                ("sparse[tile 64]", "sparse"),
                 ("xformers window", "local_window"),
             ):
                 if a in times and b in times:

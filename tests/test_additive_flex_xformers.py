@@ -270,7 +270,7 @@ def test_flex_block_masks_are_cached_and_follow_in_place_edits():
 def test_flex_sparse_blocks_inside_larger_tiles_keep_their_exact_pattern(monkeypatch, causal, padding):
     # on CUDA a sparse layout of 64-blocks runs in 128-wide tiles; the same arrangement at CPU sizes
     # (8-blocks in 32-wide tiles) must compute exactly the 8-block pattern, partial tiles included
-    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device: 32)
+    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128: 32)
     case = Case("tiles", b=2, h=2, nq=100, nk=100, d=8, dv=8, causal=causal, padding=padding)
     attn = _eager("sparse", block=8, impl="flex")
     q, k, v, kw = make_inputs(case)
@@ -285,7 +285,7 @@ def test_flex_sparse_blocks_inside_larger_tiles_keep_their_exact_pattern(monkeyp
 def test_flex_sparse_leaves_its_global_rows_to_one_dense_call(monkeypatch, causal, nq):
     # in the block mask the global rows' tile row would walk every key tile: apart, the kernel's walks
     # none, those rows come from a dense call, and the output is still the layout's (the oracle)
-    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device: 8)
+    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128: 8)
     n, block = 96, 8
     layout = dict(block=block, window_blocks=1, global_blocks=1, random_blocks=1, impl="flex")
     attn = _eager("sparse", **layout)
@@ -360,6 +360,40 @@ def test_flex_tiles_on_cuda_and_block_sizes_the_gpu_kernel_cannot_take():
     variants.build("flex", block=96).check(w)  # nor does full attention
     with pytest.raises(Unsupported, match="block=96"):
         variants.build("sparse", block=96, impl="flex").check(w)
+
+
+def test_a_smaller_cuda_tile_fits_the_layout_and_autotunes_its_kernel(monkeypatch):
+    # cuda_tile=64: a 64-block layout fills whole tiles on CUDA; inductor's default Hopper configs do
+    # not divide a 64 tile, so that kernel alone is compiled with max_autotune (its 32/64 candidates)
+    assert flex_kernel.tile_size(64, "cuda", 64) == 64
+    assert flex_kernel.tile_size(32, "cuda", 64) == 64
+    assert flex_kernel.tile_size(128, "cuda", 64) == 128
+    w = variants.Workload(1, 2, 256, 256, 64, 64, device="cuda", dtype=torch.float16)
+    assert flex_kernel.flex_refusal(w, layout_block=96, cuda_tile=64) is not None
+    assert flex_kernel.flex_refusal(w, layout_block=32, cuda_tile=64) is None
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    small = flex_kernel.FlexKernel(None, 64, cuda_tile=64)
+    assert small.autotune_for("cuda") and not small.autotune_for("cpu")
+    assert not flex_kernel.FlexKernel(None, 64).autotune_for("cuda")  # 128 tiles: the defaults divide them
+    assert not flex_kernel.FlexKernel(None, 128, cuda_tile=64).autotune_for("cuda")  # block 128: tile 128
+    small._flex_fn("cuda")
+    small._flex_fn("cpu")
+    assert [kw["options"] for kw in compiled] == [{"max_autotune": True}, None]
+    with pytest.raises(ValueError, match="cuda_tile must be one of 32, 64, 128; got 48"):
+        variants.build("sparse", cuda_tile=48)
+
+
+def test_sparse_cuda_tile_is_refused_where_no_cuda_flex_kernel_runs():
+    attn = variants.build("sparse", block=64, cuda_tile=64)
+    assert attn.knobs()["cuda_tile"] == 64
+    attn.check(variants.Workload(1, 2, 256, 256, 64, 64, device="cuda", dtype=torch.float16))
+    q = torch.randn(1, 2, 128, 8)
+    with pytest.raises(Unsupported, match="cuda_tile=64 sets the tile of FlexAttention's CUDA kernel; this call"):
+        attn(q, q, q)  # the CPU: the tile is the layout's block there, nothing to set
+    cuda = variants.Workload(1, 2, 256, 256, 64, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(Unsupported, match="runs impl=sdpa on cuda"):
+        variants.build("sparse", block=64, impl="sdpa", cuda_tile=64).check(cuda)
 
 
 def test_flex_refuses_float64_and_cpu_backward():

@@ -28,7 +28,12 @@ own (up to 128, chosen per GPU; 64 is refused on an H100). So on CUDA the block 
 tiles unless ``block`` is a multiple of 128: full attention and the band do not depend on the tile,
 and a layout of smaller blocks (``block`` dividing 128) is expressed exactly by its predicate inside
 partly used tiles (fewer tiles are skipped than the layout allows; ``tile_ran`` says which ran).
-Layouts of other block sizes are refused on CUDA (:func:`flex_refusal`).
+Layouts of other block sizes are refused on CUDA (:func:`flex_refusal`). A kernel may ask for a
+smaller CUDA tile (``cuda_tile``, e.g. 64, so that every tile of a 64-block layout is a whole layout
+block and its predicate is never evaluated): inductor's default Hopper configurations (forward 128 x
+64, backward 64 x 128) do not divide such a tile, so that kernel is compiled with
+``max_autotune``, whose candidate configurations include 32- and 64-wide ones (a first call of tens of
+seconds per shape).
 """
 
 from __future__ import annotations
@@ -52,18 +57,25 @@ _CACHE_SIZE = 8  # block masks kept per kernel: one per (shape, mask) a benchmar
 Pattern = Callable[[int, int, bool, torch.device], MaskMod]
 
 
-def tile_size(block: int, device: str) -> int:
-    """The block mask's tile on ``device``: ``block``, or on CUDA :data:`CUDA_TILE` unless ``block`` is
-    a multiple of it (the Triton kernel's tiles; see the module docstring)."""
-    if device != "cuda" or block % CUDA_TILE == 0:
+#: the CUDA tiles a kernel may ask for: :data:`CUDA_TILE` and the smaller tiles inductor's autotuning
+#: configurations cover on every GPU it tunes for (32 and 64)
+CUDA_TILES = (32, 64, CUDA_TILE)
+
+
+def tile_size(block: int, device: str, cuda_tile: int = CUDA_TILE) -> int:
+    """The block mask's tile on ``device``: ``block``, or on CUDA ``cuda_tile`` unless ``block`` is a
+    multiple of it (the Triton kernel's tiles; see the module docstring)."""
+    if device != "cuda" or block % cuda_tile == 0:
         return block
-    return CUDA_TILE
+    return cuda_tile
 
 
-def flex_refusal(w: Workload, compiled: bool = True, layout_block: int | None = None) -> str | None:
+def flex_refusal(
+    w: Workload, compiled: bool = True, layout_block: int | None = None, cuda_tile: int = CUDA_TILE
+) -> str | None:
     """Why FlexAttention cannot run ``w`` (a short reason to follow the variant's name), or None if it
     can. ``layout_block``: the block size of a block-sparse layout the block mask must express, which
-    the CUDA kernel takes only when it divides :data:`CUDA_TILE` or is a multiple of it."""
+    the CUDA kernel takes only when it divides ``cuda_tile`` or is a multiple of it."""
     if compiled and w.dtype == torch.float64:
         return "does not support float64 (compiled kernels)"
     if w.backward and w.device == "cpu":
@@ -73,10 +85,10 @@ def flex_refusal(w: Workload, compiled: bool = True, layout_block: int | None = 
             f"needs head sizes of at least {MIN_HEAD_DIM_CUDA} on CUDA (the Triton kernel); "
             f"got D={w.head_dim}, Dv={w.v_head_dim}"
         )
-    fits = layout_block is None or CUDA_TILE % layout_block == 0 or layout_block % CUDA_TILE == 0
+    fits = layout_block is None or cuda_tile % layout_block == 0 or layout_block % cuda_tile == 0
     if compiled and w.device == "cuda" and not fits:
         return (
-            f"on CUDA needs block to divide {CUDA_TILE} or be a multiple of it (the Triton kernel's "
+            f"on CUDA needs block to divide {cuda_tile} or be a multiple of it (the Triton kernel's "
             f"tiles); got block={layout_block}"
         )
     return None
@@ -87,16 +99,23 @@ class FlexKernel:
     block masks, cached (a plain object, not a module: it holds no state to save).
 
     ``pattern`` is the variant's pattern (:data:`Pattern`), or None for every pair (causal: every
-    pair with ``j <= i + Nk - Nq``); ``block`` is the block-mask tile (:func:`tile_size`); ``compile``
-    False runs FlexAttention eagerly (any dtype; materialises the scores).
+    pair with ``j <= i + Nk - Nq``); ``block`` is the block-mask tile (:func:`tile_size`), on CUDA
+    at most ``cuda_tile`` (one of :data:`CUDA_TILES`); ``compile`` False runs FlexAttention eagerly
+    (any dtype; materialises the scores).
     """
 
-    def __init__(self, pattern: Pattern | None, block: int, compile: bool = True) -> None:
+    def __init__(
+        self, pattern: Pattern | None, block: int, compile: bool = True, cuda_tile: int = CUDA_TILE
+    ) -> None:
+        if cuda_tile not in CUDA_TILES:
+            raise ValueError(f"cuda_tile must be one of {', '.join(map(str, CUDA_TILES))}; got {cuda_tile}")
         self.pattern = pattern
         self.block = block
         self.compile = compile
+        self.cuda_tile = cuda_tile
         self.tile_ran: int | None = None  # the block mask's tile of the last call (None: no mask)
-        self._fn: Callable[..., torch.Tensor] | None = None  # compiled (or plain) flex_attention
+        # compiled (or plain) flex_attention, keyed by whether inductor autotunes it (autotune_for)
+        self._fns: dict[bool, Callable[..., torch.Tensor]] = {}
         self._masks: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
 
     def block_mask(
@@ -159,7 +178,7 @@ class FlexKernel:
                 ok = ok & p(bi, hi, qi, ki)
             return ok
 
-        tile = tile_size(self.block, q.device.type)
+        tile = tile_size(self.block, q.device.type, self.cuda_tile)
         bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=tile)
         if cacheable:
             self._masks[key] = (bm, tensors)
@@ -167,13 +186,22 @@ class FlexKernel:
             self._masks.popitem(last=False)
         return bm
 
-    def _flex_fn(self) -> Callable[..., torch.Tensor]:
-        if self._fn is None:
+    def autotune_for(self, device: str) -> bool:
+        """Whether the compiled kernel on ``device`` is autotuned: on CUDA with a tile below
+        :data:`CUDA_TILE`, which inductor's default configurations do not divide (module docstring)."""
+        return self.compile and device == "cuda" and tile_size(self.block, device, self.cuda_tile) < CUDA_TILE
+
+    def _flex_fn(self, device: str) -> Callable[..., torch.Tensor]:
+        tune = self.autotune_for(device)
+        if tune not in self._fns:
             from torch.nn.attention.flex_attention import flex_attention
 
             # held once per kernel: compiling per call would recompile every time
-            self._fn = torch.compile(flex_attention, dynamic=False) if self.compile else flex_attention
-        return self._fn
+            fn = flex_attention
+            if self.compile:
+                fn = torch.compile(flex_attention, dynamic=False, options={"max_autotune": True} if tune else None)
+            self._fns[tune] = fn
+        return self._fns[tune]
 
     def __call__(
         self,
@@ -202,7 +230,7 @@ class FlexKernel:
             q, k, v = q.detach(), k.detach(), v.detach()
             bias = None if bias is None else bias.detach()
         bm = self.block_mask(q, k, causal, key_padding_mask, attn_mask)
-        self.tile_ran = tile_size(self.block, q.device.type) if bm is not None else None
+        self.tile_ran = tile_size(self.block, q.device.type, self.cuda_tile) if bm is not None else None
         extra: dict[str, Any] = {"scale": scale}
         if k.shape[1] != q.shape[1]:
             extra["enable_gqa"] = True  # query head h reads K/V head h // (H / Hkv)
@@ -219,14 +247,15 @@ class FlexKernel:
                 return score if bias4 is None else score + bias4[bi, hi, qi, ki]
 
             extra["score_mod"] = score_mod
+        flex = self._flex_fn(q.device.type)
         with warnings.catch_warnings():
             # uncompiled use is a deliberate choice here (compile=False), not a mistake to warn about
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             if not return_lse:
-                return self._flex_fn()(q, k, v, block_mask=bm, **extra)  # (B, H, Nq, Dv)
+                return flex(q, k, v, block_mask=bm, **extra)  # (B, H, Nq, Dv)
             try:  # torch >= 2.9 asks for the log-sum-exp this way (return_lse is deprecated there)
                 from torch.nn.attention.flex_attention import AuxRequest
             except ImportError:
-                return self._flex_fn()(q, k, v, block_mask=bm, return_lse=True, **extra)
-            out, aux = self._flex_fn()(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True), **extra)
+                return flex(q, k, v, block_mask=bm, return_lse=True, **extra)
+            out, aux = flex(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True), **extra)
             return out, aux.lse  # (B, H, Nq, Dv), (B, H, Nq)

@@ -53,7 +53,10 @@ The layout is computed by ``impl``:
   past; the knob ``global_rows=dense|block_mask`` forces either, ``auto`` decides per shape). The
   global key columns stay in the block mask: computed apart as well (dense, in float32, merged by
   log-sum-exp) they cost more than their backward tail saved at B=1, H=8, D=64, N=4096 to 65536 on
-  an H100 (results/gpu/NOTES.md).
+  an H100 (results/gpu/NOTES.md). ``cuda_tile`` (default 128) is the block mask's tile on CUDA:
+  with ``cuda_tile=64`` a 64-block layout fills whole tiles (at 128 about half of each visited tile
+  lies outside the layout, and every tile is partial, so the layout's predicate is evaluated on
+  every pair); the kernel is then autotuned (:mod:`variants.flex_kernel`).
 - ``auto``: on the CPU ``kernel`` where it takes the call (else ``sdpa``, and ``impl_note`` says
   why); on CUDA ``flex`` when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
   ``sdpa``. The record's ``impl_ran`` says which ran.
@@ -66,7 +69,7 @@ import torch.nn.functional as F
 
 from . import sparse_kernel
 from .base import AttentionVariant, Unavailable, Unsupported, Workload
-from .flex_kernel import FlexKernel, flex_refusal
+from .flex_kernel import CUDA_TILE, FlexKernel, flex_refusal
 from .gathered_sdpa import gathered_sdpa
 from .masks import sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .patterns import MaskMod, block_layout, layout_blocks, layout_mask_mod, layout_pairs, layout_pattern
@@ -116,6 +119,7 @@ class BlockSparseAttention(AttentionVariant):
         stride_blocks: int = 0,
         impl: str = "auto",
         global_rows: str = "auto",
+        cuda_tile: int = CUDA_TILE,
     ) -> None:
         super().__init__()
         if impl not in IMPLS:
@@ -143,9 +147,10 @@ class BlockSparseAttention(AttentionVariant):
         self.impl_note: str | None = None  # why auto did not take the kernel on the CPU
         self._rows: dict[tuple[int, int, bool], sparse_kernel.Layout] = {}
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._flex = FlexKernel(self._layout_mask_mod, block)
+        self.cuda_tile = cuda_tile
+        self._flex = FlexKernel(self._layout_mask_mod, block, cuda_tile=cuda_tile)
         # the layout without its global query rows, which are one dense SDPA call instead (_flex_attend)
-        self._flex_local = FlexKernel(self._local_rows_mask_mod, block)
+        self._flex_local = FlexKernel(self._local_rows_mask_mod, block, cuda_tile=cuda_tile)
         self._apart: dict[tuple, bool] = {}  # per shape: global rows apart from the kernel (flex only)
         self.global_rows_ran: str | None = None
 
@@ -159,6 +164,7 @@ class BlockSparseAttention(AttentionVariant):
             "stride_blocks": self.stride_blocks,
             "impl": self.impl,
             "global_rows": self.global_rows,
+            "cuda_tile": self.cuda_tile,
         }
 
     def choose_impl(self, w: Workload) -> str:
@@ -167,13 +173,21 @@ class BlockSparseAttention(AttentionVariant):
             return self.impl
         if w.device == "cpu":
             return "kernel" if sparse_kernel.unusable(w) is None else "sdpa"
-        flex_ok = w.device == "cuda" and flex_refusal(w, layout_block=self.block) is None
+        flex_ok = w.device == "cuda" and self._flex_refusal(w) is None
         return "flex" if flex_ok else "sdpa"
+
+    def _flex_refusal(self, w: Workload) -> str | None:
+        return flex_refusal(w, layout_block=self.block, cuda_tile=self.cuda_tile)
 
     def check(self, w: Workload) -> None:
         super().check(w)
-        if self.choose_impl(w) == "flex" and (why := flex_refusal(w, layout_block=self.block)):
+        if self.choose_impl(w) == "flex" and (why := self._flex_refusal(w)):
             raise Unsupported(f"sparse impl=flex {why}")
+        if self.cuda_tile != CUDA_TILE and (w.device != "cuda" or self.choose_impl(w) != "flex"):
+            raise Unsupported(
+                f"sparse cuda_tile={self.cuda_tile} sets the tile of FlexAttention's CUDA kernel; this "
+                f"call runs impl={self.choose_impl(w)} on {w.device}"
+            )
         if self.global_rows != "auto" and self.choose_impl(w) != "flex":
             raise Unsupported(
                 f"sparse global_rows={self.global_rows} places the global rows of the flex route; this "
