@@ -389,7 +389,7 @@ def test_sparse_cuda_tile_is_refused_where_no_cuda_flex_kernel_runs():
     assert attn.knobs()["cuda_tile"] == 64
     attn.check(variants.Workload(1, 2, 256, 256, 64, 64, device="cuda", dtype=torch.float16))
     q = torch.randn(1, 2, 128, 8)
-    with pytest.raises(Unsupported, match="cuda_tile=64 sets the tile of FlexAttention's CUDA kernel; this call"):
+    with pytest.raises(Unsupported, match="cuda_tile=64 sets the tile of FlexAttention's CUDA kernel"):
         attn(q, q, q)  # the CPU: the tile is the layout's block there, nothing to set
     cuda = variants.Workload(1, 2, 256, 256, 64, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(Unsupported, match="runs impl=sdpa on cuda"):

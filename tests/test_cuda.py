@@ -98,7 +98,7 @@ def test_sparse_in_64_wide_tiles_matches_the_oracle_forward_and_backward(causal)
     g = torch.randn_like(ref)
     out.backward(g.to(out.dtype))
     ref.backward(g)
-    for got, want in zip((q, k, v), ref_in):
+    for got, want in zip((q, k, v), ref_in, strict=True):
         assert rel_err(got.grad, want.grad) < 3e-2
 
 

@@ -199,7 +199,8 @@ class FlexKernel:
             # held once per kernel: compiling per call would recompile every time
             fn = flex_attention
             if self.compile:
-                fn = torch.compile(flex_attention, dynamic=False, options={"max_autotune": True} if tune else None)
+                options = {"max_autotune": True} if tune else None
+                fn = torch.compile(flex_attention, dynamic=False, options=options)
             self._fns[tune] = fn
         return self._fns[tune]
 
