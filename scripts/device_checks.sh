@@ -3,7 +3,7 @@
 # results come back under $OUT). Each step has its own time limit, so one that overruns costs only
 # itself; the records so far are packed into $OUT/gpu.tar.gz after every step. PART picks the steps:
 #   OUT=/tmp/out bash scripts/device_checks.sh           (one 10-minute call: what issue 34 still
-#                                                         lacks, its open goal first, then the bf16 forward)
+#                                                         lacks, sparse's tiles first, then the fp16 forward)
 #   OUT=/tmp/out PART=train bash scripts/device_checks.sh (experiment=gpu_train in bf16, 5 minutes)
 #   OUT=/tmp/out PART=34 bash scripts/device_checks.sh   (issue 34's checks, then pytest -m cuda)
 #   OUT=/tmp/out PART=37 bash scripts/device_checks.sh   (issue 37's xFormers runs)
@@ -38,11 +38,12 @@ decode_chunked() { step decode_chunked 50 python3 run.py -m experiment=decode de
 # CUDA xFormers' window is a contender too (issue 37)
 patterns_small() { step patterns_small 90 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],sparse[global dense],xformers window" --profile 6 --json $W/patterns_small.json; }
 patterns_large() { step patterns_large 50 python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],sparse[global dense],xformers window" --profile 6 --json $W/patterns_large.json; }
-# sparse's block mask in 64-wide tiles (whole layout blocks, autotuned) beside the 128-wide default and
-# local_window; then its new test against float64, forward and backward
-patterns_tile() { step patterns_tile "${1:-150}" python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],sparse[tile 64],sparse[tile 64 global in mask]" --profile 6 --json $W/patterns_tile.json; }
-patterns_tile_large() { step patterns_tile_large "${1:-80}" python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[tile 64]" --json $W/patterns_tile_large.json; }
-pytest_tile() { step pytest_tile "${1:-90}" python3 -m pytest -m cuda -v -p no:cacheprovider --timeout 80 -ra tests/test_cuda.py -k "64_wide or sparse_impl_flex"; }
+# sparse's placements: cuda_tile=auto (64-wide tiles with the global rows in the mask where the 128
+# kernel's global tile row is its tail), 128 in mask / apart, 64 in mask / apart; the first call of a
+# 64-wide kernel autotunes (20-35 s at B=1, over a minute at B=4 H=16 D=128)
+patterns_tile() { step patterns_tile "${1:-150}" python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 4096 16384 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global in mask],sparse[global dense],sparse[tile 64],sparse[tile 64 global dense]" --json $W/patterns_tile.json; }
+patterns_tile_large() { step patterns_tile_large "${1:-200}" python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 16384 --shape 4 16 128 --rounds 3 --min-run-time 0.05 --contenders "sparse,sparse[tile 64]" --json $W/patterns_tile_large.json; }
+patterns_long() { step patterns_long "${1:-120}" python3 scripts/pattern_vs_flex.py --device cuda --dtype bfloat16 --mode fwd_bwd --lengths 65536 --shape 1 8 64 --rounds 3 --min-run-time 0.05 --contenders "local_window,sparse,sparse[global dense]" --json $W/patterns_long.json; }
 pytest_cuda() {
     step pytest_cuda "$1" python3 -m pytest -m cuda -v -p no:cacheprovider -n 8 --timeout 120 -ra
     grep -E "FAILED|ERROR" "$W/pytest_cuda.log" | head -40
@@ -58,15 +59,16 @@ decode_splitk() { step decode_splitk 50 python3 run.py -m experiment=decode devi
 gpu_fwd() { step gpu_fwd "${1:-300}" python3 run.py -m experiment=gpu mode=fwd min_run_time=0.2 isolate=false records_dir=$R/gpu_fwd "${@:2}"; }
 gpu_train() { step gpu_train "${1:-240}" python3 run.py -m experiment=gpu_train dtype=bfloat16 min_run_time=0.2 isolate=false records_dir=$R/gpu_train; }
 case "${PART:-lease}" in
-lease)  # what issue 34 lacks after the H100 leases of 2026-11-26: sparse in 64-wide tiles (its open goal,
-    # B=1 H=8 D=64 at least 3x dense SDPA), chunked at a training shape, then experiment=gpu's bf16
-    # forward (CUDA-graph replay) for every variant in what time is left; PART=train follows
-    patterns_tile 150; pytest_tile 90; patterns_tile_large 80; chunked_triton_large
-    gpu_fwd $((SECONDS < 500 ? 560 - SECONDS : 30)) dtype=bfloat16 ;;
+lease)  # what issue 34 lacks after the H100 leases of 2026-11-26: sparse's auto tile at N=65536 and in
+    # 64-wide tiles at B=4 H=16 D=128 (its first call autotunes for over a minute), then
+    # experiment=gpu's fp16 forward (CUDA-graph replay; bf16 is in results/gpu/h100/gpu_fwd_bf16) and
+    # pytest -m cuda in what time is left; PART=train follows
+    patterns_long 120; patterns_tile_large 200; gpu_fwd 150 dtype=float16
+    pytest_cuda $((SECONDS < 500 ? 560 - SECONDS : 30)) ;;
 train) gpu_train 300 ;;
 h100_2026_11_26)  # the order that lease ran (issues 34 and 37)
     chunked_triton; patterns_small; patterns_large; pytest_cuda 130; xformers_gpu 100; decode_chunked; decode_splitk ;;
-34) chunked_triton; chunked_triton_large; decode_chunked; patterns_small; patterns_large; pytest_cuda $((560 - SECONDS)) ;;
+34) chunked_triton; chunked_triton_large; decode_chunked; patterns_tile; patterns_large; pytest_cuda $((560 - SECONDS)) ;;
 37) xformers_gpu; sdpa_gpu; decode_sdpa; decode_splitk ;;
 gpu) gpu_fwd; gpu_train ;;
 *) echo "PART must be lease, train, h100_2026_11_26, 34, 37 or gpu, not $PART"; exit 2 ;;

@@ -217,7 +217,7 @@ def _eager(name: str, **knobs) -> variants.AttentionVariant:
     """``name`` built with ``knobs``, its FlexAttention kernel run eagerly: this checks the wiring
     (pattern, tiles, masks), not the compiler."""
     attn = variants.build(name, **knobs)
-    for kernel in ("_flex", "_flex_local"):  # sparse has a second kernel, without its global rows
+    for kernel in ("_flex", "_flex_local", "_flex_fine"):  # sparse: without its global rows, 64-wide tiles
         if hasattr(attn, kernel):
             getattr(attn, kernel).compile = False
     return attn
@@ -380,8 +380,39 @@ def test_a_smaller_cuda_tile_fits_the_layout_and_autotunes_its_kernel(monkeypatc
     small._flex_fn("cuda")
     small._flex_fn("cpu")
     assert [kw["options"] for kw in compiled] == [{"max_autotune": True}, None]
-    with pytest.raises(ValueError, match="cuda_tile must be one of 32, 64, 128; got 48"):
+    with pytest.raises(ValueError, match="sparse cuda_tile must be auto or one of 32, 64, 128; got 48"):
         variants.build("sparse", cuda_tile=48)
+    with pytest.raises(ValueError, match="cuda_tile must be one of 32, 64, 128; got 48"):
+        flex_kernel.FlexKernel(None, 64, cuda_tile=48)
+
+
+@pytest.mark.parametrize(
+    "knobs, kernel, rows",
+    [
+        ({}, "_flex_fine", "block mask"),  # auto: 64-wide tiles, the rows in the mask
+        ({"global_rows": "block_mask"}, "_flex_fine", "block mask"),
+        ({"global_rows": "dense"}, "_flex_local", "dense"),  # the knob keeps 128 tiles and the dense call
+        ({"cuda_tile": 128}, "_flex_local", "dense"),  # 128 tiles: the rows apart
+        ({"cuda_tile": 64}, "_flex", "block mask"),  # 64 tiles chosen: the rows stay in the mask
+        ({"block": 96, "window_blocks": 0}, "_flex_local", "dense"),  # 96 does not divide 64: 128 tiles
+    ],
+)
+def test_sparse_routes_a_tail_bound_call_by_its_tile_and_rows(monkeypatch, knobs, kernel, rows):
+    # where the global tile row would be the 128 kernel's tail (faked: on the CPU there is none), each
+    # route computes the layout exactly; which one ran is said in the record
+    layout = {"block": 8, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "impl": "flex", **knobs}
+    attn = _eager("sparse", **layout)
+    monkeypatch.setattr(attn, "_tail_bound", lambda q, k, causal: True)
+    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128: block)
+    n = 2 * layout["block"] * 4
+    q, k, v, kw = make_inputs(Case("tail", b=1, h=2, nq=n, nk=n, d=8, dv=8, padding=True))
+    with torch.no_grad():
+        out = attn._flex_attend(q, k, v, causal=False, key_padding_mask=kw.get("key_padding_mask"))
+    assert attn.flex_ran is getattr(attn, kernel)
+    assert attn.global_rows_ran == rows
+    attn.impl_ran = "flex"
+    assert attn.describe()["global_rows"] == rows
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
 
 
 def test_sparse_cuda_tile_is_refused_where_no_cuda_flex_kernel_runs():

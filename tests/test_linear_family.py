@@ -190,6 +190,22 @@ def test_performer_draw_is_fixed_by_its_seed_and_orthogonal():
     assert torch.allclose(block @ block.T, torch.eye(16, dtype=torch.float64), atol=1e-12)
 
 
+def test_performer_casts_its_draw_once_per_device_and_dtype(monkeypatch):
+    # a forward that copied the float64 host draw every call could not be captured in a CUDA graph
+    # (H100, 2026-11-26: "Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    attn = variants.build("performer", features=16)
+    q = torch.randn(1, 2, 24, 8)
+    first = attn(q, q, q)
+    casts = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: casts.append(t.dtype) or real_to(t, *a, **kw))
+    again = attn(q, q, q)
+    assert torch.float64 not in casts  # the cached float32 draw was used
+    assert torch.equal(first, again)
+    attn(q.double(), q.double(), q.double())
+    assert set(attn._cast) == {(8, q.device, torch.float32), (8, q.device, torch.float64)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_performer_is_stable_with_large_inputs_and_in_16_bits(dtype):
     # |q|, |k| entries of 10 (scores of hundreds): unstabilised features would overflow

@@ -67,6 +67,9 @@ class Performer(KernelizedAttention):
         self.seed = seed
         self.chunk = chunk
         self._draws: dict[int, torch.Tensor] = {}  # head size -> W, drawn on first use
+        # the draw in each (device, dtype) a call used: cast once, so a forward copies nothing from the
+        # host (a CUDA graph cannot capture that copy)
+        self._cast: dict[tuple, torch.Tensor] = {}
 
     def knobs(self) -> dict[str, object]:
         return {"features": self.features, "seed": self.seed, "chunk": self.chunk}
@@ -95,7 +98,10 @@ class Performer(KernelizedAttention):
         )
 
     def _features(self, q, k, scale, valid, start, ref0, causal):
-        w = self.projection(k.shape[-1]).to(device=k.device, dtype=k.dtype)  # (m, D)
+        where = (k.shape[-1], k.device, k.dtype)
+        if where not in self._cast:
+            self._cast[where] = self.projection(k.shape[-1]).to(device=k.device, dtype=k.dtype)
+        w = self._cast[where]  # (m, D)
         root = math.sqrt(scale)  # s q . k = (sqrt(s) q) . (sqrt(s) k)
         xk = k * root  # (B, H, Nk, D)
         # log of phi(k) * sqrt(m): W x - |x|^2 / 2 (the 1/sqrt(m) cancels in the ratio), the norm

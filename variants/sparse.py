@@ -53,10 +53,13 @@ The layout is computed by ``impl``:
   past; the knob ``global_rows=dense|block_mask`` forces either, ``auto`` decides per shape). The
   global key columns stay in the block mask: computed apart as well (dense, in float32, merged by
   log-sum-exp) they cost more than their backward tail saved at B=1, H=8, D=64, N=4096 to 65536 on
-  an H100 (results/gpu/NOTES.md). ``cuda_tile`` (default 128) is the block mask's tile on CUDA:
-  with ``cuda_tile=64`` a 64-block layout fills whole tiles (at 128 about half of each visited tile
-  lies outside the layout, and every tile is partial, so the layout's predicate is evaluated on
-  every pair); the kernel is then autotuned (:mod:`variants.flex_kernel`).
+  an H100 (results/gpu/NOTES.md). ``cuda_tile`` is the block mask's tile on CUDA: in 64-wide
+  tiles a 64-block layout fills whole tiles (at 128 about half of each visited tile lies outside
+  the layout, and every tile is partial, so the layout's predicate is evaluated on every pair); a
+  tile below 128 is autotuned on its first call (:mod:`variants.flex_kernel`). ``auto`` takes 64
+  where the global tile row would be the 128-wide kernel's tail, with the global rows in the mask
+  (4.07x faster than dense SDPA at B=1 H=8 D=64 N=16384 on an H100, against 1.62x with the rows
+  apart in 128 tiles), else 128; ``tile`` in the record says which ran.
 - ``auto``: on the CPU ``kernel`` where it takes the call (else ``sdpa``, and ``impl_note`` says
   why); on CUDA ``flex`` when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
   ``sdpa``. The record's ``impl_ran`` says which ran.
@@ -69,7 +72,7 @@ import torch.nn.functional as F
 
 from . import sparse_kernel
 from .base import AttentionVariant, Unavailable, Unsupported, Workload
-from .flex_kernel import CUDA_TILE, FlexKernel, flex_refusal
+from .flex_kernel import CUDA_TILE, CUDA_TILES, FlexKernel, flex_refusal
 from .gathered_sdpa import gathered_sdpa
 from .masks import sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .patterns import MaskMod, block_layout, layout_blocks, layout_mask_mod, layout_pairs, layout_pattern
@@ -77,6 +80,8 @@ from .registry import register
 
 IMPLS = ("auto", "kernel", "sdpa", "blocked", "flex")
 GLOBAL_ROWS = ("auto", "dense", "block_mask")  # where the flex route computes the global query rows
+# cuda_tile=auto's tile where the 128-wide kernel's global tile row would be its tail (_fine_tiles)
+FINE_TILE = 64
 
 
 # How many key tiles more than the balanced load the global tile row must walk before a dense call
@@ -119,7 +124,7 @@ class BlockSparseAttention(AttentionVariant):
         stride_blocks: int = 0,
         impl: str = "auto",
         global_rows: str = "auto",
-        cuda_tile: int = CUDA_TILE,
+        cuda_tile: int | str = "auto",
     ) -> None:
         super().__init__()
         if impl not in IMPLS:
@@ -128,6 +133,9 @@ class BlockSparseAttention(AttentionVariant):
             raise ValueError(
                 f"sparse global_rows must be one of {', '.join(GLOBAL_ROWS)}; got '{global_rows}'"
             )
+        if cuda_tile != "auto" and cuda_tile not in CUDA_TILES:
+            tiles = ", ".join(map(str, CUDA_TILES))
+            raise ValueError(f"sparse cuda_tile must be auto or one of {tiles}; got {cuda_tile!r}")
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         if min(window_blocks, global_blocks, random_blocks, stride_blocks) < 0:
@@ -148,10 +156,14 @@ class BlockSparseAttention(AttentionVariant):
         self._rows: dict[tuple[int, int, bool], sparse_kernel.Layout] = {}
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.cuda_tile = cuda_tile
-        self._flex = FlexKernel(self._layout_mask_mod, block, cuda_tile=cuda_tile)
+        tile = CUDA_TILE if cuda_tile == "auto" else cuda_tile
+        self._flex = FlexKernel(self._layout_mask_mod, block, cuda_tile=tile)
         # the layout without its global query rows, which are one dense SDPA call instead (_flex_attend)
-        self._flex_local = FlexKernel(self._local_rows_mask_mod, block, cuda_tile=cuda_tile)
-        self._apart: dict[tuple, bool] = {}  # per shape: global rows apart from the kernel (flex only)
+        self._flex_local = FlexKernel(self._local_rows_mask_mod, block, cuda_tile=tile)
+        # the layout in whole-block tiles, where cuda_tile=auto takes them (_fine_tiles)
+        self._flex_fine = FlexKernel(self._layout_mask_mod, block, cuda_tile=FINE_TILE)
+        self.flex_ran: FlexKernel | None = None  # the kernel of the last flex call
+        self._tail: dict[tuple, bool] = {}  # per shape: is the global tile row the 128 kernel's tail
         self.global_rows_ran: str | None = None
 
     def knobs(self) -> dict[str, object]:
@@ -177,13 +189,13 @@ class BlockSparseAttention(AttentionVariant):
         return "flex" if flex_ok else "sdpa"
 
     def _flex_refusal(self, w: Workload) -> str | None:
-        return flex_refusal(w, layout_block=self.block, cuda_tile=self.cuda_tile)
+        return flex_refusal(w, layout_block=self.block, cuda_tile=self._flex.cuda_tile)
 
     def check(self, w: Workload) -> None:
         super().check(w)
         if self.choose_impl(w) == "flex" and (why := self._flex_refusal(w)):
             raise Unsupported(f"sparse impl=flex {why}")
-        if self.cuda_tile != CUDA_TILE and (w.device != "cuda" or self.choose_impl(w) != "flex"):
+        if self.cuda_tile != "auto" and (w.device != "cuda" or self.choose_impl(w) != "flex"):
             raise Unsupported(
                 f"sparse cuda_tile={self.cuda_tile} sets the tile of FlexAttention's CUDA kernel; this "
                 f"call runs impl={self.choose_impl(w)} on {w.device}"
@@ -203,7 +215,7 @@ class BlockSparseAttention(AttentionVariant):
         d = super().describe()
         d["impl_ran"] = self.impl_ran
         d["impl_note"] = self.impl_note
-        d["tile"] = (self._flex.tile_ran or self._flex_local.tile_ran) if self.impl_ran == "flex" else None
+        d["tile"] = self.flex_ran.tile_ran if self.impl_ran == "flex" and self.flex_ran else None
         d["global_rows"] = self.global_rows_ran if self.impl_ran == "flex" else None
         return d
 
@@ -360,17 +372,20 @@ class BlockSparseAttention(AttentionVariant):
         return self._rows[nq, nk, causal]
 
     def _flex_attend(self, q, k, v, *, causal, key_padding_mask):
-        """The layout on FlexAttention's kernel, its global query rows apart where they would be its
-        tail: those ``g * block`` rows see every key, so in the block mask their one tile row walks
-        all ``N / tile`` key tiles while every other walks a handful, and with few batch-heads that
-        row sets the kernel's time. They are one dense SDPA call instead (``O(g block N)``), and the
-        kernel skips them (they come out zero there and are replaced)."""
+        """The layout on FlexAttention's kernel. Its global query rows see every key, so in the block
+        mask their one tile row walks all ``N / tile`` key tiles while every other walks a handful,
+        and with few batch-heads that row sets the kernel's time. There the kernel runs in 64-wide
+        tiles (:meth:`_fine_tiles`), or, where the block does not divide 64 or the knobs say so, the
+        global rows are one dense SDPA call (``O(g block N)``) and the kernel skips them (they come
+        out zero there and are replaced)."""
         nq, nk = q.shape[2], k.shape[2]
         ngq = max(0, min(self.global_blocks * self.block, nk) - (nk - nq))  # global query rows
         self.global_rows_ran = "block mask" if ngq else None
-        if ngq == 0 or not self._global_rows_apart(q, k, causal):
-            return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        self.flex_ran = self._flex_fine if ngq and self._fine_tiles(q, k, causal) else self._flex
+        if ngq == 0 or self.flex_ran is self._flex_fine or not self._global_rows_apart(q, k, causal):
+            return self.flex_ran(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         self.global_rows_ran = "dense"
+        self.flex_ran = self._flex_local
         off = nk - nq
         blocked = torch.zeros(1, 1, ngq, nk, dtype=torch.bool, device=q.device)  # True = may not attend
         if causal:  # key j after the query at position i + off
@@ -384,24 +399,39 @@ class BlockSparseAttention(AttentionVariant):
         rest = self._flex_local(q, k, v, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, Nq, Dv)
         return torch.cat([glob, rest[:, :, ngq:]], dim=2)  # (B, H, Nq, Dv)
 
+    def _fine_tiles(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+        """Whether ``cuda_tile=auto`` runs the layout in 64-wide tiles, the global rows in the block
+        mask: where the 128-wide kernel's global tile row would be its tail (:meth:`_tail_bound`) and
+        the layout's block divides 64, unless ``global_rows=dense``. In whole-block tiles no visited
+        pair lies outside the layout and no predicate is evaluated inside a tile. On an H100 (bf16
+        fwd+bwd, B=1 H=8 D=64 N=16384, one call, 2026-11-26): 0.98 ms, against 2.46 at 128 with the
+        rows apart and 1.76 at 64 with the rows apart; dense SDPA 4.00."""
+        auto = self.cuda_tile == "auto" and self.global_rows != "dense"
+        return auto and FINE_TILE % self.block == 0 and self._tail_bound(q, k, causal)
+
     def _global_rows_apart(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-        """Whether the global query rows go to a dense call beside the kernel: where their one tile row
-        (every key tile) would outlast the rest of the kernel's tiles spread over the GPU's
-        multiprocessors by enough tiles to pay for the dense call, i.e. with few batch-heads and long
-        sequences. On an H100 (bf16 fwd+bwd, 2026-11-26) with the rows apart against in the block
-        mask: B=1 H=8 D=64 N=16384 2.34 against 3.17 ms (1.82x faster than dense SDPA), N=4096 1.39
-        against 0.76; on an H200, B=4 H=16 D=128 N=16384 5.5x faster than dense SDPA apart against
-        6.9x in the block mask (an H100). Never causal: the global rows then see only their own first
-        tile, no tail. Never on the CPU: no tail there. Cached per shape. The ``global_rows`` knob
-        (``dense``, ``block_mask``) overrides this rule."""
+        """Whether the global query rows go to a dense call beside the 128-wide kernel: where their
+        tile row is its tail (:meth:`_tail_bound`). With the rows apart against in the block mask, on
+        an H100 (bf16 fwd+bwd, 2026-11-26): B=1 H=8 D=64 N=16384 2.34 against 3.17 ms, N=4096 1.39
+        against 0.76. In smaller tiles they stay in the block mask (at 64: 0.98 ms in it against 1.76
+        apart, N=16384). The ``global_rows`` knob (``dense``, ``block_mask``) overrides this rule."""
         if self.global_rows != "auto":
             return self.global_rows == "dense"
+        return self._flex.cuda_tile == CUDA_TILE and self._tail_bound(q, k, causal)
+
+    def _tail_bound(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+        """Whether in 128-wide tiles the global rows' one tile row (every key tile) would outlast the
+        rest of the kernel's tiles spread over the GPU's multiprocessors by enough tiles
+        (:func:`tail_bound`), i.e. with few batch-heads and long sequences. On an H200, B=4 H=16
+        D=128 N=16384 was 5.5x faster than dense SDPA with the rows apart against 6.9x in the block
+        mask (an H100): not a tail there. Never causal: the global rows then see only their own first
+        tile. Never on the CPU: no tail there. Cached per shape."""
         if causal or q.device.type != "cuda":
             return False
         b, h, nq, _ = q.shape
         nk = k.shape[2]
         key = (b, h, nq, nk, causal, q.device)
-        if key not in self._apart:
+        if key not in self._tail:
             bm = self._flex.block_mask(q, k, causal, None, None)  # the layout alone, cached by the kernel
             tiles = bm.kv_num_blocks.sum() + (
                 bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0
@@ -409,8 +439,8 @@ class BlockSparseAttention(AttentionVariant):
             per_head = int(tiles) / (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             key_tiles = -(-nk // bm.BLOCK_SIZE[1])  # what the global tile row visits
-            self._apart[key] = tail_bound(b * h, per_head, key_tiles, sms)
-        return self._apart[key]
+            self._tail[key] = tail_bound(b * h, per_head, key_tiles, sms)
+        return self._tail[key]
 
     def block_pattern(self, n: int, causal: bool = False) -> torch.Tensor:
         """Boolean ``(nb, nb)``: which key blocks each query block sees (global rows included)."""
