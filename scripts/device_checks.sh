@@ -3,7 +3,7 @@
 # results come back under $OUT). Each step has its own time limit, so one that overruns costs only
 # itself; the records so far are packed into $OUT/gpu.tar.gz after every step. PART picks the steps:
 #   OUT=/tmp/out bash scripts/device_checks.sh           (one 10-minute call: what issue 34 still
-#                                                         lacks, sparse's tiles first, then the fp16 forward)
+#                                                         lacks: sparse's tiles, the fp16 forward, pytest)
 #   OUT=/tmp/out PART=train bash scripts/device_checks.sh (experiment=gpu_train in bf16, 5 minutes)
 #   OUT=/tmp/out PART=34 bash scripts/device_checks.sh   (issue 34's checks, then pytest -m cuda)
 #   OUT=/tmp/out PART=37 bash scripts/device_checks.sh   (issue 37's xFormers runs)

@@ -364,25 +364,27 @@ def test_flex_tiles_on_cuda_and_block_sizes_the_gpu_kernel_cannot_take():
 
 def test_a_smaller_cuda_tile_fits_the_layout_and_autotunes_its_kernel(monkeypatch):
     # cuda_tile=64: a 64-block layout fills whole tiles on CUDA; inductor's default Hopper configs do
-    # not divide a 64 tile, so that kernel alone is compiled with max_autotune (its 32/64 candidates)
+    # not divide a 64 tile, so that kernel alone is compiled with max_autotune (its 64-wide candidates)
     assert flex_kernel.tile_size(64, "cuda", 64) == 64
     assert flex_kernel.tile_size(32, "cuda", 64) == 64
-    assert flex_kernel.tile_size(128, "cuda", 64) == 128
+    assert flex_kernel.tile_size(192, "cuda", 64) == 64  # the layout in whole 64 tiles, as asked
+    assert flex_kernel.tile_size(256, "cuda") == 256  # the default keeps a multiple of 128 as its tile
     w = variants.Workload(1, 2, 256, 256, 64, 64, device="cuda", dtype=torch.float16)
     assert flex_kernel.flex_refusal(w, layout_block=96, cuda_tile=64) is not None
     assert flex_kernel.flex_refusal(w, layout_block=32, cuda_tile=64) is None
+    assert flex_kernel.flex_refusal(w, layout_block=192, cuda_tile=64) is None
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
     small = flex_kernel.FlexKernel(None, 64, cuda_tile=64)
     assert small.autotune_for("cuda") and not small.autotune_for("cpu")
     assert not flex_kernel.FlexKernel(None, 64).autotune_for("cuda")  # 128 tiles: the defaults divide them
-    assert not flex_kernel.FlexKernel(None, 128, cuda_tile=64).autotune_for("cuda")  # block 128: tile 128
+    assert flex_kernel.FlexKernel(None, 128, cuda_tile=64).autotune_for("cuda")  # a 128 block in 64 tiles
     small._flex_fn("cuda")
     small._flex_fn("cpu")
     assert [kw["options"] for kw in compiled] == [{"max_autotune": True}, None]
-    with pytest.raises(ValueError, match="sparse cuda_tile must be auto or one of 32, 64, 128; got 48"):
-        variants.build("sparse", cuda_tile=48)
-    with pytest.raises(ValueError, match="cuda_tile must be one of 32, 64, 128; got 48"):
+    with pytest.raises(ValueError, match="sparse cuda_tile must be auto or one of 64, 128; got 32"):
+        variants.build("sparse", cuda_tile=32)  # no forward configuration is narrower than 64
+    with pytest.raises(ValueError, match="cuda_tile must be one of 64, 128; got 48"):
         flex_kernel.FlexKernel(None, 64, cuda_tile=48)
 
 
@@ -394,17 +396,25 @@ def test_a_smaller_cuda_tile_fits_the_layout_and_autotunes_its_kernel(monkeypatc
         ({"global_rows": "dense"}, "_flex_local", "dense"),  # the knob keeps 128 tiles and the dense call
         ({"cuda_tile": 128}, "_flex_local", "dense"),  # 128 tiles: the rows apart
         ({"cuda_tile": 64}, "_flex", "block mask"),  # 64 tiles chosen: the rows stay in the mask
-        ({"block": 96, "window_blocks": 0}, "_flex_local", "dense"),  # 96 does not divide 64: 128 tiles
+        ({"block": 128}, "_flex_local", "dense"),  # a block of 128: 128 tiles, the rows apart
+        ({"block": 32}, "_flex_local", "dense"),  # 32: 64 tiles would be partial (not measured)
     ],
 )
 def test_sparse_routes_a_tail_bound_call_by_its_tile_and_rows(monkeypatch, knobs, kernel, rows):
     # where the global tile row would be the 128 kernel's tail (faked: on the CPU there is none), each
     # route computes the layout exactly; which one ran is said in the record
-    layout = {"block": 8, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "impl": "flex", **knobs}
+    layout = {
+        "block": 64,
+        "window_blocks": 1,
+        "global_blocks": 1,
+        "random_blocks": 1,
+        "impl": "flex",
+        **knobs,
+    }
     attn = _eager("sparse", **layout)
     monkeypatch.setattr(attn, "_tail_bound", lambda q, k, causal: True)
     monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128: block)
-    n = 2 * layout["block"] * 4
+    n = 6 * layout["block"]
     q, k, v, kw = make_inputs(Case("tail", b=1, h=2, nq=n, nk=n, d=8, dv=8, padding=True))
     with torch.no_grad():
         out = attn._flex_attend(q, k, v, causal=False, key_padding_mask=kw.get("key_padding_mask"))
@@ -413,6 +423,36 @@ def test_sparse_routes_a_tail_bound_call_by_its_tile_and_rows(monkeypatch, knobs
     attn.impl_ran = "flex"
     assert attn.describe()["global_rows"] == rows
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+
+
+def test_the_tail_rule_reads_the_128_wide_block_mask(monkeypatch):
+    # auto's choice of 64 tiles rests on the tail of the 128-wide kernel: its block mask is the one read
+    from types import SimpleNamespace
+
+    attn = variants.build("sparse", block=64, impl="flex")
+    n, tile = 16384, 128
+    rows = n // tile
+    per_row = torch.full((1, 1, rows), 5, dtype=torch.int32)  # a handful of key tiles per tile row
+    per_row[0, 0, 0] = rows  # the global tile row walks them all
+    built = []
+
+    def mask(kernel):
+        def block_mask(q, k, causal, kpm, am):
+            built.append(kernel)
+            return SimpleNamespace(kv_num_blocks=per_row, full_kv_num_blocks=None, BLOCK_SIZE=(tile, tile))
+
+        return block_mask
+
+    for name in ("_flex", "_flex_fine", "_flex_local"):
+        monkeypatch.setattr(getattr(attn, name), "block_mask", mask(name))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132)
+    )
+    q = SimpleNamespace(device=torch.device("cuda"), shape=(1, 8, n, 64))
+    assert attn._tail_bound(q, q, causal=False)  # 128 key tiles against 8 x 763 / 132 = 46 per SM
+    assert built == ["_flex"]
+    q = SimpleNamespace(device=torch.device("cuda"), shape=(32, 16, n, 64))
+    assert not attn._tail_bound(q, q, causal=False)  # 512 batch-heads: the load, not the row, is long
 
 
 def test_sparse_cuda_tile_is_refused_where_no_cuda_flex_kernel_runs():

@@ -204,6 +204,12 @@ def test_performer_casts_its_draw_once_per_device_and_dtype(monkeypatch):
     assert torch.equal(first, again)
     attn(q.double(), q.double(), q.double())
     assert set(attn._cast) == {(8, q.device, torch.float32), (8, q.device, torch.float64)}
+    fresh = variants.build("performer", features=16)
+    with torch.inference_mode():  # a first call that builds no graph must not poison the cache
+        fresh(q, q, q)
+    x = q.clone().requires_grad_()
+    fresh(x, x, x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

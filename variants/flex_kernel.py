@@ -29,11 +29,11 @@ tiles unless ``block`` is a multiple of 128: full attention and the band do not 
 and a layout of smaller blocks (``block`` dividing 128) is expressed exactly by its predicate inside
 partly used tiles (fewer tiles are skipped than the layout allows; ``tile_ran`` says which ran).
 Layouts of other block sizes are refused on CUDA (:func:`flex_refusal`). A kernel may ask for a
-smaller CUDA tile (``cuda_tile``, e.g. 64, so that every tile of a 64-block layout is a whole layout
+smaller CUDA tile (``cuda_tile=64``, so that every tile of a 64-block layout is a whole layout
 block and its predicate is never evaluated): inductor's default Hopper configurations (forward 128 x
-64, backward 64 x 128) do not divide such a tile, so that kernel is compiled with
-``max_autotune``, whose candidate configurations include 32- and 64-wide ones (a first call of tens of
-seconds per shape).
+128 or 128 x 64, backward 64 x 128, for head sizes 64 to 128) do not divide such a tile, so that
+kernel is compiled with ``max_autotune``, whose candidate configurations include 64-wide ones (a first
+call of tens of seconds per shape). No forward configuration is narrower than 64.
 """
 
 from __future__ import annotations
@@ -57,17 +57,20 @@ _CACHE_SIZE = 8  # block masks kept per kernel: one per (shape, mask) a benchmar
 Pattern = Callable[[int, int, bool, torch.device], MaskMod]
 
 
-#: the CUDA tiles a kernel may ask for: :data:`CUDA_TILE` and the smaller tiles inductor's autotuning
-#: configurations cover on every GPU it tunes for (32 and 64)
-CUDA_TILES = (32, 64, CUDA_TILE)
+#: the CUDA tiles a kernel may ask for: :data:`CUDA_TILE`, and 64, the smallest tile inductor's forward
+#: configurations (autotuned or default) divide for head sizes up to 256
+CUDA_TILES = (64, CUDA_TILE)
 
 
 def tile_size(block: int, device: str, cuda_tile: int = CUDA_TILE) -> int:
-    """The block mask's tile on ``device``: ``block``, or on CUDA ``cuda_tile`` unless ``block`` is a
-    multiple of it (the Triton kernel's tiles; see the module docstring)."""
-    if device != "cuda" or block % cuda_tile == 0:
+    """The block mask's tile on ``device``: ``block`` on the CPU; on CUDA ``cuda_tile`` when it was
+    asked below :data:`CUDA_TILE`, else :data:`CUDA_TILE` unless ``block`` is a multiple of it (the
+    Triton kernel's tiles; see the module docstring)."""
+    if device != "cuda":
         return block
-    return cuda_tile
+    if cuda_tile != CUDA_TILE or block % CUDA_TILE != 0:
+        return cuda_tile
+    return block
 
 
 def flex_refusal(

@@ -77,7 +77,8 @@ class Performer(KernelizedAttention):
     def projection(self, head_dim: int) -> torch.Tensor:
         """``W (features, head_dim)`` float64 on the CPU, the same for a given seed and head size."""
         if head_dim not in self._draws:
-            self._draws[head_dim] = orthogonal_features(self.features, head_dim, self.seed)
+            with torch.inference_mode(False):  # cached: a later call may need it for its backward
+                self._draws[head_dim] = orthogonal_features(self.features, head_dim, self.seed)
         return self._draws[head_dim]
 
     def oracle_forward(
@@ -100,7 +101,8 @@ class Performer(KernelizedAttention):
     def _features(self, q, k, scale, valid, start, ref0, causal):
         where = (k.shape[-1], k.device, k.dtype)
         if where not in self._cast:
-            self._cast[where] = self.projection(k.shape[-1]).to(device=k.device, dtype=k.dtype)
+            with torch.inference_mode(False):  # cached: a later call may need it for its backward
+                self._cast[where] = self.projection(k.shape[-1]).to(device=k.device, dtype=k.dtype)
         w = self._cast[where]  # (m, D)
         root = math.sqrt(scale)  # s q . k = (sqrt(s) q) . (sqrt(s) k)
         xk = k * root  # (B, H, Nk, D)

@@ -59,7 +59,7 @@ The layout is computed by ``impl``:
   tile below 128 is autotuned on its first call (:mod:`variants.flex_kernel`). ``auto`` takes 64
   where the global tile row would be the 128-wide kernel's tail, with the global rows in the mask
   (4.07x faster than dense SDPA at B=1 H=8 D=64 N=16384 on an H100, against 1.62x with the rows
-  apart in 128 tiles), else 128; ``tile`` in the record says which ran.
+  apart in 128 tiles) when ``block`` is 64, else 128; ``tile`` in the record says which ran.
 - ``auto``: on the CPU ``kernel`` where it takes the call (else ``sdpa``, and ``impl_note`` says
   why); on CUDA ``flex`` when ``block`` divides 128 or is a multiple of it (the kernel's tiles), else
   ``sdpa``. The record's ``impl_ran`` says which ran.
@@ -375,7 +375,7 @@ class BlockSparseAttention(AttentionVariant):
         """The layout on FlexAttention's kernel. Its global query rows see every key, so in the block
         mask their one tile row walks all ``N / tile`` key tiles while every other walks a handful,
         and with few batch-heads that row sets the kernel's time. There the kernel runs in 64-wide
-        tiles (:meth:`_fine_tiles`), or, where the block does not divide 64 or the knobs say so, the
+        tiles (:meth:`_fine_tiles`), or, where the block is not 64 or the knobs say so, the
         global rows are one dense SDPA call (``O(g block N)``) and the kernel skips them (they come
         out zero there and are replaced)."""
         nq, nk = q.shape[2], k.shape[2]
@@ -402,12 +402,13 @@ class BlockSparseAttention(AttentionVariant):
     def _fine_tiles(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         """Whether ``cuda_tile=auto`` runs the layout in 64-wide tiles, the global rows in the block
         mask: where the 128-wide kernel's global tile row would be its tail (:meth:`_tail_bound`) and
-        the layout's block divides 64, unless ``global_rows=dense``. In whole-block tiles no visited
+        the layout's block is 64 (smaller blocks would leave the tiles partial; not measured),
+        unless ``global_rows=dense``. In whole-block tiles no visited
         pair lies outside the layout and no predicate is evaluated inside a tile. On an H100 (bf16
         fwd+bwd, B=1 H=8 D=64 N=16384, one call, 2026-11-26): 0.98 ms, against 2.46 at 128 with the
         rows apart and 1.76 at 64 with the rows apart; dense SDPA 4.00."""
         auto = self.cuda_tile == "auto" and self.global_rows != "dense"
-        return auto and FINE_TILE % self.block == 0 and self._tail_bound(q, k, causal)
+        return auto and self.block == FINE_TILE and self._tail_bound(q, k, causal)
 
     def _global_rows_apart(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         """Whether the global query rows go to a dense call beside the 128-wide kernel: where their
