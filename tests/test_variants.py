@@ -447,3 +447,27 @@ def test_a_score_feature_takes_effect_or_is_refused(vp, feature, fact):
     out = attn(q, k, v, **kw)
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
     assert rel_err(out, attn(q, k, v, **{**kw, feature: None})) > 1e-2  # the feature changed the output
+
+
+def test_blocked_sdpa_reads_no_device_value_on_the_host_off_the_cpu():
+    # on a GPU a host read of the empty-row count stalls the stream every call and breaks CUDA-graph
+    # capture (H100, 2026-11-26: sparse's dense global rows); meta tensors stand in for a device's,
+    # since reading their values raises
+    from variants.masks import additive_mask
+
+    blocked = torch.zeros(2, 1, 4, 6, dtype=torch.bool, device="meta")
+    bias, empty = additive_mask(blocked, torch.float16)
+    assert bias.shape == (2, 1, 4, 6) and bias.dtype == torch.float16
+    assert empty is not None and empty.shape == (2, 1, 4, 1)  # applied unconditionally there
+    cpu = torch.zeros(2, 1, 4, 6, dtype=torch.bool)
+    assert additive_mask(cpu, torch.float32)[1] is None  # on the CPU the count is free: skipped
+
+
+def test_additive_takes_its_bounded_fast_path_on_the_cpu_only():
+    # the fast path's bound is a data-dependent host read; off the CPU the plain path runs, with no read
+    from variants.additive import _Sigmoids
+
+    meta = torch.zeros(1, 2, 8, 4, device="meta")
+    assert not _Sigmoids(meta, meta, step=4).fast
+    small = torch.zeros(1, 2, 8, 4)
+    assert _Sigmoids(small, small, step=4).fast

@@ -77,12 +77,15 @@ class _Sigmoids:
     exact arithmetic and well conditioned in floating point (relative error a few units of rounding,
     no cancellation), but ``a_i b_j`` can overflow or underflow: it is used only when every ``|2 qp|``
     and ``|2 kp|`` is at most ``0.45 ln(max)`` of the dtype (40 in fp32, 319 in fp64), so each factor
-    and each product stays finite and normal; otherwise the add then ``sigmoid`` path runs.
+    and each product stays finite and normal; otherwise the add then ``sigmoid`` path runs. Off the
+    CPU that path always runs: checking the bound reads a device value on the host, which stalls the
+    stream and cannot be captured in a CUDA graph.
     """
 
     def __init__(self, qp: torch.Tensor, kp: torch.Tensor, step: int) -> None:
         limit = 0.45 * math.log(torch.finfo(qp.dtype).max)  # 40 in fp32: e^80 < 3.4e38, e^-80 > 1.2e-38
-        self.fast = bool(qp.abs().amax() <= limit / 2) and bool(kp.abs().amax() <= limit / 2)
+        on_cpu = qp.device.type == "cpu"
+        self.fast = on_cpu and bool(qp.abs().amax() <= limit / 2) and bool(kp.abs().amax() <= limit / 2)
         if self.fast:
             self.a = torch.exp(-2 * qp)  # (B, H, Nq, hid)
             self.b = torch.exp(-2 * kp)  # (B, H, Nk, hid)

@@ -90,10 +90,12 @@ def zero_empty_rows(out: torch.Tensor, blocked: torch.Tensor | None) -> torch.Te
 
 def additive_mask(blocked: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused kernel's additive mask for ``blocked (..., Lq, Lk)`` (True = left out: -inf) and the
-    rows that see no key ``(..., Lq, 1)`` (None when there are none). Such a row is let see key 0, so
-    the kernel makes no NaN; the caller zeroes it in the output, which also zeroes its gradients."""
+    rows that see no key ``(..., Lq, 1)`` (on the CPU None when there are none). Such a row is let see
+    key 0, so the kernel makes no NaN; the caller zeroes it in the output, which also zeroes its
+    gradients. Off the CPU the empty rows are not counted: reading a device value on the host would
+    stall the stream each call and cannot be captured in a CUDA graph."""
     empty = blocked.all(dim=-1, keepdim=True)  # (..., Lq, 1)
-    if bool(empty.any()):
+    if blocked.device.type != "cpu" or bool(empty.any()):
         blocked = blocked & ~(empty & (torch.arange(blocked.shape[-1], device=blocked.device) == 0))
     else:
         empty = None
