@@ -57,7 +57,9 @@ decode_splitk() { step decode_splitk 50 python3 run.py -m experiment=decode devi
 # what results/gpu lacks of experiment=gpu and gpu_train (the H100 run took bf16 fwd_bwd): the forward
 # with its CUDA-graph replay in both dtypes, then gpu_train's bf16 rows; each step keeps what it measured
 gpu_fwd() { step gpu_fwd "${1:-300}" python3 run.py -m experiment=gpu mode=fwd min_run_time=0.2 isolate=false records_dir=$R/gpu_fwd "${@:2}"; }
-gpu_train() { step gpu_train "${1:-240}" python3 run.py -m experiment=gpu_train dtype=bfloat16 min_run_time=0.2 isolate=false records_dir=$R/gpu_train; }
+# gpu_train in fwd_bwd mode only: it times the forward, the backward and both (what fwd mode adds is the
+# forward's CUDA-graph replay, which experiment=gpu has), so 64 jobs in bf16 instead of 128
+gpu_train() { step gpu_train "${1:-240}" python3 run.py -m experiment=gpu_train dtype=bfloat16 mode=fwd_bwd min_run_time=0.2 isolate=false records_dir=$R/gpu_train; }
 case "${PART:-lease}" in
 lease)  # what issue 34 lacks after the H100 leases of 2026-11-26: sparse's auto tile at N=65536 and in
     # 64-wide tiles at B=4 H=16 D=128 (its first call autotunes for over a minute), then
