@@ -314,7 +314,10 @@ def test_sparse_keeps_global_rows_apart_only_where_their_tile_row_is_the_tail():
     # with the rows apart (2.34 ms against 3.17), N=4096 slower (1.39 against 0.76: the tail is too
     # short to pay for the dense call). Across two cards only: B*H = 64 at N=16384 slower apart (H200
     # 5.5x dense SDPA, H100 in the block mask 6.9x), B*H = 8 at N=65536 faster (7.9x against 5.6x)
-    from variants.sparse import tail_bound
+    from variants.sparse import MIN_TAIL_EXCESS_TILES, tail_excess
+
+    def tail_bound(*shape):
+        return tail_excess(*shape) >= MIN_TAIL_EXCESS_TILES
 
     assert tail_bound(8, 0.054 * 128 * 128, 128, 132)
     assert not tail_bound(64, 0.054 * 128 * 128, 128, 132)
@@ -389,20 +392,23 @@ def test_a_smaller_cuda_tile_fits_the_layout_and_autotunes_its_kernel(monkeypatc
 
 
 @pytest.mark.parametrize(
-    "knobs, kernel, rows",
+    "excess, knobs, kernel, rows",
     [
-        ({}, "_flex_fine", "block mask"),  # auto: 64-wide tiles, the rows in the mask
-        ({"global_rows": "block_mask"}, "_flex_fine", "block mask"),
-        ({"global_rows": "dense"}, "_flex_local", "dense"),  # the knob keeps 128 tiles and the dense call
-        ({"cuda_tile": 128}, "_flex_local", "dense"),  # 128 tiles: the rows apart
-        ({"cuda_tile": 64}, "_flex", "block mask"),  # 64 tiles chosen: the rows stay in the mask
-        ({"block": 128}, "_flex_local", "dense"),  # a block of 128: 128 tiles, the rows apart
-        ({"block": 32}, "_flex_local", "dense"),  # 32: 64 tiles would be partial (not measured)
+        (74, {}, "_flex_fine", "block mask"),  # auto: 64-wide tiles, the rows in the mask
+        (74, {"global_rows": "block_mask"}, "_flex_fine", "block mask"),
+        (74, {"global_rows": "dense"}, "_flex_local", "dense"),  # the knob keeps 128 tiles, dense call
+        (74, {"cuda_tile": 128}, "_flex_local", "dense"),  # 128 tiles: the rows apart
+        (74, {"cuda_tile": 64}, "_flex", "block mask"),  # 64 tiles chosen: the rows stay in the mask
+        (74, {"block": 128}, "_flex_local", "dense"),  # a block of 128: 128 tiles, the rows apart
+        (74, {"block": 32}, "_flex_local", "dense"),  # 32: 64 tiles would be partial (not measured)
+        (19, {}, "_flex_fine", "block mask"),  # a short tail (N=4096 at B*H=8): still 64 tiles
+        (19, {"cuda_tile": 128}, "_flex", "block mask"),  # too short to pay for the dense call
+        (-300, {}, "_flex", "block mask"),  # no tail (many batch-heads): 128 tiles, as timed
     ],
 )
-def test_sparse_routes_a_tail_bound_call_by_its_tile_and_rows(monkeypatch, knobs, kernel, rows):
-    # where the global tile row would be the 128 kernel's tail (faked: on the CPU there is none), each
-    # route computes the layout exactly; which one ran is said in the record
+def test_sparse_routes_a_call_by_its_tail_tile_and_rows(monkeypatch, excess, knobs, kernel, rows):
+    # by how much the global tile row would be the 128 kernel's tail (faked: on the CPU there is none),
+    # each route computes the layout exactly; which one ran is said in the record
     layout = {
         "block": 64,
         "window_blocks": 1,
@@ -412,7 +418,7 @@ def test_sparse_routes_a_tail_bound_call_by_its_tile_and_rows(monkeypatch, knobs
         **knobs,
     }
     attn = _eager("sparse", **layout)
-    monkeypatch.setattr(attn, "_tail_bound", lambda q, k, causal: True)
+    monkeypatch.setattr(attn, "_tail_excess", lambda q, k, causal: excess)
     monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128: block)
     n = 6 * layout["block"]
     q, k, v, kw = make_inputs(Case("tail", b=1, h=2, nq=n, nk=n, d=8, dv=8, padding=True))
@@ -449,10 +455,10 @@ def test_the_tail_rule_reads_the_128_wide_block_mask(monkeypatch):
         torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132)
     )
     q = SimpleNamespace(device=torch.device("cuda"), shape=(1, 8, n, 64))
-    assert attn._tail_bound(q, q, causal=False)  # 128 key tiles against 8 x 763 / 132 = 46 per SM
+    assert attn._tail_excess(q, q, causal=False) == pytest.approx(128 - 8 * 763 / 132)  # 46 per SM
     assert built == ["_flex"]
     q = SimpleNamespace(device=torch.device("cuda"), shape=(32, 16, n, 64))
-    assert not attn._tail_bound(q, q, causal=False)  # 512 batch-heads: the load, not the row, is long
+    assert attn._tail_excess(q, q, causal=False) < 0  # 512 batch-heads: the load, not the row, is long
 
 
 def test_sparse_cuda_tile_is_refused_where_no_cuda_flex_kernel_runs():

@@ -57,7 +57,7 @@ The layout is computed by ``impl``:
   tiles a 64-block layout fills whole tiles (at 128 about half of each visited tile lies outside
   the layout, and every tile is partial, so the layout's predicate is evaluated on every pair); a
   tile below 128 is autotuned on its first call (:mod:`variants.flex_kernel`). ``auto`` takes 64
-  where the global tile row would be the 128-wide kernel's tail, with the global rows in the mask
+  where the global tile row would be the 128-wide kernel's tail at all, with the global rows in the mask
   (4.07x faster than dense SDPA at B=1 H=8 D=64 N=16384 on an H100, against 1.62x with the rows
   apart in 128 tiles) when ``block`` is 64, else 128; ``tile`` in the record says which ran.
 - ``auto``: on the CPU ``kernel`` where it takes the call (else ``sdpa``, and ``impl_note`` says
@@ -91,11 +91,11 @@ FINE_TILE = 64
 MIN_TAIL_EXCESS_TILES = 40
 
 
-def tail_bound(batch_heads: int, tiles_per_head: float, key_tiles: int, sms: int) -> bool:
-    """Whether one tile row that visits all ``key_tiles`` outlasts the kernel's other work (the
-    ``batch_heads * tiles_per_head`` tiles spread evenly over ``sms`` multiprocessors) by at least
-    :data:`MIN_TAIL_EXCESS_TILES` tiles. ``O(1)``."""
-    return key_tiles - batch_heads * tiles_per_head / sms >= MIN_TAIL_EXCESS_TILES
+def tail_excess(batch_heads: int, tiles_per_head: float, key_tiles: int, sms: int) -> float:
+    """How many tiles more one tile row that visits all ``key_tiles`` walks than the kernel's other
+    work takes per multiprocessor (the ``batch_heads * tiles_per_head`` tiles spread evenly over
+    ``sms``); negative where that row is not the kernel's tail. ``O(1)``."""
+    return key_tiles - batch_heads * tiles_per_head / sms
 
 
 @register("sparse")
@@ -163,7 +163,7 @@ class BlockSparseAttention(AttentionVariant):
         # the layout in whole-block tiles, where cuda_tile=auto takes them (_fine_tiles)
         self._flex_fine = FlexKernel(self._layout_mask_mod, block, cuda_tile=FINE_TILE)
         self.flex_ran: FlexKernel | None = None  # the kernel of the last flex call
-        self._tail: dict[tuple, bool] = {}  # per shape: is the global tile row the 128 kernel's tail
+        self._tail: dict[tuple, float] = {}  # per shape: the global tile row's excess (_tail_excess)
         self.global_rows_ran: str | None = None
 
     def knobs(self) -> dict[str, object]:
@@ -401,34 +401,38 @@ class BlockSparseAttention(AttentionVariant):
 
     def _fine_tiles(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         """Whether ``cuda_tile=auto`` runs the layout in 64-wide tiles, the global rows in the block
-        mask: where the 128-wide kernel's global tile row would be its tail (:meth:`_tail_bound`) and
-        the layout's block is 64 (smaller blocks would leave the tiles partial; not measured),
-        unless ``global_rows=dense``. In whole-block tiles no visited
+        mask: wherever the 128-wide kernel's global tile row would be its tail at all (a positive
+        :meth:`_tail_excess`: few batch-heads; no dense call to pay for, unlike
+        :meth:`_global_rows_apart`) and the layout's block is 64 (smaller blocks would leave the
+        tiles partial; not measured), unless ``global_rows=dense``. In whole-block tiles no visited
         pair lies outside the layout and no predicate is evaluated inside a tile. On an H100 (bf16
-        fwd+bwd, B=1 H=8 D=64 N=16384, one call, 2026-11-26): 0.98 ms, against 2.46 at 128 with the
-        rows apart and 1.76 at 64 with the rows apart; dense SDPA 4.00."""
+        fwd+bwd, B=1 H=8 D=64, 2026-11-26): N=16384 (74 tiles of excess) 0.98 ms, against 2.46 at
+        128 with the rows apart, 1.76 at 64 with the rows apart, dense SDPA 4.00; N=4096 (19 tiles)
+        0.51 against 0.74 at 128 in the mask. B=4 H=16 D=128 N=16384 (no tail) keeps 128: 6.9x
+        faster than dense SDPA there, and 64 was not timed."""
         auto = self.cuda_tile == "auto" and self.global_rows != "dense"
-        return auto and self.block == FINE_TILE and self._tail_bound(q, k, causal)
+        return auto and self.block == FINE_TILE and self._tail_excess(q, k, causal) > 0
 
     def _global_rows_apart(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         """Whether the global query rows go to a dense call beside the 128-wide kernel: where their
-        tile row is its tail (:meth:`_tail_bound`). With the rows apart against in the block mask, on
-        an H100 (bf16 fwd+bwd, 2026-11-26): B=1 H=8 D=64 N=16384 2.34 against 3.17 ms, N=4096 1.39
-        against 0.76. In smaller tiles they stay in the block mask (at 64: 0.98 ms in it against 1.76
-        apart, N=16384). The ``global_rows`` knob (``dense``, ``block_mask``) overrides this rule."""
+        tile row is its tail by at least :data:`MIN_TAIL_EXCESS_TILES` (:func:`tail_excess`). With
+        the rows apart against in the block mask, on an H100 (bf16 fwd+bwd, 2026-11-26): B=1 H=8
+        D=64 N=16384 2.34 against 3.17 ms, N=4096 1.39 against 0.76. In smaller tiles they stay in
+        the block mask (at 64: 0.98 ms in it against 1.76 apart, N=16384). The ``global_rows`` knob
+        (``dense``, ``block_mask``) overrides this rule."""
         if self.global_rows != "auto":
             return self.global_rows == "dense"
-        return self._flex.cuda_tile == CUDA_TILE and self._tail_bound(q, k, causal)
+        return self._flex.cuda_tile == CUDA_TILE and self._tail_excess(q, k, causal) >= MIN_TAIL_EXCESS_TILES
 
-    def _tail_bound(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-        """Whether in 128-wide tiles the global rows' one tile row (every key tile) would outlast the
-        rest of the kernel's tiles spread over the GPU's multiprocessors by enough tiles
-        (:func:`tail_bound`), i.e. with few batch-heads and long sequences. On an H200, B=4 H=16
+    def _tail_excess(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
+        """By how many tiles, in 128-wide tiles, the global rows' one tile row (every key tile) would
+        outlast the rest of the kernel's tiles spread over the GPU's multiprocessors
+        (:func:`tail_excess`): large with few batch-heads and long sequences. On an H200, B=4 H=16
         D=128 N=16384 was 5.5x faster than dense SDPA with the rows apart against 6.9x in the block
-        mask (an H100): not a tail there. Never causal: the global rows then see only their own first
-        tile. Never on the CPU: no tail there. Cached per shape."""
+        mask (an H100): not a tail there. ``-inf`` causal (the global rows then see only their own
+        first tile) and on the CPU (no tail there). Cached per shape."""
         if causal or q.device.type != "cuda":
-            return False
+            return float("-inf")
         b, h, nq, _ = q.shape
         nk = k.shape[2]
         key = (b, h, nq, nk, causal, q.device)
@@ -440,7 +444,7 @@ class BlockSparseAttention(AttentionVariant):
             per_head = int(tiles) / (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             key_tiles = -(-nk // bm.BLOCK_SIZE[1])  # what the global tile row visits
-            self._tail[key] = tail_bound(b * h, per_head, key_tiles, sms)
+            self._tail[key] = tail_excess(b * h, per_head, key_tiles, sms)
         return self._tail[key]
 
     def block_pattern(self, n: int, causal: bool = False) -> torch.Tensor:
