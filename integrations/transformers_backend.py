@@ -793,12 +793,14 @@ def attach(model: nn.Module, name: str, **knobs: Any) -> list[str]:
     Each instance is built with ``heads`` and ``head_dim`` of its layer and the knobs (``knobs`` over
     those given to :func:`register`), placed on the layer's device and dtype, and added as the
     submodule ``<layer>.attnbench_attention``: learned parameters are per layer and appear in
-    ``model.state_dict()``. Registers ``name`` if it is not yet. Returns the layers' qualified names.
+    ``model.state_dict()``. Registers ``name`` if it is not yet, without these knobs: they are this
+    model's, and a later attach to another model does not inherit them. Returns the layers'
+    qualified names.
     """
     cls = get(name)
     check_knobs(cls, knobs, name)
     if not _registered(implementation(name)):
-        register([name], {name: knobs})
+        register([name])
     layers = _attention_modules(model)
     if not layers:
         raise ValueError(

@@ -361,6 +361,10 @@ def test_additive_has_one_instance_per_layer_in_the_state_dict():
     other.load_state_dict(model.state_dict())
     got, ref = run_case(other, "left_padded"), run_case(model, "left_padded")
     assert torch.equal(got[0][ref[1]], ref[0][ref[1]])
+    # attach's knobs are its model's: a later attach without them takes the variant's defaults
+    third = _model(eager.config, "eager")
+    hf.attach(third, "additive")
+    assert list(hf.layer_variants(third).values())[0].knobs()["hidden"] == variants.get("additive")().hidden
 
 
 # ---------------------------------------------------------------- GPT-2: its own scale
