@@ -32,6 +32,7 @@ from arg_types import non_negative_int, positive_float, positive_int
 import variants
 from experiments.measure.profile import format_table, kernel_table
 from experiments.measure.timing import time_cuda
+from variants.flex_kernel import tiles_per_head
 
 
 def contenders(window: int, block: int, device: str) -> dict[str, variants.AttentionVariant]:
@@ -83,10 +84,8 @@ def visited_pairs(attn: variants.AttentionVariant, q: torch.Tensor, k: torch.Ten
     bm = kernel.block_mask(q, k, False, None, None)
     if bm is None:
         return None
-    tiles = bm.kv_num_blocks.sum() + (bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0)
     qt, kt = bm.BLOCK_SIZE
-    per_head = int(tiles) * qt * kt // (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
-    return per_head + ng * n  # the kernel's tiles and the dense global rows
+    return round(tiles_per_head(bm) * qt * kt) + ng * n  # the kernel's tiles and the dense global rows
 
 
 def call(

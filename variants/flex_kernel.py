@@ -97,14 +97,21 @@ def flex_refusal(
     return None
 
 
+def tiles_per_head(bm: Any) -> float:
+    """The tiles a ``BlockMask`` visits, partial and full, per (batch, head) it holds. ``O(tiles)``
+    on the mask's device, one host read."""
+    tiles = bm.kv_num_blocks.sum() + (bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0)
+    return int(tiles) / (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
+
+
 class FlexKernel:
     """FlexAttention with one fixed pattern, for one variant instance: its compiled function and its
     block masks, cached (a plain object, not a module: it holds no state to save).
 
     ``pattern`` is the variant's pattern (:data:`Pattern`), or None for every pair (causal: every
-    pair with ``j <= i + Nk - Nq``); ``block`` is the block-mask tile (:func:`tile_size`), on CUDA
-    at most ``cuda_tile`` (one of :data:`CUDA_TILES`); ``compile`` False runs FlexAttention eagerly
-    (any dtype; materialises the scores).
+    pair with ``j <= i + Nk - Nq``); ``block`` is the layout's block, from which the block mask's tile
+    follows (:func:`tile_size`, with ``cuda_tile``, one of :data:`CUDA_TILES`, on CUDA); ``compile``
+    False runs FlexAttention eagerly (any dtype; materialises the scores).
     """
 
     def __init__(

@@ -72,7 +72,7 @@ import torch.nn.functional as F
 
 from . import sparse_kernel
 from .base import AttentionVariant, Unavailable, Unsupported, Workload
-from .flex_kernel import CUDA_TILE, CUDA_TILES, FlexKernel, flex_refusal
+from .flex_kernel import CUDA_TILE, CUDA_TILES, FlexKernel, flex_refusal, tiles_per_head
 from .gathered_sdpa import gathered_sdpa
 from .masks import sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .patterns import MaskMod, block_layout, layout_blocks, layout_mask_mod, layout_pairs, layout_pattern
@@ -438,10 +438,7 @@ class BlockSparseAttention(AttentionVariant):
         key = (b, h, nq, nk, causal, q.device)
         if key not in self._tail:
             bm = self._flex.block_mask(q, k, causal, None, None)  # the layout alone, cached by the kernel
-            tiles = bm.kv_num_blocks.sum() + (
-                bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0
-            )
-            per_head = int(tiles) / (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
+            per_head = tiles_per_head(bm)
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             key_tiles = -(-nk // bm.BLOCK_SIZE[1])  # what the global tile row visits
             self._tail[key] = tail_excess(b * h, per_head, key_tiles, sms)
