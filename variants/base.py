@@ -56,6 +56,8 @@ class Workload:
     sinks: bool = False  # a sink logit joins each softmax's denominator (gpt-oss, Inkling2)
     softcap: float | None = None  # scores soft-capped as c tanh(s / c) before the softmax (Gemma2)
     window: int | None = None  # a sliding window: keys with |p - j| <= window only (Mistral, Gemma2)
+    pair_share: float = 1.0  # the share of the pattern's pairs the attn_mask keeps, where it is known
+    # (packed documents): what the useful FLOP count keeps
 
     @property
     def hkv(self) -> int:
@@ -388,7 +390,7 @@ class AttentionVariant(nn.Module):
         if w.key_padding and not self.supports_key_padding:
             raise Unsupported(f"{who} does not support a key padding mask")
         if w.attn_mask and not self.supports_attn_mask:
-            raise Unsupported(f"{who} does not support an arbitrary attn_mask")
+            raise Unsupported(f"{who} does not support an arbitrary attn_mask (packed documents are one)")
         if w.cross and not self.supports_cross:
             raise Unsupported(
                 f"{who} relates each query to key positions of its own sequence (its pattern or its "
@@ -623,9 +625,10 @@ class AttentionVariant(nn.Module):
         """Useful FLOPs of ``mode`` ('fwd', 'bwd' or 'fwd_bwd') for workload ``w``.
 
         Forward is ``B * H * pairs * (2*D + 2*Dv)`` (FlashAttention convention: useful pairs, not what
-        a blocked kernel computes); backward counts 2.5x forward. Call-time masks are not subtracted.
+        a blocked kernel computes); backward counts 2.5x forward. Of call-time masks only an attn_mask
+        whose share is known (``w.pair_share``: packed documents) is subtracted; key padding is not.
         """
-        pairs = self.num_pairs(w.nq, w.nk, w.causal)
+        pairs = self.num_pairs(w.nq, w.nk, w.causal) * w.pair_share
         fwd = w.batch * w.heads * pairs * (2 * w.head_dim + 2 * w.v_head_dim)
         factor = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
         return int(fwd * factor)

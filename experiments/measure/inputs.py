@@ -1,4 +1,5 @@
-"""Random inputs for one workload: q, k, v, the key padding mask, and the scale and bias."""
+"""Random inputs for one workload: q, k, v, the key padding mask, the packed documents' mask, and the
+scale and bias."""
 
 from __future__ import annotations
 
@@ -24,10 +25,14 @@ class Inputs:
     key_padding_mask: torch.Tensor | None  # (B, Nk), True = real key
     scale: float | None = None
     bias: torch.Tensor | None = None  # (1, H, Nq, Nk)
+    attn_mask: torch.Tensor | None = None  # (B, 1, Nq, Nk), True = same document (``documents > 1``)
+    document_lengths: list[list[int]] | None = None  # per batch row, the lengths of its documents
 
     def kwargs(self, causal: bool, cross: bool = False) -> dict[str, object]:
-        """The keyword arguments of the variant's call (scale, bias and cross only when set)."""
+        """The keyword arguments of the variant's call (scale, bias, attn_mask and cross only when set)."""
         kw: dict[str, object] = {"causal": causal, "key_padding_mask": self.key_padding_mask}
+        if self.attn_mask is not None:
+            kw["attn_mask"] = self.attn_mask
         if cross:
             kw["cross"] = True
         if self.scale is not None:
@@ -57,10 +62,13 @@ def make_inputs(
     scale: float | None = None,
     bias: str | None = None,
     causal: bool = False,
+    documents: int = 1,
 ) -> Inputs:
     """Standard-normal q, k, v drawn from ``seed`` (k and v with ``kv_heads`` heads, default
     ``heads``); with ``padding > 0`` the last ``round(padding * Nk)`` keys of every sequence are
-    padding (never all of them); ``bias="alibi"`` adds ALiBi's ``(1, H, Nq, Nk)`` bias."""
+    padding (never all of them); ``bias="alibi"`` adds ALiBi's ``(1, H, Nq, Nk)`` bias; with
+    ``documents > 1`` every sequence packs that many documents (:func:`document_lengths`) and the
+    ``(B, 1, Nq, Nk)`` ``attn_mask`` lets a query see the keys of its own document only."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
@@ -78,4 +86,56 @@ def make_inputs(
     bias_t = None
     if bias == "alibi":
         bias_t = alibi_bias(heads, nq, nk, causal=causal, dtype=dtype, device=device)
-    return Inputs(q, k, v, kpm, scale, bias_t)
+    lengths = mask = None
+    if documents > 1:
+        lengths = document_lengths(batch, nk, documents, seed)
+        mask = document_mask(lengths, nq, device=device)
+    return Inputs(q, k, v, kpm, scale, bias_t, mask, lengths)
+
+
+def document_lengths(batch: int, n: int, documents: int, seed: int = 0) -> list[list[int]]:
+    """How ``batch`` sequences of ``n`` tokens each pack ``documents`` documents: per sequence, the
+    lengths (each >= 1, summing to ``n``), cut at ``documents - 1`` distinct positions drawn uniformly
+    from ``seed`` (so lengths vary, as in a packed training batch, and each row is cut apart). O(B n)."""
+    if not 1 <= documents <= n:
+        raise ValueError(f"documents must be between 1 and the sequence's {n} tokens; got {documents}")
+    g = torch.Generator(device="cpu").manual_seed(seed + 7919)  # apart from q, k, v's draw
+    out = []
+    for _ in range(batch):
+        cuts = torch.randperm(n - 1, generator=g)[: documents - 1].add(1).sort().values.tolist()
+        edges = [0, *cuts, n]
+        out.append([b - a for a, b in zip(edges, edges[1:], strict=False)])
+    return out
+
+
+def document_mask(lengths: list[list[int]], nq: int, device: str = "cpu") -> torch.Tensor:
+    """``(B, 1, Nq, Nk)`` boolean: True where query and key lie in the same document. The keys are the
+    ``Nk = sum(lengths[b])`` positions of each sequence, the queries its last ``Nq`` (as when decoding
+    onto a cache); causal masking, if any, is the call's own. Memory ``B Nq Nk`` bytes."""
+    ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths]
+    )  # (B, Nk): each key's document
+    return (ids[:, -nq:, None] == ids[:, None, :])[:, None].to(device)  # (B, Nq, Nk) -> (B, 1, Nq, Nk)
+
+
+def pairs_kept(lengths: list[list[int]], nq: int, causal: bool) -> float:
+    """The share of the pairs a full (or causal) call computes that lie within one document, counted
+    from the lengths alone: the useful FLOPs of a packed call against an unpacked one's. The queries
+    are the last ``nq`` of each row's ``Nk = sum(row)`` positions. O(B * documents)."""
+    nk = sum(lengths[0])
+    first = nk - nq  # the first query's position
+
+    def tri(n: int) -> int:  # 1 + 2 + ... + n
+        return n * (n + 1) // 2
+
+    kept = 0
+    for row in lengths:
+        start = 0
+        for n in row:
+            a = max(start, first)  # this document's first query
+            if a < start + n:
+                # causal: the query at p sees p - start + 1 keys of its document; else all n
+                kept += tri(n) - tri(a - start) if causal else (start + n - a) * n
+            start += n
+    total = len(lengths) * (tri(nk) - tri(first) if causal else nq * nk)
+    return kept / total

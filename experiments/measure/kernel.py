@@ -197,6 +197,7 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         scale=spec.scale,
         bias=spec.bias,
         causal=spec.causal,
+        documents=spec.documents,
     )
     q, k, v = inp.tensors()
     kw = inp.kwargs(spec.causal, spec.cross)
@@ -274,8 +275,10 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         fig.update(_timing_fields("fwd", time_call(fwd_nograd, device, min_t)))
         measured, mode_fn = fig["fwd_median_s"], fwd_nograd
 
-    # throughput from the variant's own count of useful pairs
+    # throughput from the variant's own count of useful pairs (packed documents: those within one)
     flops = variant.flops(w, spec.mode.value)
+    if spec.documents > 1:
+        fig["pairs_kept"] = w.pair_share
     fig["flops"] = flops
     fig["gflops_per_s"] = flops / measured / 1e9
     fig["tokens_per_s"] = w.batch * nq / measured

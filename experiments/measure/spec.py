@@ -87,6 +87,8 @@ class JobSpec:
     cross: bool = False  # the queries are another sequence than the keys' (an encoder-decoder's
     # cross-attention): never causal; variants whose pattern relates positions refuse it
     padding: float = 0.0  # fraction of keys that are padding, in [0, 1)
+    documents: int = 1  # > 1: each sequence packs this many documents (random lengths from the seed),
+    # a query seeing its own document's keys only: an attn_mask (FlexAttention's document mask)
     scale: float | None = None  # the softmax scale (None: 1/sqrt(head_dim))
     bias: str | None = None  # an additive bias on the scores: None or "alibi" (ALiBi's per-head slopes)
     mode: Mode = Mode.fwd  # fwd_bwd times forward, backward alone and both
@@ -115,23 +117,33 @@ class JobSpec:
 
         from variants import Workload
 
+        from .inputs import document_lengths, pairs_kept
+
+        nk = self.kv_len or self.seq_len
         return Workload(
             batch=self.batch,
             heads=self.heads,
             nq=self.seq_len,
-            nk=self.kv_len or self.seq_len,
+            nk=nk,
             head_dim=self.head_dim,
             v_head_dim=self.v_head_dim or self.head_dim,
             device=self.device.value,
             dtype=getattr(torch, self.dtype.value),
             causal=self.causal,
             key_padding=self.padding > 0,
-            attn_mask=False,
+            attn_mask=self.documents > 1,
             backward=self.mode is Mode.fwd_bwd,
             kv_heads=self.kv_heads if self.kv_heads != self.heads else None,
             scale=self.scale,
             bias=self.bias is not None,
             cross=self.cross,
+            pair_share=(
+                pairs_kept(
+                    document_lengths(self.batch, nk, self.documents, self.seed), self.seq_len, self.causal
+                )
+                if self.documents > 1
+                else 1.0
+            ),
         )
 
     @classmethod

@@ -28,7 +28,7 @@ _NOT_HASHED = {
 # of older records hash as before and resume finds them
 _HASHED_UNLESS_NULL = {"kv_heads", "scale", "bias", "model", "pretrained"}
 # likewise, fields added later whose default is not null: left out at that default
-_HASHED_UNLESS_DEFAULT = {"round": 0}
+_HASHED_UNLESS_DEFAULT = {"round": 0, "documents": 1}
 
 
 #: a sweep folder's list of the records its jobs wrote (one JSON object per line, appended)

@@ -44,6 +44,7 @@ WORKLOAD = [
     "v_head_dim",
     "causal",
     "padding",
+    "documents",
     "scale",
     "bias",
 ]
@@ -287,6 +288,8 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
     if "round" not in df:
         df["round"] = 0
     df["round"] = pd.to_numeric(df["round"], errors="coerce").fillna(0).astype("Int64")
+    # and from before packed documents existed, one document per sequence
+    df["documents"] = pd.to_numeric(df["documents"], errors="coerce").fillna(1).astype("Int64")
     # the machine's speed around each job against its fastest in the store (host, threads)
     df["machine_slowdown"] = slowdown(df)
     keys = cell_keys(df)

@@ -104,6 +104,8 @@ def workload_line(df: pd.DataFrame) -> str:
         if c in df and len(df) and df[c].astype(str).nunique(dropna=False) == 1:
             if c == "tokens" and pd.isna(df[c].iloc[0]):
                 continue  # no token budget: the batch is as given
+            if c == "documents" and df[c].iloc[0] == 1:
+                continue  # one document per sequence: nothing packed
             same.append(f"{c}={value_text(c, df[c].iloc[0])}")
     return ", ".join(same)
 

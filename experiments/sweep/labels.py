@@ -35,6 +35,8 @@ def job_label(spec: JobSpec, name: str) -> str:
         parts.append("causal")
     if spec.padding:
         parts.append(f"pad={spec.padding}")
+    if spec.documents > 1:
+        parts.append(f"docs={spec.documents}")
     return " ".join(str(p) for p in parts)
 
 

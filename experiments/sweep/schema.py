@@ -63,6 +63,16 @@ def validate(conf: BenchConfig) -> None:
             raise ValueError(f"{name} must be > 0 (or null), got {getattr(conf, name)}")
     if not 0.0 <= conf.padding < 1.0:
         raise ValueError(f"padding must be in [0, 1), got {conf.padding}")
+    if not 1 <= conf.documents <= (conf.kv_len or conf.seq_len):
+        raise ValueError(
+            f"documents must be between 1 and the keys' {conf.kv_len or conf.seq_len} tokens "
+            f"(1: one sequence, no packing); got {conf.documents}"
+        )
+    if conf.documents > 1 and conf.cross:
+        raise ValueError(
+            "documents > 1 with cross=true: packed documents cut one sequence into pieces, and "
+            "cross-attention's queries are another sequence than the keys' (set one of them back)"
+        )
     if conf.causal and conf.kv_len is not None and conf.kv_len < conf.seq_len:
         raise ValueError(
             f"causal=true needs kv_len >= seq_len (or null): the queries are the last seq_len positions; "
@@ -98,7 +108,7 @@ def validate(conf: BenchConfig) -> None:
 #: workload and timing settings only a kernel job reads: a task, model or pretrained job builds its own
 #: model and calls, and times them its own way
 KERNEL_ONLY = (
-    "causal", "cross", "padding", "kv_len", "kv_heads", "bias", "scale",
+    "causal", "cross", "padding", "documents", "kv_len", "kv_heads", "bias", "scale",
     "batch", "tokens", "heads", "head_dim", "v_head_dim", "mode", "min_run_time", "accuracy_rows",
     "cuda_graph",
 )  # fmt: skip
