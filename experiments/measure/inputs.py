@@ -95,16 +95,16 @@ def make_inputs(
 
 def document_lengths(batch: int, n: int, documents: int, seed: int = 0) -> list[list[int]]:
     """How ``batch`` sequences of ``n`` tokens each pack ``documents`` documents: per sequence, the
-    lengths (each >= 1, summing to ``n``), cut at ``documents - 1`` distinct positions drawn uniformly
-    from ``seed`` (so lengths vary, as in a packed training batch, and each row is cut apart). O(B n)."""
+    lengths (each >= 1, summing to ``n``), drawn from ``seed`` around ``n / documents``: each document
+    has one token, and each of the other ``n - documents`` goes to a document drawn uniformly (so
+    lengths vary by about ``sqrt(n / documents)``, each row its own draw). O(B n)."""
     if not 1 <= documents <= n:
         raise ValueError(f"documents must be between 1 and the sequence's {n} tokens; got {documents}")
     g = torch.Generator(device="cpu").manual_seed(seed + 7919)  # apart from q, k, v's draw
     out = []
     for _ in range(batch):
-        cuts = torch.randperm(n - 1, generator=g)[: documents - 1].add(1).sort().values.tolist()
-        edges = [0, *cuts, n]
-        out.append([b - a for a, b in zip(edges, edges[1:], strict=False)])
+        owner = torch.randint(documents, (n - documents,), generator=g)  # the document of each token
+        out.append((torch.bincount(owner, minlength=documents) + 1).tolist())
     return out
 
 

@@ -87,7 +87,7 @@ class JobSpec:
     cross: bool = False  # the queries are another sequence than the keys' (an encoder-decoder's
     # cross-attention): never causal; variants whose pattern relates positions refuse it
     padding: float = 0.0  # fraction of keys that are padding, in [0, 1)
-    documents: int = 1  # > 1: each sequence packs this many documents (random lengths from the seed),
+    documents: int = 1  # > 1: each sequence packs this many documents (lengths drawn around N / documents),
     # a query seeing its own document's keys only: an attn_mask (FlexAttention's document mask)
     scale: float | None = None  # the softmax scale (None: 1/sqrt(head_dim))
     bias: str | None = None  # an additive bias on the scores: None or "alibi" (ALiBi's per-head slopes)

@@ -8,6 +8,7 @@ writes the status in cells that have no error figure.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -53,6 +54,14 @@ def _facet_rows(df: pd.DataFrame) -> pd.Series:
         return " · ".join([str(row["device"]), str(row["dtype"]), *named])
 
     return df.apply(label, axis=1).astype(str) if len(df) else pd.Series("", index=df.index)
+
+
+def _facet_order(labels: pd.Series) -> list[str]:
+    """The distinct facet labels in natural order: numbers as numbers (``documents=4`` before
+    ``documents=16``, ``kv_heads=8`` before ``kv_heads=32``)."""
+    return sorted(
+        labels.unique(), key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+    )
 
 
 def palette(names: list[str]) -> dict[str, tuple]:
@@ -108,7 +117,7 @@ def _plot_vs_n(
     axis = length_axis(data)
     names = sorted(data["variant"].unique())
     colors, markers = palette(names), _markers(names)
-    rows, cols = sorted(data["_row"].unique()), sorted(data["_col"].unique(), key=lambda c: c != "forward")
+    rows, cols = _facet_order(data["_row"]), sorted(data["_col"].unique(), key=lambda c: c != "forward")
     fig, axes = plt.subplots(
         len(rows),
         len(cols),
@@ -288,6 +297,7 @@ def plot_scaling(df: pd.DataFrame, out_dir: Path) -> Path | None:
         hue="quantity",
         row="_row",
         col="_col",
+        row_order=_facet_order(long["_row"]),
         order=names,
         hue_order=["time", "memory"],
         palette={"time": "#4C72B0", "memory": "#DD8452"},
