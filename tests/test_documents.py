@@ -10,13 +10,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from experiments.measure.inputs import document_lengths, document_mask, make_inputs, pairs_kept
+from experiments.measure.inputs import document_ids, document_lengths, make_inputs, pairs_kept
 from experiments.measure.kernel import measure
 from experiments.records.records import config_hash
 from experiments.records.store import to_frame
 from experiments.sweep.labels import job_label
 from experiments.sweep.schema import validate
-from variants import Workload, build
+from variants import Unsupported, Workload, build
+from variants.masks import document_mask
+from variants.reference import oracle
 from variants.registry import available, get
 
 from .test_decode_jobs import _conf
@@ -24,11 +26,12 @@ from .test_runner import job_cfg, job_spec
 
 
 def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Float64 softmax attention of one document's ``(H, n, D)`` queries, keys and values."""
+    """Float64 softmax attention of one document's ``(H, nq, D)`` queries (its last ``nq`` positions)
+    against its ``(H, nk, D)`` keys and values; causal: bottom-right."""
     s = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:
-        n = q.shape[-2]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        nq, nk = q.shape[-2], k.shape[-2]
+        s = s.masked_fill(~torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq), float("-inf"))
     return torch.softmax(s, -1) @ v.double()
 
 
@@ -52,25 +55,85 @@ def test_lengths_cut_each_row_into_that_many_documents(seed):
         ("flex", {"compile": False}),
     ],
 )
-@pytest.mark.parametrize("causal", [False, True])
-def test_a_packed_call_attends_each_document_alone(name, knobs, causal):
-    """The packed call's output rows of each document equal that document attended on its own."""
-    inp = make_inputs(2, 2, 48, 48, 16, 16, dtype=torch.float32, device="cpu", documents=4, seed=1)
+@pytest.mark.parametrize("nq,causal", [(48, False), (48, True), (20, True), (20, False)])
+def test_a_packed_call_attends_each_document_alone(name, knobs, nq, causal):
+    """The packed call's output rows of each document equal that document attended on its own (with
+    fewer queries than keys, each document's share of the last ``nq`` positions)."""
+    inp = make_inputs(2, 2, nq, 48, 16, 16, dtype=torch.float32, device="cpu", documents=4, seed=1)
     out = build(name, **knobs)(inp.q, inp.k, inp.v, **inp.kwargs(causal)).double()
+    first = 48 - nq
     for b, row in enumerate(inp.document_lengths):
         start = 0
         for n in row:
-            sl = slice(start, start + n)
-            want = _alone(inp.q[b, :, sl], inp.k[b, :, sl], inp.v[b, :, sl], causal)
-            torch.testing.assert_close(out[b, :, sl], want, rtol=1e-4, atol=1e-5)
-            start += n
+            a, end = max(start, first), start + n
+            if a < end:
+                want = _alone(
+                    inp.q[b, :, a - first : end - first],
+                    inp.k[b, :, start:end],
+                    inp.v[b, :, start:end],
+                    causal,
+                )
+                torch.testing.assert_close(out[b, :, a - first : end - first], want, rtol=1e-4, atol=1e-5)
+            start = end
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_per_document_equals_its_mask_in_output_and_gradients(causal, monkeypatch):
+    """sdpa's own path (one call per document) against the same call through the documents' mask, with
+    grouped K/V heads, padded keys and fewer queries than keys: outputs and all three gradients."""
+    inp = make_inputs(2, 4, 24, 40, 16, 16, dtype=torch.float64, device="cpu", documents=5, seed=3,
+                      kv_heads=2, padding=0.1, requires_grad=True)  # fmt: skip
+    attn = build("sdpa")
+    grad = torch.randn(2, 4, 24, 16, dtype=torch.float64)
+    w = Workload.of(inp.q, inp.k, inp.v, causal=causal, documents=inp.documents)
+    assert attn.native_documents(w)
+    own = attn(inp.q, inp.k, inp.v, **inp.kwargs(causal))
+    own_g = torch.autograd.grad(own, [inp.q, inp.k, inp.v], grad)
+    monkeypatch.setattr(type(attn), "native_documents", lambda self, w: False)
+    masked = attn(inp.q, inp.k, inp.v, **inp.kwargs(causal))
+    masked_g = torch.autograd.grad(masked, [inp.q, inp.k, inp.v], grad)
+    torch.testing.assert_close(own, masked)
+    for a, b in zip(own_g, masked_g, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_ids_in_two_runs_are_refused_by_the_per_document_path():
+    q = torch.randn(1, 1, 6, 8)
+    ids = torch.tensor([[0, 0, 1, 1, 0, 0]])  # document 0 twice: the mask would join the runs
+    with pytest.raises(ValueError, match="one id to two separate runs"):
+        build("sdpa")(q, q, q, documents=ids)
+    with pytest.raises(ValueError, match=r"documents must be integer ids \(B, Nk\)"):
+        build("sdpa")(q, q, q, documents=torch.zeros(1, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_variant_takes_packed_documents_or_says_why_not(name):
+    """Registry-wide: a variant either refuses packed documents in one line, or its output is the
+    float64 oracle's with the documents (whose per-document meaning the test above checks)."""
+    cls = get(name)
+    attn = build(name, heads=2, head_dim=16, **cls.example_knobs[0])
+    inp = make_inputs(1, 2, 32, 32, 16, 16, dtype=torch.float32, device="cpu", documents=3, seed=5)
+    w = Workload.of(inp.q, inp.k, inp.v, causal=True, documents=inp.documents)
+    try:
+        attn.check(w)
+    except Unsupported as exc:
+        plain = replace(w, documents=False)
+        try:
+            attn.check(plain)
+        except Unsupported:
+            return  # it cannot run this call at all (device, causal): nothing to say of documents
+        assert "packed documents" in str(exc)
+        return
+    out = attn(inp.q, inp.k, inp.v, **inp.kwargs(True))
+    want = oracle(attn, inp.q, inp.k, inp.v, **inp.kwargs(True))
+    torch.testing.assert_close(out.double(), want, rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("nq,nk,causal", [(40, 40, False), (40, 40, True), (9, 40, True), (9, 40, False)])
 def test_pairs_kept_counts_the_masks_pairs(nq, nk, causal):
     """The share counted from the lengths equals the mask's own pairs (and causal's) over the call's."""
     lengths = document_lengths(3, nk, 5, seed=2)
-    mask = document_mask(lengths, nq)  # (B, 1, Nq, Nk)
+    mask = document_mask(document_ids(lengths), nq)  # (B, 1, Nq, Nk)
     full = (
         torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq) if causal else torch.ones(nq, nk, dtype=torch.bool)
     )
@@ -99,7 +162,7 @@ def test_a_variant_without_a_mask_refuses_packed_documents():
     res = measure(
         job_spec(variant="local_window", seq_len=64, heads=2, head_dim=16, min_run_time=0.02, documents=4)
     )
-    assert res["status"] == "unsupported" and "attn_mask (packed documents are one)" in res["reason"]
+    assert res["status"] == "unsupported" and "takes no packed documents" in res["reason"]
 
 
 @pytest.mark.parametrize("name", [n for n in available() if get(n).supports_attn_mask])

@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .masks import document_mask
+
 ALL_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 
 
@@ -56,7 +58,8 @@ class Workload:
     sinks: bool = False  # a sink logit joins each softmax's denominator (gpt-oss, Inkling2)
     softcap: float | None = None  # scores soft-capped as c tanh(s / c) before the softmax (Gemma2)
     window: int | None = None  # a sliding window: keys with |p - j| <= window only (Mistral, Gemma2)
-    pair_share: float = 1.0  # the share of the pattern's pairs the attn_mask keeps, where it is known
+    documents: bool = False  # packed documents, given as ids (B, Nk): a query sees its own document only
+    pair_share: float = 1.0  # the share of the pattern's pairs the masks keep, where it is known
     # (packed documents): what the useful FLOP count keeps
 
     @property
@@ -80,6 +83,7 @@ class Workload:
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
         window: int | None = None,
+        documents: torch.Tensor | None = None,
     ) -> Workload:
         """Describe the call ``variant(q, k, v, ...)``; checks the shapes agree."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -118,6 +122,15 @@ class Workload:
             )
         if sinks is not None:
             _check_sinks(sinks, b, h, nq)
+        if documents is not None and (
+            tuple(documents.shape) != (b, k.shape[2])
+            or documents.is_floating_point()
+            or documents.is_complex()
+        ):
+            raise ValueError(
+                f"documents must be integer ids (B, Nk) = {(b, k.shape[2])}, one per key position; got "
+                f"{documents.dtype} {tuple(documents.shape)}"
+            )
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
         if window is not None and not (
@@ -168,6 +181,7 @@ class Workload:
             sinks=sinks is not None,
             softcap=None if softcap is None else float(softcap),
             window=window,
+            documents=documents is not None,
         )
 
 
@@ -390,7 +404,7 @@ class AttentionVariant(nn.Module):
         if w.key_padding and not self.supports_key_padding:
             raise Unsupported(f"{who} does not support a key padding mask")
         if w.attn_mask and not self.supports_attn_mask:
-            raise Unsupported(f"{who} does not support an arbitrary attn_mask (packed documents are one)")
+            raise Unsupported(f"{who} does not support an arbitrary attn_mask")
         if w.cross and not self.supports_cross:
             raise Unsupported(
                 f"{who} relates each query to key positions of its own sequence (its pattern or its "
@@ -420,6 +434,11 @@ class AttentionVariant(nn.Module):
             raise Unsupported(
                 f"{who} takes no sliding window (window={w.window}): it has no window of its own and no "
                 "attn_mask to restrict"
+            )
+        if w.documents and not (self.native_documents(w) or self.supports_attn_mask):
+            raise Unsupported(
+                f"{who} takes no packed documents: it has no attn_mask to keep a query to its own "
+                "document's keys, and no document path of its own"
             )
         if w.softcap is not None and w.sinks:
             raise Unsupported(
@@ -451,6 +470,7 @@ class AttentionVariant(nn.Module):
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
         window: int | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend ``q (B,H,Nq,D)`` to ``k (B,Hkv,Nk,D)``, ``v (B,Hkv,Nk,Dv)``; returns ``(B,H,Nq,Dv)``.
 
@@ -464,7 +484,10 @@ class AttentionVariant(nn.Module):
         ``softcap=c`` (where ``supports_softcap``): each score ``s`` (scaled, before bias and masks)
         becomes ``c tanh(s / c)``. ``window=w``: only keys ``j`` with ``|p - j| <= w`` (``p`` the query's
         position) are visible, on top of every other mask (transformers' sliding window of ``W`` keys
-        is ``w = W - 1``).
+        is ``w = W - 1``). ``documents`` (integer ids ``(B, Nk)``, one per key position, each document
+        one contiguous run; the queries are the last ``Nq`` positions): packed sequences, a query sees
+        only the keys of its own document (a variant without a path of its own, ``native_documents``,
+        gets them as an ``attn_mask``, ``O(B Nq Nk)`` booleans).
         """
         w = Workload.of(
             q,
@@ -479,6 +502,7 @@ class AttentionVariant(nn.Module):
             sinks=sinks,
             softcap=softcap,
             window=window,
+            documents=documents,
         )
         self.check(w)
         if window is not None and not self.native_window:  # the band as a mask (O(Nq Nk) booleans)
@@ -488,6 +512,15 @@ class AttentionVariant(nn.Module):
             band = (keys >= pos - window) & (keys <= pos + window)  # (Nq, Nk), no int (Nq, Nk) tensor
             attn_mask = band if attn_mask is None else attn_mask & band
             window = None
+        # packed documents as a mask, unless the variant has its own path (which the sinks' extra key,
+        # added below where they are not native, would not line up with)
+        if documents is not None and (
+            not self.native_documents(w) or (sinks is not None and not self.native_sinks(w))
+        ):
+            self.check(replace(w, attn_mask=True, documents=False))  # what the variant is then handed
+            same = document_mask(documents, w.nq)  # (B, 1, Nq, Nk)
+            attn_mask = same if attn_mask is None else attn_mask & same
+            documents = None
         if sinks is not None and not self.native_sinks(w):
             q, k, v, call = sinks_as_first_key(
                 q, k, v, sink_logits(sinks, w.heads), scale=w.scale,
@@ -514,6 +547,8 @@ class AttentionVariant(nn.Module):
             kw["window"] = window
         if sinks is not None:
             kw["sinks"] = sink_logits(sinks, w.heads)  # (B|1, H, Nq|1)
+        if documents is not None:
+            kw["documents"] = documents
         out = self._attend(q, k, v, **kw)
         want = (w.batch, w.heads, w.nq, w.v_head_dim)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:  # a third party's bug, named
@@ -584,6 +619,12 @@ class AttentionVariant(nn.Module):
         Nq|1)``, their gradient included) instead of :meth:`forward` adding them as one more key and
         feature, which copies q, k and v and grows the head size by one (a kernel tiled by powers of
         two then pads D=64 to 128). ``O(1)``."""
+        return False
+
+    def native_documents(self, w: Workload) -> bool:
+        """Whether ``_attend`` takes the call ``w``'s packed documents itself (``documents=`` ids ``(B,
+        Nk)``) instead of :meth:`forward` handing it their ``(B, 1, Nq, Nk)`` mask: a variant that can
+        skip the pairs between documents (attend each one alone) says so here. ``O(1)``."""
         return False
 
     def sink_keys(self) -> int:

@@ -39,6 +39,12 @@ def combined_mask(
     return mask
 
 
+def document_mask(documents: torch.Tensor, nq: int) -> torch.Tensor:
+    """``(B, 1, Nq, Nk)`` boolean, True where query and key lie in the same packed document, from the
+    ids ``documents (B, Nk)`` (one per key position; the queries are the last ``Nq``). ``O(B Nq Nk)``."""
+    return (documents[:, -nq:, None] == documents[:, None, :])[:, None]  # (B, Nq, Nk) -> (B, 1, Nq, Nk)
+
+
 def safe_softmax(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last dim restricted to ``allowed``; rows with no allowed key give zeros.
 

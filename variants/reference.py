@@ -81,8 +81,12 @@ def oracle(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
+
+    ``documents`` (ids ``(B, Nk)``, the queries the last ``Nq`` positions): a query sees only the keys
+    whose id is its own.
 
     ``window=w`` keeps only keys ``j`` with ``|p - j| <= w`` (``p`` the query's position), and the pairs
     of the variant's ``window_exempt(nq, nk, causal)`` where it defines one (local_window's attention
@@ -106,6 +110,9 @@ def oracle(
     custom = getattr(variant, "oracle_forward", None)
     if custom is not None and (sinks is not None or softcap is not None):
         raise ValueError(f"{variant.name or type(variant).__name__}'s own oracle takes no sinks or softcap")
+    if custom is not None and documents is not None:  # its own formula, the documents as an attn_mask
+        same = (documents[:, -q.shape[2] :, None] == documents[:, None, :])[:, None]  # (B, 1, Nq, Nk)
+        attn_mask, documents = (same if attn_mask is None else attn_mask & same), None
     if custom is not None and window is not None:  # its own formula over the band, as an attn_mask
         band = _window_band(q.shape[2], k.shape[2], window, q.device)
         attn_mask, window = (band if attn_mask is None else attn_mask & band), None
@@ -126,6 +133,10 @@ def oracle(
         allowed = allowed & key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, R, Nk)
     if attn_mask is not None:
         allowed = allowed & _rows_of(attn_mask.to(q.device), rows, nq)
+    if documents is not None:  # only the checked rows' ids against every key's: (B, 1, R, Nk)
+        ids = documents.to(q.device)
+        q_ids = ids[:, nk - nq :] if rows is None else ids[:, nk - nq :][:, rows]  # (B, R)
+        allowed = allowed & (q_ids[:, :, None] == ids[:, None, :])[:, None]
     q_rows = q if rows is None else q[:, :, rows]
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, H, Nk, D|Dv)
     scores = variant.reference_scores(q_rows, k, **({} if scale is None else {"scale": scale}))

@@ -7,6 +7,9 @@ Grouped K/V heads: with no mask and no bias the query heads of a group are folde
 query sequence, ``(B, Hkv, G * Nq, D)`` against ``(B, Hkv, Nk, D)`` (a view; at decode shapes this is a
 third faster on the CPU than ``enable_gqa``); otherwise ``enable_gqa=True``. Neither copies K or V.
 Causal with ``Nq < Nk`` (bottom-right) becomes an explicit mask, except for ``Nq = 1`` (no mask).
+Packed documents on the CPU: one fused call per document, its queries against its own keys (as
+FlashAttention's variable-length kernels do in one launch), so the pairs between documents are never
+computed; elsewhere, or with a mask, bias or sinks beside them, their dense mask.
 Time ``O(B H Nq Nk D)``; memory ``O(B H Nq Nk)`` for math, ``O(B H N D)`` for the fused kernels.
 """
 
@@ -98,6 +101,45 @@ class SDPAAttention(AttentionVariant):
     def native_sinks(self, w: Workload) -> bool:
         return True  # _attend_with_sinks: one more key, but shaped for the fused kernels
 
+    def native_documents(self, w: Workload) -> bool:
+        # one call per document reads the boundaries on the host: on the CPU only (on a device it would
+        # wait for the stream every call); a mask, bias or sinks beside them would need slicing too
+        return w.device == "cpu" and not (w.attn_mask or w.bias or w.sinks)
+
+    def _attend_documents(self, q, k, v, documents, *, causal, key_padding_mask, scale):
+        """Each packed document's queries against its own keys, one fused call each: ``documents (B,
+        Nk)`` ids, each document a contiguous run; the queries are the last ``Nq`` positions, so a
+        document's queries are its positions among them (causal: bottom-right within the document).
+        ``(B, H, Nq, Dv)``; time ``O(H D sum(n_q n_k))`` over the documents, plus a call per document."""
+        b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
+        first = nk - nq  # the first query's position
+        rows = []
+        for i in range(b):
+            ids, counts = torch.unique_consecutive(documents[i], return_counts=True)
+            if len(ids) != len(set(ids.tolist())):  # an id in two runs would join what the mask joins
+                raise ValueError(
+                    f"documents: row {i} gives one id to two separate runs; number each run apart"
+                )
+            parts, start = [], 0
+            for n in counts.tolist():
+                end, a = start + n, max(start, first)
+                if a < end:  # the document holds queries
+                    kpm = None if key_padding_mask is None else key_padding_mask[i : i + 1, start:end]
+                    parts.append(
+                        self._attend(
+                            q[i : i + 1, :, a - first : end - first],
+                            k[i : i + 1, :, start:end],
+                            v[i : i + 1, :, start:end],
+                            causal=causal,
+                            key_padding_mask=kpm,
+                            attn_mask=None,
+                            scale=scale,
+                        )  # fmt: skip
+                    )  # (1, H, end - a, Dv)
+                start = end
+            rows.append(torch.cat(parts, dim=2))  # (1, H, Nq, Dv)
+        return torch.cat(rows, dim=0)
+
     def _attend_with_sinks(self, q, k, v, sinks, *, causal, key_padding_mask, attn_mask, scale, bias):
         """``sinks (B|1, H, Nq|1)`` as one more key in front (``sinks_as_first_key``), shaped so that
         the fused kernels still take the call: v gets the extra feature too (equal head sizes; with
@@ -113,7 +155,24 @@ class SDPAAttention(AttentionVariant):
         out = self._attend(q, k, v, causal=causal, **call)  # (B, H, row + Nq, Dv(+1))
         return out[:, :, int(row) :, :dv]
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, sinks=None):
+    def _attend(
+        self,
+        q,
+        k,
+        v,
+        *,
+        causal,
+        key_padding_mask,
+        attn_mask,
+        scale=None,
+        bias=None,
+        sinks=None,
+        documents=None,
+    ):
+        if documents is not None:
+            return self._attend_documents(
+                q, k, v, documents, causal=causal, key_padding_mask=key_padding_mask, scale=scale
+            )
         if sinks is not None:
             return self._attend_with_sinks(
                 q, k, v, sinks, causal=causal, key_padding_mask=key_padding_mask,

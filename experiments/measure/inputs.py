@@ -25,14 +25,14 @@ class Inputs:
     key_padding_mask: torch.Tensor | None  # (B, Nk), True = real key
     scale: float | None = None
     bias: torch.Tensor | None = None  # (1, H, Nq, Nk)
-    attn_mask: torch.Tensor | None = None  # (B, 1, Nq, Nk), True = same document (``documents > 1``)
+    documents: torch.Tensor | None = None  # (B, Nk) int64: each key position's document (``documents > 1``)
     document_lengths: list[list[int]] | None = None  # per batch row, the lengths of its documents
 
     def kwargs(self, causal: bool, cross: bool = False) -> dict[str, object]:
-        """The keyword arguments of the variant's call (scale, bias, attn_mask and cross only when set)."""
+        """The keyword arguments of the variant's call (scale, bias, documents and cross only when set)."""
         kw: dict[str, object] = {"causal": causal, "key_padding_mask": self.key_padding_mask}
-        if self.attn_mask is not None:
-            kw["attn_mask"] = self.attn_mask
+        if self.documents is not None:
+            kw["documents"] = self.documents
         if cross:
             kw["cross"] = True
         if self.scale is not None:
@@ -67,8 +67,8 @@ def make_inputs(
     """Standard-normal q, k, v drawn from ``seed`` (k and v with ``kv_heads`` heads, default
     ``heads``); with ``padding > 0`` the last ``round(padding * Nk)`` keys of every sequence are
     padding (never all of them); ``bias="alibi"`` adds ALiBi's ``(1, H, Nq, Nk)`` bias; with
-    ``documents > 1`` every sequence packs that many documents (:func:`document_lengths`) and the
-    ``(B, 1, Nq, Nk)`` ``attn_mask`` lets a query see the keys of its own document only."""
+    ``documents > 1`` every sequence packs that many documents (:func:`document_lengths`), given to the
+    call as ``(B, Nk)`` ids: a query sees the keys of its own document only."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
@@ -86,11 +86,11 @@ def make_inputs(
     bias_t = None
     if bias == "alibi":
         bias_t = alibi_bias(heads, nq, nk, causal=causal, dtype=dtype, device=device)
-    lengths = mask = None
+    lengths = ids = None
     if documents > 1:
         lengths = document_lengths(batch, nk, documents, seed)
-        mask = document_mask(lengths, nq, device=device)
-    return Inputs(q, k, v, kpm, scale, bias_t, mask, lengths)
+        ids = document_ids(lengths).to(device)
+    return Inputs(q, k, v, kpm, scale, bias_t, ids, lengths)
 
 
 def document_lengths(batch: int, n: int, documents: int, seed: int = 0) -> list[list[int]]:
@@ -108,14 +108,12 @@ def document_lengths(batch: int, n: int, documents: int, seed: int = 0) -> list[
     return out
 
 
-def document_mask(lengths: list[list[int]], nq: int, device: str = "cpu") -> torch.Tensor:
-    """``(B, 1, Nq, Nk)`` boolean: True where query and key lie in the same document. The keys are the
-    ``Nk = sum(lengths[b])`` positions of each sequence, the queries its last ``Nq`` (as when decoding
-    onto a cache); causal masking, if any, is the call's own. Memory ``B Nq Nk`` bytes."""
-    ids = torch.stack(
+def document_ids(lengths: list[list[int]]) -> torch.Tensor:
+    """``(B, Nk)`` int64: each key position's document, numbered from 0 in each row, from the rows'
+    document lengths (:func:`document_lengths`)."""
+    return torch.stack(
         [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths]
-    )  # (B, Nk): each key's document
-    return (ids[:, -nq:, None] == ids[:, None, :])[:, None].to(device)  # (B, Nq, Nk) -> (B, 1, Nq, Nk)
+    )
 
 
 def pairs_kept(lengths: list[list[int]], nq: int, causal: bool) -> float:

@@ -88,7 +88,7 @@ class JobSpec:
     # cross-attention): never causal; variants whose pattern relates positions refuse it
     padding: float = 0.0  # fraction of keys that are padding, in [0, 1)
     documents: int = 1  # > 1: each sequence packs this many documents (lengths drawn around N / documents),
-    # a query seeing its own document's keys only: an attn_mask (FlexAttention's document mask)
+    # a query seeing its own document's keys only (ids per key; FlexAttention's document mask)
     scale: float | None = None  # the softmax scale (None: 1/sqrt(head_dim))
     bias: str | None = None  # an additive bias on the scores: None or "alibi" (ALiBi's per-head slopes)
     mode: Mode = Mode.fwd  # fwd_bwd times forward, backward alone and both
@@ -131,7 +131,8 @@ class JobSpec:
             dtype=getattr(torch, self.dtype.value),
             causal=self.causal,
             key_padding=self.padding > 0,
-            attn_mask=self.documents > 1,
+            attn_mask=False,
+            documents=self.documents > 1,
             backward=self.mode is Mode.fwd_bwd,
             kv_heads=self.kv_heads if self.kv_heads != self.heads else None,
             scale=self.scale,

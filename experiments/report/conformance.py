@@ -3,12 +3,13 @@ whether the variant honours it, shown by running it, or refuses it with its reas
 
 A cell is ``yes`` only when the call with the feature gives the variant's float64 oracle (relative
 error at most 1e-4 in fp32) and the feature did what it must: changed the output where it should
-(causal, key padding, scale, bias, soft-capping, sinks, a sliding window) or left it as a plainer call gives
-it where it should (grouped K/V heads = repeated heads; the last queries of a sequence = those rows
-of the whole call; a cross-attention query = the same query alone). ``no`` is a refusal
-(``Unsupported``/``Unavailable``) and its reason. A feature that ran and changed nothing it should
-have changed, or disagreed with the oracle, is ``IGNORED`` or ``WRONG``: ``tests/test_conformance.py``
-fails on either. Tiny CPU inputs (B=2, H=4, N=24, D=8, fp32): a few seconds for the registry.
+(causal, key padding, scale, bias, soft-capping, sinks, a sliding window, packed documents) or
+left it as a plainer call gives it where it should (grouped K/V heads = repeated heads; the last
+queries of a sequence = those rows of the whole call; a cross-attention query = the same query
+alone). ``no`` is a refusal (``Unsupported``/``Unavailable``) and its reason. A feature that ran
+and changed nothing it should have changed, or disagreed with the oracle, is ``IGNORED`` or
+``WRONG``: ``tests/test_conformance.py`` fails on either. Tiny CPU inputs (B=2, H=4, N=24, D=8,
+fp32): a few seconds for the registry.
 
     python -m experiments.report.conformance --builtin --out docs/conformance.md
 """
@@ -159,6 +160,12 @@ def _cross(name: str) -> Cell:
     return Cell("yes")
 
 
+def _documents() -> torch.Tensor:
+    """``(B, N)`` ids: three packed documents per sequence, cut differently in each row."""
+    lengths = ((7, 10, 7), (12, 3, 9))
+    return torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(row)) for row in lengths])
+
+
 def _dropout(name: str) -> Cell:
     return Cell("no", "the interface has no attention dropout (the transformers backend refuses dropout > 0)")
 
@@ -179,6 +186,7 @@ FEATURES: dict[str, Callable[[str], Cell]] = {
         lambda attn: {"sinks": 1.5 * torch.randn(H, generator=torch.Generator().manual_seed(6))}
     ),
     "window": _changes(lambda attn: {"window": 2}),  # narrower than local_window's example (3)
+    "packed documents": _changes(lambda attn: {"documents": _documents()}),
     "dropout": _dropout,
 }
 
