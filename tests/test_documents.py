@@ -17,6 +17,7 @@ from experiments.records.store import to_frame
 from experiments.sweep.labels import job_label
 from experiments.sweep.schema import validate
 from variants import Unsupported, Workload, build
+from variants.flex_kernel import tiles_per_head
 from variants.masks import document_mask
 from variants.reference import oracle
 from variants.registry import available, get
@@ -95,6 +96,19 @@ def test_sdpa_per_document_equals_its_mask_in_output_and_gradients(causal, monke
     torch.testing.assert_close(own, masked)
     for a, b in zip(own_g, masked_g, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_flex_reads_the_ids_into_one_cached_block_mask_that_skips_tiles():
+    """flex keeps the documents as ids in its block mask (no dense mask), builds it once for the same
+    ids tensor, and visits fewer tiles than plain causal attention (the tiles between documents)."""
+    inp = make_inputs(1, 2, 1024, 1024, 16, 16, dtype=torch.float32, device="cpu", documents=8, seed=2)
+    attn = build("flex", compile=False)
+    for _ in range(2):
+        attn(inp.q, inp.k, inp.v, **inp.kwargs(True))
+    assert len(attn._flex._masks) == 1  # the second call reused the first one's block mask
+    packed = next(iter(attn._flex._masks.values()))[0]
+    causal = attn._flex.block_mask(inp.q, inp.k, True, None, None)
+    assert tiles_per_head(packed) < 0.5 * tiles_per_head(causal)  # 8 documents in 8 tile rows
 
 
 def test_ids_in_two_runs_are_refused_by_the_per_document_path():

@@ -1,13 +1,13 @@
 """``flex``: exact attention through PyTorch FlexAttention's compiled kernel (:mod:`variants.flex_kernel`).
 
-Every pair is computed; causal masking, key padding and ``attn_mask`` become its block mask (whole
-``tile x tile`` blocks they rule out are skipped), a float ``bias`` its ``score_mod``, and grouped
-K/V heads go to FlexAttention's ``enable_gqa`` (no copy). Causal masking is aligned bottom-right (key
-``j`` visible to query ``i`` iff ``j <= i + Nk - Nq``, so ``Nq <= Nk``); ``Nq > Nk`` is cross-attention,
-never causal. Shapes ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``, ``v
-(B, Hkv, Nk, Dv)`` -> ``(B, H, Nq, Dv)``. Time ``O(B H Nq Nk D)``; memory ``O(B H N D)`` compiled, plus
-the block mask ``O(B H (N / tile)^2)``; uncompiled (``compile=False``) FlexAttention materialises the
-scores. What the kernel refuses (float64 compiled, backward on the CPU, head sizes below 16 on CUDA)
+Every pair is computed; causal masking, key padding, ``attn_mask`` and packed ``documents`` (read as
+ids, ``O(N)``) become its block mask (whole ``tile x tile`` blocks they rule out are skipped), a float
+``bias`` its ``score_mod``, and grouped K/V heads go to FlexAttention's ``enable_gqa`` (no copy). Causal
+masking is aligned bottom-right (key ``j`` visible to query ``i`` iff ``j <= i + Nk - Nq``, so ``Nq <=
+Nk``); ``Nq > Nk`` is cross-attention, never causal. Shapes ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``,
+``v (B, Hkv, Nk, Dv)`` -> ``(B, H, Nq, Dv)``. Time ``O(B H Nq Nk D)``; memory ``O(B H N D)`` compiled,
+plus the block mask ``O(B H (N / tile)^2)``; uncompiled (``compile=False``) FlexAttention materialises
+the scores. What the kernel refuses (float64 compiled, backward on the CPU, head sizes below 16 on CUDA)
 is in :mod:`variants.flex_kernel`.
 
 The sliding-window and block-sparse patterns through the same kernel are ``local_window impl=flex``
@@ -76,10 +76,20 @@ class FlexAttention(AttentionVariant):
         # (which the kernel pads to 128). Compiled on the CPU, FlexAttention returns no log-sum-exp.
         return w.device == "cuda" or not self.compile
 
+    def native_documents(self, w: Workload) -> bool:
+        return True  # the block mask's predicate reads the ids: the tiles between documents are skipped
+
     def _attend(
-        self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None, sinks=None
-    ):
-        call = dict(causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, scale=scale)
+        self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None,
+        sinks=None, documents=None,
+    ):  # fmt: skip
+        call = dict(
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            scale=scale,
+            documents=documents,
+        )
         if sinks is None:
             return self._flex(q, k, v, **call, bias=bias, softcap=softcap)  # (B, H, Nq, Dv)
         out, lse = self._flex(q, k, v, **call, bias=bias, softcap=softcap, return_lse=True)

@@ -135,19 +135,28 @@ class FlexKernel:
         causal: bool,
         key_padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
+        documents: torch.Tensor | None = None,
     ) -> Any:
-        """A ``BlockMask`` for a call on ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)`` and these masks, or
-        None for every pair; cached. Building one evaluates the predicate on every pair: ``O(B H Nq
-        Nk)`` (``B`` and ``H`` only where a mask varies over them)."""
+        """A ``BlockMask`` for a call on ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)`` and these masks (and
+        packed ``documents``, ids ``(B, Nk)``: a query sees its own document's keys only), or None for
+        every pair; cached per mask tensor, so a model that hands every layer the same tensors builds
+        it once. Building one evaluates the predicate on every pair: ``O(B H Nq Nk)`` (``B`` and ``H``
+        only where a mask varies over them)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         b, h, nq, _ = q.shape
         nk = k.shape[2]
-        if self.pattern is None and not causal and key_padding_mask is None and attn_mask is None:
+        if (
+            self.pattern is None
+            and not causal
+            and key_padding_mask is None
+            and attn_mask is None
+            and documents is None
+        ):
             return None
         # the tensors themselves are held in the entry, so their ids cannot be reused while cached;
         # _version changes on any in-place edit, which would make the block list stale
-        tensors = tuple(t for t in (key_padding_mask, attn_mask) if t is not None)
+        tensors = tuple(t for t in (key_padding_mask, attn_mask, documents) if t is not None)
         # tensors made under torch.inference_mode have no _version (reading it raises), so an in-place
         # edit could not be seen: their block masks are built afresh every call, never cached
         cacheable = not any(t.is_inference() for t in tensors)
@@ -181,6 +190,10 @@ class FlexKernel:
                 mb = b
             if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1:
                 mh = h
+        if documents is not None:
+            ids, off = documents.to(q.device), nk - nq  # (B, Nk); the queries are the last Nq positions
+            preds.append(lambda bi, hi, qi, ki: ids[bi, qi + off] == ids[bi, ki])
+            mb = b
 
         def mask_mod(bi: torch.Tensor, hi: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
             ok = preds[0](bi, hi, qi, ki)
@@ -227,12 +240,14 @@ class FlexKernel:
         bias: torch.Tensor | None = None,
         softcap: float | None = None,
         return_lse: bool = False,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` through the
         pattern, causal masking and the masks (boolean, True = may attend; ``key_padding_mask (B,
         Nk)``, ``attn_mask`` broadcastable to ``(B, H, Nq, Nk)``), scores scaled by ``scale`` (default
         ``1/sqrt(D)``), soft-capped to ``softcap tanh(s / softcap)`` when given, plus ``bias``
-        (broadcastable to ``(B, H, Nq, Nk)``): ``(B, H, Nq, Dv)``; with ``return_lse`` also each row's
+        (broadcastable to ``(B, H, Nq, Nk)``), and packed ``documents`` (ids ``(B, Nk)``, read by the
+        block mask's predicate: no ``Nq x Nk`` mask): ``(B, H, Nq, Dv)``; with ``return_lse`` also each row's
         log-sum-exp ``(B, H, Nq)`` float32, natural log, -inf for a row that sees no key, through which
         gradients flow (flex's sinks weigh the output by it). The caller checks the
         workload first (:func:`flex_refusal`)."""
@@ -240,7 +255,7 @@ class FlexKernel:
             # then (a model's learned query, run under no_grad): no graph is built, so detach
             q, k, v = q.detach(), k.detach(), v.detach()
             bias = None if bias is None else bias.detach()
-        bm = self.block_mask(q, k, causal, key_padding_mask, attn_mask)
+        bm = self.block_mask(q, k, causal, key_padding_mask, attn_mask, documents)
         self.tile_ran = tile_size(self.block, q.device.type, self.cuda_tile) if bm is not None else None
         extra: dict[str, Any] = {"scale": scale}
         if k.shape[1] != q.shape[1]:
