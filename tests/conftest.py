@@ -29,6 +29,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    # a job measured in this process sets torch's threads to its own count (every CPU it may use):
+    # put them back, so that no test depends on which ran before it
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     # a library this machine lacks (xformers not installed, or built for another torch) is a fact

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -231,3 +232,16 @@ def run_interpreted(test_file: str) -> None:
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+def c_compiler() -> str | None:
+    """The C compiler the suite's kernels are built with (``$CC``, default ``cc``), if this machine has
+    one on its PATH."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+#: a test of one of the suite's C kernels: skipped only where no C compiler exists. Where one does, a
+#: kernel that does not build fails the test instead (``tests/test_kernels_build.py`` says why).
+needs_c_compiler = pytest.mark.skipif(
+    c_compiler() is None, reason="no C compiler here ($CC, or cc on the PATH)"
+)

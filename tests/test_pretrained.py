@@ -344,7 +344,13 @@ def test_task_model_and_pretrained_jobs_refuse_the_kernel_only_settings_they_wou
     validate(BenchConfig.from_config(base))  # at their defaults: accepted
     settings = [{"cross": True}, {"padding": 0.25}, {"kv_len": 4096}, {"scale": 0.3}, {"heads": 3}]
     settings += [{"head_dim": 7}, {"batch": 5}, {"tokens": 4096}, {"mode": "fwd_bwd"}, {"min_run_time": 0.1}]
-    settings += [{"v_head_dim": 32}, {"accuracy_rows": 8}, {"cuda_graph": False}, {"kv_heads": 2}]
+    settings += [
+        {"v_head_dim": 32},
+        {"accuracy_rows": 8},
+        {"cuda_graph": False},
+        {"kv_heads": 2},
+        {"documents": 4},
+    ]
     assert {next(iter(s)) for s in settings} >= set(KERNEL_ONLY) - {"causal", "bias"}
     for setting in settings:
         name, value = next(iter(setting.items()))

@@ -370,7 +370,7 @@ def test_a_baseline_of_the_same_records_is_not_a_comparison(sweep, tmp_path):
         r["started_at"] = "2020-01-01T00:00:00+00:00"  # another measurement of the same jobs
         write_record(r, tmp_path)
     sec = baseline_table(cur, store.load([tmp_path], verbose=False))
-    assert cell(sec, "speedup", "naive", 64).startswith(("1.00x", "0.", "1.")), sec.note
+    assert cell(sec, "speedup", "naive", 64).startswith("1.00x"), sec.note  # the same figures
     assert "same record" not in sec.note and "No baseline record" not in sec.note
 
 
