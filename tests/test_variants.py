@@ -463,6 +463,20 @@ def test_blocked_sdpa_reads_no_device_value_on_the_host_off_the_cpu():
     assert additive_mask(cpu, torch.float32)[1] is None  # on the CPU the count is free: skipped
 
 
+def test_xformers_bias_reads_no_device_value_on_the_host_off_the_cpu():
+    # xFormers runs on CUDA only: its dense bias must not count the empty rows there (meta tensors
+    # stand in for a device's, since reading their values raises)
+    from variants.xformers_attn import additive_bias
+
+    kpm = torch.ones(2, 6, dtype=torch.bool, device="meta")
+    bias, empty = additive_bias(2, 3, 4, 6, causal=True, key_padding_mask=kpm, attn_mask=None,
+                                window=None, dtype=torch.float16, device="meta")  # fmt: skip
+    assert bias.shape == (2, 3, 4, 6) and empty is not None and empty.shape == (2, 1, 4, 1)
+    cpu = additive_bias(2, 3, 4, 6, causal=True, key_padding_mask=torch.ones(2, 6, dtype=torch.bool),
+                        attn_mask=None, window=None, dtype=torch.float32, device="cpu")  # fmt: skip
+    assert cpu[1] is None  # on the CPU the count is free: no row is empty, nothing to zero
+
+
 def test_additive_takes_its_bounded_fast_path_on_the_cpu_only():
     # the fast path's bound is a data-dependent host read; off the CPU the plain path runs, with no read
     from variants.additive import _Sigmoids

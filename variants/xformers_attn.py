@@ -295,7 +295,9 @@ def additive_bias(
     elif causal:
         allowed = allowed & torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq)  # (.., Nq, Nk)
     empty = ~allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Nq|1, 1)
-    has_empty = bool(empty.any())
+    # off the CPU applied without counting: a host read would stall the stream every call and cannot be
+    # captured in a CUDA graph (as masks.additive_mask)
+    has_empty = torch.device(device).type != "cpu" or bool(empty.any())
     if has_empty:
         first = torch.zeros(nk, dtype=torch.bool, device=device)
         first[0] = True
