@@ -89,6 +89,13 @@ def test_defaults_are_written_once():
         node = ConfigStore.instance().load(base[1:].split("@")[0] + ".yaml").node
         restated = [k for k, v in body.items() if k != "defaults" and k in node and node[k] == v]
         assert not restated, f"{f.relative_to(CONF)} restates defaults: {restated}"
+    # a named sweep sets only the top-level settings it changes
+    defaults = BenchConfig(variant=None)
+    for f in sorted((CONF / "experiment").glob("*.yaml")):
+        body = yaml.safe_load(f.read_text()) or {}
+        known = {k: getattr(defaults, k) for k in body if k in BenchConfig.__dataclass_fields__}
+        restated = [k for k, d in known.items() if getattr(d, "value", d) == body[k]]  # enums by value
+        assert not restated, f"{f.relative_to(CONF)} restates defaults: {restated}"
     cfg = job_cfg(variant="naive")
     assert BenchConfig.from_config(cfg) == BenchConfig(variant=cfg["variant"])
     assert JobSpec.from_config(cfg) == JobSpec(variant=cfg["variant"])
