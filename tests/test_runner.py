@@ -421,6 +421,39 @@ def test_resume_survives_junk_named_like_a_record(tmp_path, capsys):
     assert len(read_records(tmp_path)) == 1
 
 
+@pytest.mark.parametrize("figures", [{}, {"fwd_median_s": "abc"}, {"fwd_median_s": float("nan")}])
+def test_resume_measures_again_an_ok_record_without_its_headline_figure(tmp_path, figures, capsys):
+    """An ok record cut short or edited (no number where its time should be) is not reused: a report
+    would show n/a cells and call every job checked."""
+    from experiments.sweep.runner import not_reusable
+
+    path, env = _record(tmp_path, "ok")
+    rec = json.loads(path.read_text())
+    assert not_reusable({**rec, "config": {"mode": "fwd"}, "figures": {"fwd_median_s": 0.01}}) is None
+    path.write_text(json.dumps({**rec, "config": {"mode": "fwd"}, "figures": figures}))
+    assert find_existing(tmp_path, "abc", env, not_reusable) is None
+    assert "not reusing" in capsys.readouterr().out and "fwd_median_s" in not_reusable(
+        json.loads(path.read_text())
+    )
+    # a task record is about its accuracy, a fwd_bwd kernel record about its fwd_bwd time
+    assert "test_accuracy" in not_reusable({"status": "ok", "kind": "task", "config": {}, "figures": {}})
+    fb = {"status": "ok", "config": {"mode": "fwd_bwd"}, "figures": {"fwd_median_s": 1.0}}
+    assert "fwd_bwd_median_s" in not_reusable(fb)
+
+
+def test_a_sweep_measures_again_the_record_it_cannot_trust(tmp_path):
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    p = run_sweep(tmp_path, "variant=naive", *small)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (path,) = (tmp_path / "records").glob("*.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "figures": {}}))  # cut short
+    p = run_sweep(tmp_path, "variant=naive", *small)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "not reusing" in p.stdout and "skipped: already measured" not in p.stdout
+    newest = max(read_records(tmp_path / "records"), key=lambda r: r["started_at"])
+    assert newest["figures"]["fwd_median_s"] > 0
+
+
 def test_records_are_readable_by_others(tmp_path):
     path, _ = _record(tmp_path, "ok")
     assert path.stat().st_mode & 0o044 == 0o044

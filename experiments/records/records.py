@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +114,16 @@ REUSABLE = frozenset({"ok", "unsupported", "oom"})
 FINGERPRINT = ("code_version", "variant_code", "torch", "python", "host", "cpu_model", "gpu_name")
 
 
-def find_existing(directory: str | Path, chash: str, env: dict[str, Any]) -> Path | None:
+def find_existing(
+    directory: str | Path,
+    chash: str,
+    env: dict[str, Any],
+    not_reusable: Callable[[dict[str, Any]], str | None] | None = None,
+) -> Path | None:
     """A record of this config (hash ``chash``) that resume may reuse, if any: its status is in
-    :data:`REUSABLE` and its environment matches ``env`` on every :data:`FINGERPRINT` field."""
+    :data:`REUSABLE`, its environment matches ``env`` on every :data:`FINGERPRINT` field, and
+    ``not_reusable(record)`` (the sweep's check of its figures) gives no reason against it; a record
+    it refuses is named in a warning and measured again."""
     directory = Path(directory)
     if not directory.is_dir():
         return None
@@ -130,6 +138,11 @@ def find_existing(directory: str | Path, chash: str, env: dict[str, Any]) -> Pat
             continue
         if rec.get("status") not in REUSABLE:
             continue
-        if all(rec["env"].get(k) == env.get(k) for k in FINGERPRINT):
-            return path
+        if not all(rec["env"].get(k) == env.get(k) for k in FINGERPRINT):
+            continue
+        why = not_reusable(rec) if not_reusable is not None else None
+        if why is not None:
+            print(f"warning: not reusing {path}: {why}; measuring again"[:300])
+            continue
+        return path
     return None

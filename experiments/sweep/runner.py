@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -78,11 +79,30 @@ def objective(record: dict[str, Any] | None, figure: str | None = None) -> float
     figures = record.get("figures") or {}
     if figures.get("valid") is False:
         return float("nan")
-    if figure is None:
-        figure = rules(record.get("kind") or kind_of(record["config"])).objective
-        figure = figure or f"{record['config'].get('mode', 'fwd')}_median_s"
-    value = figures.get(figure)
+    value = figures.get(figure or headline_figure(record))
     return float(value) if isinstance(value, (int, float)) else float("nan")
+
+
+def headline_figure(record: dict[str, Any]) -> str:
+    """The figure a record of its kind is about (what :func:`objective` returns by default): the job's
+    time in its mode for a kernel job, its kind's objective otherwise."""
+    cfg = record.get("config") or {}
+    return rules(record.get("kind") or kind_of(cfg)).objective or f"{cfg.get('mode', 'fwd')}_median_s"
+
+
+def not_reusable(record: dict[str, Any]) -> str | None:
+    """Why resume must not reuse this ``ok`` record (a copy cut short, edited, or from a broken
+    writer): its headline figure is missing or not a finite number. None when it may be reused."""
+    if record.get("status") != "ok":
+        return None
+    try:
+        figure = headline_figure(record)
+    except ValueError as exc:  # a config that selects two kinds
+        return str(exc)
+    value = (record.get("figures") or {}).get(figure)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"its status is ok but its {figure} is {value!r}, not a number"
+    return None
 
 
 def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
@@ -120,7 +140,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         set_job_allocator_env()  # what the job's process will start with (isolation.context_for sets it too)
     env["malloc"] = malloc_settings(conf.isolate)
 
-    existing = find_existing(records_dir, chash, env) if conf.resume else None
+    existing = find_existing(records_dir, chash, env, not_reusable) if conf.resume else None
     if existing is not None:
         log.info("[%s] already measured: %s (resume=false to measure again)", label, existing)
         line = f"[{label}] skipped: already measured ({existing.name})"
