@@ -8,6 +8,7 @@ measuring nothing and exiting 0).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -29,6 +30,19 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):  # `not >` also refuses nan
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file the script will write: its folder is made now, so that a long run never ends in a
+    traceback for a missing folder (and a path it cannot make is refused before any work)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder of {text}: {exc.strerror}") from None
+    return text
 
 
 def _int_at_least(text: str, low: int) -> int:

@@ -69,6 +69,9 @@ def busy_machine(sweep: bool = True, hogs: int = 1, scratch: Path | None = None)
     load = Load(scratch)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmds = ([_sweep_loop(scratch)] if sweep else []) + [_hog() for _ in range(hogs)]
+    # the load runs in sessions of its own, which a signal to this process's group does not reach:
+    # SIGTERM (timeout, kill) must end this process through the cleanup below, as Ctrl-C does
+    before = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         for cmd in cmds:
             # a session of its own: the whole group (bash, run.py, its job children) is killed together
@@ -83,6 +86,11 @@ def busy_machine(sweep: bool = True, hogs: int = 1, scratch: Path | None = None)
             p.wait()
         if own_scratch:
             subprocess.run(["rm", "-rf", str(scratch)], check=False)
+        signal.signal(signal.SIGTERM, before)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as fn
-from arg_types import non_negative_int, positive_float, positive_int
+from arg_types import non_negative_int, output_file, positive_float, positive_int
 from linear_vs_peers import (
     GEMM_N,
     B,
@@ -97,8 +97,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--fla-max", type=non_negative_int, default=8192, help="largest N for fla's references")
     ap.add_argument("--gemm-min-run-time", type=positive_float, default=0.5)
-    ap.add_argument("--out", help="write the Markdown tables here")
-    ap.add_argument("--json", help="write every cell here")
+    ap.add_argument("--out", type=output_file, help="write the Markdown tables here")
+    ap.add_argument("--json", type=output_file, help="write every cell here")
     args = ap.parse_args()
     run_under_job_allocator()
     torch.set_num_threads(1)

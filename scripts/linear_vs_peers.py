@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as fn
-from arg_types import non_negative_int, positive_float, positive_int
+from arg_types import non_negative_int, output_file, positive_float, positive_int
 
 import variants
 from experiments.measure import machine_load
@@ -520,8 +520,8 @@ def main() -> None:
     parts = ["causal", "performer", "lowrank"]
     ap.add_argument("--parts", nargs="+", choices=parts, default=parts)
     ap.add_argument("--gemm-min-run-time", type=positive_float, default=0.5)
-    ap.add_argument("--out", help="write the Markdown tables here")
-    ap.add_argument("--json", help="write every cell here")
+    ap.add_argument("--out", type=output_file, help="write the Markdown tables here")
+    ap.add_argument("--json", type=output_file, help="write every cell here")
     args = ap.parse_args()
     run_under_job_allocator()
     torch.set_num_threads(1)

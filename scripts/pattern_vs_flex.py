@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from arg_types import non_negative_int, positive_float, positive_int
+from arg_types import non_negative_int, output_file, positive_float, positive_int
 
 import variants
 from experiments.measure.profile import format_table, kernel_table
@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--mode", default="fwd", choices=["fwd", "fwd_bwd"])
     ap.add_argument("--shape", type=positive_int, nargs=3, action="append", metavar=("B", "H", "D"))
     ap.add_argument("--min-run-time", type=positive_float, default=0.2, help="CUDA: seconds per timing")
-    ap.add_argument("--json", help="write every cell here")
+    ap.add_argument("--json", type=output_file, help="write every cell here")
     ap.add_argument(
         "--profile", type=non_negative_int, default=0, metavar="K", help="print each call's K longest kernels"
     )
@@ -153,6 +153,10 @@ def main() -> None:
                     ap.error(f"unknown contenders {sorted(unknown)}; known: {', '.join(cs)}")
                 cs = {name: attn for name, attn in cs.items() if name in keep}
             if args.mode == "fwd_bwd" and args.device == "cpu":  # flex has no CPU backward
+                if args.contenders and (
+                    asked := [c for c in args.contenders.split(",") if c.startswith("flex")]
+                ):
+                    ap.error(f"{', '.join(asked)}: FlexAttention has no backward on the CPU (use --mode fwd)")
                 cs = {name: attn for name, attn in cs.items() if not name.startswith("flex")}
             fns = {name: call(attn, q, k, v, args.mode) for name, attn in cs.items()}
             times: dict[str, list[float]] = {name: [] for name in cs}

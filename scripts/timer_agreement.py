@@ -59,10 +59,14 @@ def main() -> None:
         print(
             f"round {r}: harness {harness * 1e3:.3f} ms, Timer {direct * 1e3:.3f} ms, ratio {ratios[-1]:.3f}"
         )
+    median = statistics.median(ratios)
+    verdict = "PASS" if 0.9 <= median <= 1.1 else "FAIL"
     print(
-        f"median ratio {statistics.median(ratios):.3f} "
-        f"(min {min(ratios):.3f}, max {max(ratios):.3f}); goal: within 10% (0.90-1.10)"
+        f"median ratio {median:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); goal: within 10% "
+        f"(0.90-1.10): {verdict}"
     )
+    if verdict == "FAIL":  # a check: its exit status says whether the goal held
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -335,6 +335,35 @@ def test_a_baseline_with_no_records_is_an_error_before_any_report(sweep, tmp_pat
     assert not out.exists()  # a report without the comparison asked for is not written
 
 
+def test_a_baseline_that_shares_no_configuration_is_an_error_naming_what_differs(sweep, tmp_path, capsys):
+    from experiments.report.report import main
+
+    tmp, _ = sweep
+    for r in raw_records(tmp / "records"):  # the same jobs, but every one of them causal
+        r["config"]["causal"] = not r["config"].get("causal")
+        write_record(r, tmp_path / "other")
+    out = tmp_path / "report"
+    assert main([str(tmp / "records"), "--out", str(out), "--baseline", str(tmp_path / "other")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no configuration was measured on both sides" in err and "causal" in err
+    assert not out.exists()
+
+
+def test_unusable_inputs_and_outputs_are_one_line_errors(sweep, tmp_path, capsys):
+    from experiments.report.report import main
+
+    tmp, _ = sweep
+    (tmp_path / "afile").write_text("")
+    assert main([str(tmp / "records"), "--out", str(tmp_path / "afile" / "x")]) == 1
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: --out {tmp_path / 'afile' / 'x'}: {tmp_path / 'afile'} is a file, not a folder"
+    )
+    (tmp_path / "cut.parquet").write_bytes(b"PAR1 cut short")  # a saved store cut short
+    df = store.load([tmp_path / "cut.parquet", tmp / "records"], verbose=False)
+    assert len(df) and df.attrs["unreadable"][0].startswith(f"{tmp_path / 'cut.parquet'}: ")
+
+
 def test_baseline_ratios(sweep, tmp_path):
     tmp, _ = sweep
     for r in raw_records(tmp / "records"):

@@ -383,7 +383,15 @@ def load(inputs: Iterable[str | Path], verbose: bool = True) -> pd.DataFrame:
     records, rep = load_records([p for p in inputs if p not in saved])
     df = to_frame(records)
     if saved:
-        frames = [f for f in (df, *(read_store(p) for p in saved)) if len(f)]
+        stores = []
+        for p in saved:
+            try:
+                stores.append(read_store(p))
+            except (OSError, ValueError) as exc:  # a file cut short (pyarrow's ArrowInvalid is a ValueError)
+                rep.unreadable.append(
+                    f"{p}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                )
+        frames = [f for f in (df, *stores) if len(f)]
         df = pd.concat(frames, ignore_index=True) if frames else df
         before = len(df)
         df = df.drop_duplicates(subset=RECORD_IDENTITY)

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import pandas as pd
 
 from ..measure.canary import SLOW_RATIO
+from ..measure.spec import Kind
 from ..records.rounds import numeric as _col
-from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask
+from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask, of_kind
 from .format import Section
 from .grouping import group_keys, groups, mode_times, pivot_cells, status_cell, usable
 
@@ -43,6 +44,26 @@ def noise_verdict(row: pd.Series) -> str:
 
 #: the mark a speedup cell carries for each :func:`noise_verdict`
 VERDICT_MARK = {"within noise": " ≈", "slow machine": " ~", "faster": "", "slower": ""}
+
+
+def nothing_to_compare(cur: pd.DataFrame, base: pd.DataFrame) -> str | None:
+    """Why a comparison of the kernel records ``cur`` against ``base`` would compare nothing (one
+    line naming what differs), or None when at least one configuration is on both sides."""
+    cur, base = of_kind(cur, Kind.kernel), of_kind(base, Kind.kernel)
+    if cur.empty or base.empty:
+        side = "these records" if cur.empty else "the baseline"
+        return f"the comparison is of kernel jobs' times and {side} hold none"
+    keys = [k for k in MATCH_KEYS if k in cur and k in base]
+
+    def key(df: pd.DataFrame) -> pd.Series:  # one text per configuration (NA as text too)
+        return df[keys].apply(lambda col: col.map(str)).agg("|".join, axis=1)
+
+    if key(cur).isin(set(key(base))).any():
+        return None
+    differ = [k for k in keys if not set(cur[k].map(str)) & set(base[k].map(str))]
+    return "no configuration was measured on both sides" + (
+        f": none of their values of {', '.join(differ)} is shared" if differ else ""
+    )
 
 
 def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:

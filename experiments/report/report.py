@@ -21,6 +21,7 @@ Each kind of job has its section (the store's ``kind`` column says which rows ar
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from ..measure.spec import Kind
 from ..records import store
 from . import efficiency_section, frontier_section, pretrained_section, task_section
 from . import kernel_tables as K
-from .compare import baseline_table
+from .compare import baseline_table, nothing_to_compare
 from .format import Section, render
 from .grouping import workload_line
 from .model_section import model_table, plot_context
@@ -174,6 +175,18 @@ def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | N
     return sections
 
 
+def _unwritable(out: Path) -> str | None:
+    """Why the report could not be written under ``out`` (checked before any work), or None."""
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK):
+        return f"{existing} is not writable"
+    return None
+
+
 class NoBaseline(Exception):
     """A comparison was asked for (``--baseline``) and its paths hold no record."""
 
@@ -203,6 +216,8 @@ def report_paths(
             raise NoBaseline(
                 f"--baseline {' '.join(map(str, baseline))}: no records there to compare against"
             )
+        if why := nothing_to_compare(df, base):
+            raise NoBaseline(f"--baseline {' '.join(map(str, baseline))}: {why}")
     out.mkdir(parents=True, exist_ok=True)
     written = store.save(df, out)
     # task and pretrained jobs have files of their own (the task table puts the kernel records' speed
@@ -281,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-plots", action="store_true", help="tables and store only")
     args = ap.parse_args(argv)
+    if args.out and (why := _unwritable(Path(args.out))):
+        print(f"error: --out {args.out}: {why}", file=sys.stderr)
+        return 1
     try:
         written = report_paths(
             args.paths,
