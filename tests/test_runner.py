@@ -621,6 +621,7 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
             "error: hydra/launcher=jobilb: no such option; available: basic, joblib, slurm,",
         ),
         (["+task=nosuch"], "error: unknown task 'nosuch'; known: copy, recall, reverse (conf/task/)"),
+        (["task=copy"], "error: task=...: nothing chose a task to override; add one with +task=<name>"),
         # settings a task or model job would ignore, or that would label its record wrongly
         (["+task=recall", "task.steps=0"], "error: task.steps must be an integer >= 1, got 0"),
         (

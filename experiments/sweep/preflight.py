@@ -214,6 +214,13 @@ def composition_error(exc: Exception) -> str:
         group, name = missing.groups()
         known = ", ".join(line.strip() for line in options.group(1).splitlines()) if options else ""
         return f"{group}={name}: no such option" + (f"; available: {known}" if known else "")
+    not_chosen = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)
+    if not_chosen and not_chosen.group(1) in _GROUPS:  # task=copy where no experiment chose a task
+        group = not_chosen.group(1)
+        return (
+            f"{group}=...: nothing chose a {group} to override; add one with +{group}=<name> "
+            f"(`{group}=` replaces the one a named sweep already chose)"
+        )
     head = text.strip().splitlines()[0].removeprefix("Error merging override ")
     cause = str(exc.__cause__).strip().splitlines()[0] if exc.__cause__ else ""
     return f"{head}: {cause}" if cause else head
