@@ -628,6 +628,8 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
             ["+task=recall", "seq_len=128", "heads=3"],
             "error: task jobs build their own attention calls: heads=3",
         ),
+        (["experiment=llama", "model.layers=0"], "error: model.layers must be an integer >= 1, got 0"),
+        (["experiment=llama", "model.kv_heads=3"], "error: model.kv_heads must divide model.heads, got heads=8"),
         (
             ["experiment=llama", "seq_len=128"],
             "error: seq_len=128 but a model job prefills model.prefill_len",

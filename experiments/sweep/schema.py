@@ -144,6 +144,17 @@ def _validate_model(conf: BenchConfig) -> None:
     from ..measure.model_job import ModelSettings
 
     m = {**asdict(ModelSettings()), **dict(conf.model)}
+    for name in ("layers", "hidden", "heads", "kv_heads", "vocab", "prefill_len", "new_tokens", "batch"):
+        if isinstance(m[name], bool) or not isinstance(m[name], int) or m[name] < 1:
+            raise ValueError(f"model.{name} must be an integer >= 1, got {m[name]!r}")
+    if m["hidden"] % m["heads"]:
+        raise ValueError(
+            f"model.heads must divide model.hidden (head size), got hidden={m['hidden']}, heads={m['heads']}"
+        )
+    if m["heads"] % m["kv_heads"]:
+        raise ValueError(
+            f"model.kv_heads must divide model.heads, got heads={m['heads']}, kv_heads={m['kv_heads']}"
+        )
     if conf.seq_len != m["prefill_len"]:
         raise ValueError(
             f"seq_len={conf.seq_len} but a model job prefills model.prefill_len={m['prefill_len']} tokens: "
