@@ -24,7 +24,7 @@ from .canary import canary_ms
 from .common import build_variant, check_device, job_threads
 from .inputs import Inputs, make_inputs
 from .kinds import rules
-from .machine_load import load_average, others_cores, snapshot
+from .machine_load import LOADED_CORES, load_average, others_cores, snapshot
 from .memory import peak_bytes
 from .spec import Device, JobSpec
 from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_graph
@@ -328,10 +328,16 @@ def _step_call(variant: AttentionVariant, inp: Inputs, w: Workload) -> Callable[
 
 
 def kernel_summary(figures: dict[str, Any], config: dict[str, Any]) -> str:
-    """A kernel job's terminal text: the time of its mode with its IQR, peak memory, error against the
-    oracle, and INVALID when the output failed that check."""
+    """A kernel job's terminal text: the time of its mode with its IQR (and whether it was unstable or
+    measured beside other work, as the tables mark it), peak memory, error against the oracle, and
+    INVALID when the output failed that check."""
     key = "fwd_bwd" if config["mode"] == "fwd_bwd" else "fwd"
     bits = [f"{key} {figures[f'{key}_median_s'] * 1e3:.3g} ms (IQR {figures[f'{key}_iqr_s'] * 1e3:.2g})"]
+    if figures.get(f"{key}_unstable"):
+        bits[0] += " unstable"
+    others, beside = figures.get("others_cpu_cores") or 0, figures.get("concurrent_jobs") or 0
+    if others > LOADED_CORES or beside:
+        bits[0] += f" beside other work ({others:.1f} other cores busy, {beside} other job(s) of the suite)"
     bits.append(f"peak {figures['peak_mib']:.3g} MiB")
     if "out_rel_err" in figures:
         bits.append(f"rel err {figures['out_rel_err']:.1e}")

@@ -14,6 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: above this many cores' worth of other processes' work (``others_cpu_cores``) a job's times are
+#: flagged as measured beside other work, and :func:`settle` waits for less
+LOADED_CORES = 0.5
 
 
 @dataclass
@@ -108,7 +111,7 @@ def others_over(window_s: float) -> float | None:
 
 def settle(
     max_wait_s: float,
-    others_limit: float = 0.5,
+    others_limit: float = LOADED_CORES,
     window_s: float = 0.25,
     scans: Callable[[], int | None] = reclaim_scans,
     side_by_side: Callable[[], bool] = lambda: False,

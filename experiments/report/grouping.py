@@ -12,11 +12,9 @@ from collections.abc import Callable
 import pandas as pd
 
 from ..measure.canary import SLOW_RATIO
+from ..measure.machine_load import LOADED_CORES
 from ..records.store import WORKLOAD, is_false
 
-#: above this many cores' worth of other processes' work (``others_cpu_cores``, see
-#: :mod:`experiments.measure.machine_load`), a job's times are flagged as measured beside other work
-LOADED_CORES = 0.5
 #: a CPU figure whose process ran on fewer than this share of its threads' cores (CPU time over wall
 #: time, ``<fig>_cpu_per_wall``) is flagged too: its threads waited, or other work pushed them off
 #: (on the 2-core VM sdpa fwd+bwd at N=1024 ran at 1.32 cores, 105 ms with an IQR of 28%, while the
