@@ -111,6 +111,57 @@ def test_flex_reads_the_ids_into_one_cached_block_mask_that_skips_tiles():
     assert tiles_per_head(packed) < 0.5 * tiles_per_head(causal)  # 8 documents in 8 tile rows
 
 
+def _feature(name: str, inp) -> dict:
+    b, h, nq, nk = inp.q.shape[0], inp.q.shape[1], inp.q.shape[2], inp.k.shape[2]
+    g = torch.Generator().manual_seed(9)
+    return {
+        "window": {"window": 3},
+        "sinks": {"sinks": torch.randn(h, generator=g)},
+        "attn_mask": {"attn_mask": torch.rand(b, 1, nq, nk, generator=g) > 0.3},
+        "bias": {"bias": torch.randn(1, h, nq, nk, generator=g)},
+        "padding": {"key_padding_mask": torch.arange(nk).expand(b, nk) < nk - 5},
+    }[name]
+
+
+@pytest.mark.parametrize("feature", ["window", "sinks", "attn_mask", "bias", "padding"])
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        ("sdpa", {}),
+        ("naive", {}),
+        ("chunked", {"query_chunk": 8, "key_chunk": 8}),
+        ("flex", {"compile": False}),
+    ],
+)
+@pytest.mark.parametrize("nq", [32, 5])
+def test_documents_beside_every_other_feature_give_the_oracles_output(feature, name, knobs, nq):
+    """Packed documents with a window, sinks, a mask, a bias or padded keys (and fewer queries than
+    keys): no variant drops either (sdpa's own per-document path must hand such calls to the mask)."""
+    inp = make_inputs(2, 2, nq, 32, 16, 16, dtype=torch.float32, device="cpu", documents=3, seed=4)
+    kw = {**inp.kwargs(True), **_feature(feature, inp)}
+    attn = build(name, **knobs)
+    try:
+        out = attn(inp.q, inp.k, inp.v, **kw)
+    except Unsupported:
+        assert feature == "sinks" and not attn.supports_sinks
+        return
+    want = oracle(attn, inp.q, inp.k, inp.v, **kw)  # its documents checked alone in a test above
+    torch.testing.assert_close(out.double(), want, rtol=2e-4, atol=2e-5)
+    if nq == 32:  # every query: the documents change the output beside any of the features
+        unpacked = oracle(attn, inp.q, inp.k, inp.v, **{k: v for k, v in kw.items() if k != "documents"})
+        assert (want - unpacked).abs().max() > 1e-3
+
+
+def test_documents_the_interface_cannot_mean_are_refused_in_one_line():
+    q = torch.randn(1, 1, 6, 8)
+    with pytest.raises(ValueError, match=r"documents must be integer ids"):
+        build("naive")(q, q, q, documents=torch.zeros(1, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not with cross-attention"):
+        build("naive")(q, q, q, documents=torch.zeros(1, 6, dtype=torch.long), cross=True)
+    with pytest.raises(ValueError, match="not with cross-attention"):
+        build("naive")(q, q[:, :, :4], q[:, :, :4], documents=torch.zeros(1, 4, dtype=torch.long))
+
+
 def test_ids_in_two_runs_are_refused_by_the_per_document_path():
     q = torch.randn(1, 1, 6, 8)
     ids = torch.tensor([[0, 0, 1, 1, 0, 0]])  # document 0 twice: the mask would join the runs

@@ -349,6 +349,20 @@ def test_a_baseline_that_shares_no_configuration_is_an_error_naming_what_differs
     assert not out.exists()
 
 
+def test_a_saved_store_compares_with_the_records_it_was_saved_from(sweep, tmp_path, capsys):
+    # a CSV store holds 1.0 and NaN where records hold 1 and None: still the same configurations
+    from experiments.report.report import main
+
+    tmp, _ = sweep
+    store.save(store.load([tmp / "records"], verbose=False), tmp_path / "saved")
+    out = tmp_path / "report"
+    assert (
+        main([str(tmp / "records"), "--out", str(out), "--baseline", str(tmp_path / "saved" / "store.csv")])
+        == 0
+    )
+    assert "same record on both sides" in (out / "tables.md").read_text()
+
+
 def test_unusable_inputs_and_outputs_are_one_line_errors(sweep, tmp_path, capsys):
     from experiments.report.report import main
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -454,6 +455,13 @@ def test_a_sweep_measures_again_the_record_it_cannot_trust(tmp_path):
     assert newest["figures"]["fwd_median_s"] > 0
 
 
+def test_an_approximate_variant_s_cross_attention_job_measures_its_deviation_from_full_attention():
+    # the deviation's reference took no cross (nor documents): every such job ended in a TypeError
+    res = measure(job_spec(variant="performer", cross=True, kv_len=48, **SMALL))
+    assert res["status"] == "ok", res
+    assert math.isfinite(res["figures"]["dev_full_rel_err"]) and res["figures"]["dev_full_rel_err"] > 0
+
+
 def test_the_terminal_line_says_when_a_time_is_unstable_or_was_measured_beside_other_work():
     from experiments.measure.kernel import kernel_summary
 
@@ -642,6 +650,10 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         ),
         (["experiment=llama", "model.layers=0"], "error: model.layers must be an integer >= 1, got 0"),
         (["experiment=llama", "model.kv_heads=3"], "error: model.kv_heads must divide model.heads"),
+        (
+            ["experiment=llama", "model.new_tokens=1"],
+            "error: model.new_tokens must be an integer >= 2, got 1",
+        ),
         (
             ["experiment=llama", "seq_len=128"],
             "error: seq_len=128 but a model job prefills model.prefill_len",

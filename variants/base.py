@@ -59,8 +59,8 @@ class Workload:
     softcap: float | None = None  # scores soft-capped as c tanh(s / c) before the softmax (Gemma2)
     window: int | None = None  # a sliding window: keys with |p - j| <= window only (Mistral, Gemma2)
     documents: bool = False  # packed documents, given as ids (B, Nk): a query sees its own document only
-    pair_share: float = 1.0  # the share of the pattern's pairs the masks keep, where it is known
-    # (packed documents): what the useful FLOP count keeps
+    pair_share: float = 1.0  # the share of the full (or causal) call's pairs packed documents keep,
+    # where it is known: what the useful FLOP count keeps
 
     @property
     def hkv(self) -> int:
@@ -126,10 +126,16 @@ class Workload:
             tuple(documents.shape) != (b, k.shape[2])
             or documents.is_floating_point()
             or documents.is_complex()
+            or documents.dtype == torch.bool
         ):
             raise ValueError(
                 f"documents must be integer ids (B, Nk) = {(b, k.shape[2])}, one per key position; got "
                 f"{documents.dtype} {tuple(documents.shape)}"
+            )
+        if documents is not None and (cross or nq > k.shape[2]):
+            raise ValueError(
+                "documents cut the keys' own sequence into pieces, and its queries are its last Nq "
+                f"positions: not with cross-attention (cross={bool(cross)}, Nq={nq}, Nk={k.shape[2]})"
             )
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
@@ -222,6 +228,12 @@ def causal_offset(nq: int, nk: int) -> int:
     """How far the causal diagonal is shifted right: query ``i`` sees keys ``j <= i + offset``
     (bottom-right alignment, ``Nq <= Nk``)."""
     return nk - nq
+
+
+def full_pairs(nq: int, nk: int, causal: bool) -> int:
+    """(query, key) pairs of full attention, or causal (bottom-right): query ``i`` sees ``i + Nk - Nq
+    + 1`` keys (causal needs ``Nq <= Nk``, so that is at most ``Nk``). ``O(1)``."""
+    return nq * causal_offset(nq, nk) + nq * (nq + 1) // 2 if causal else nq * nk
 
 
 def _sink_as_first_key(
@@ -512,6 +524,7 @@ class AttentionVariant(nn.Module):
             band = (keys >= pos - window) & (keys <= pos + window)  # (Nq, Nk), no int (Nq, Nk) tensor
             attn_mask = band if attn_mask is None else attn_mask & band
             window = None
+            w = replace(w, attn_mask=True, window=None)  # what later choices (native paths) must see
         # packed documents as a mask, unless the variant has its own path (which the sinks' extra key,
         # added below where they are not native, would not line up with)
         if documents is not None and (
@@ -521,6 +534,7 @@ class AttentionVariant(nn.Module):
             same = document_mask(documents, w.nq)  # (B, 1, Nq, Nk)
             attn_mask = same if attn_mask is None else attn_mask & same
             documents = None
+            w = replace(w, attn_mask=True, documents=False)
         if sinks is not None and not self.native_sinks(w):
             q, k, v, call = sinks_as_first_key(
                 q, k, v, sink_logits(sinks, w.heads), scale=w.scale,
@@ -656,20 +670,21 @@ class AttentionVariant(nn.Module):
     def num_pairs(self, nq: int, nk: int, causal: bool = False) -> int:
         """Number of (query, key) pairs computed; analytic where the pattern is known."""
         if type(self).pattern is AttentionVariant.pattern:
-            if not causal:
-                return nq * nk
-            # query i sees i + offset + 1 keys (causal needs Nq <= Nk, so that is at most Nk)
-            return nq * causal_offset(nq, nk) + nq * (nq + 1) // 2
+            return full_pairs(nq, nk, causal)
         return int(self.pattern(nq, nk, causal).sum())
 
     def flops(self, w: Workload, mode: str = "fwd") -> int:
         """Useful FLOPs of ``mode`` ('fwd', 'bwd' or 'fwd_bwd') for workload ``w``.
 
         Forward is ``B * H * pairs * (2*D + 2*Dv)`` (FlashAttention convention: useful pairs, not what
-        a blocked kernel computes); backward counts 2.5x forward. Of call-time masks only an attn_mask
-        whose share is known (``w.pair_share``: packed documents) is subtracted; key padding is not.
+        a blocked kernel computes); backward counts 2.5x forward. Of call-time masks only packed
+        documents are subtracted (``w.pair_share``, their share of the full or causal call's pairs),
+        and only for a variant with every pair in its pattern (a pattern's own pairs within documents
+        are not known from the share); key padding is not.
         """
-        pairs = self.num_pairs(w.nq, w.nk, w.causal) * w.pair_share
+        pairs = self.num_pairs(w.nq, w.nk, w.causal)
+        if pairs == full_pairs(w.nq, w.nk, w.causal):
+            pairs *= w.pair_share
         fwd = w.batch * w.heads * pairs * (2 * w.head_dim + 2 * w.v_head_dim)
         factor = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
         return int(fwd * factor)

@@ -156,13 +156,16 @@ class FlexKernel:
             return None
         # the tensors themselves are held in the entry, so their ids cannot be reused while cached;
         # _version changes on any in-place edit, which would make the block list stale
-        tensors = tuple(t for t in (key_padding_mask, attn_mask, documents) if t is not None)
+        slots = (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask), ("documents", documents))
+        tensors = tuple(t for _, t in slots if t is not None)
         # tensors made under torch.inference_mode have no _version (reading it raises), so an in-place
         # edit could not be seen: their block masks are built afresh every call, never cached
         cacheable = not any(t.is_inference() for t in tensors)
         key = None
         if cacheable:
-            key = (nq, nk, b, h, causal, q.device, *((id(t), t._version, tuple(t.shape)) for t in tensors))
+            # each tensor under its slot: the same tensor as padding and as documents is two masks
+            key = (nq, nk, b, h, causal, q.device)
+            key += tuple((slot, id(t), t._version, tuple(t.shape)) for slot, t in slots if t is not None)
         hit = self._masks.get(key) if cacheable else None
         if hit is not None:
             self._masks.move_to_end(key)

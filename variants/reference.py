@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionVariant, repeat_kv
-from .masks import combined_mask, safe_softmax
+from .masks import combined_mask, document_mask, safe_softmax
 
 
 def reference_attention(
@@ -111,7 +111,7 @@ def oracle(
     if custom is not None and (sinks is not None or softcap is not None):
         raise ValueError(f"{variant.name or type(variant).__name__}'s own oracle takes no sinks or softcap")
     if custom is not None and documents is not None:  # its own formula, the documents as an attn_mask
-        same = (documents[:, -q.shape[2] :, None] == documents[:, None, :])[:, None]  # (B, 1, Nq, Nk)
+        same = document_mask(documents, q.shape[2])  # (B, 1, Nq, Nk)
         attn_mask, documents = (same if attn_mask is None else attn_mask & same), None
     if custom is not None and window is not None:  # its own formula over the band, as an attn_mask
         band = _window_band(q.shape[2], k.shape[2], window, q.device)
@@ -160,11 +160,15 @@ def full_attention_reference(
     scale: float | None = None,
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    cross: bool = False,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 full softmax attention with the call's masks, scale and bias (what approximations
     deviate from).
 
-    ``rows`` limits the result to those query rows, as in :func:`oracle`.
+    ``rows`` limits the result to those query rows, as in :func:`oracle`; ``cross`` changes nothing
+    (full attention does not depend on how query and key positions line up); ``documents`` (ids ``(B,
+    Nk)``) keeps each query to its own document's keys.
     """
     nq, nk = q.shape[2], k.shape[2]
     allowed = combined_mask(
@@ -174,6 +178,9 @@ def full_attention_reference(
     if attn_mask is not None:
         am = _rows_of(attn_mask.to(q.device), rows, nq)
         allowed = am if allowed is None else allowed & am
+    if documents is not None:
+        same = _rows_of(document_mask(documents.to(q.device), nq), rows, nq)  # (B, 1, R, Nk)
+        allowed = same if allowed is None else allowed & same
     if bias is not None:
         bias = _rows_of(bias.to(q.device), rows, nq)
     q_rows = q if rows is None else q[:, :, rows]

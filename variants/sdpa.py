@@ -9,7 +9,7 @@ third faster on the CPU than ``enable_gqa``); otherwise ``enable_gqa=True``. Nei
 Causal with ``Nq < Nk`` (bottom-right) becomes an explicit mask, except for ``Nq = 1`` (no mask).
 Packed documents on the CPU: one fused call per document, its queries against its own keys (as
 FlashAttention's variable-length kernels do in one launch), so the pairs between documents are never
-computed; elsewhere, or with a mask, bias or sinks beside them, their dense mask.
+computed; elsewhere, or with a mask, window, bias or sinks beside them, their dense mask.
 Time ``O(B H Nq Nk D)``; memory ``O(B H Nq Nk)`` for math, ``O(B H N D)`` for the fused kernels.
 """
 

@@ -46,6 +46,19 @@ def noise_verdict(row: pd.Series) -> str:
 VERDICT_MARK = {"within noise": " ≈", "slow machine": " ~", "faster": "", "slower": ""}
 
 
+def _token(v: object) -> str:
+    """A cell as comparable text: every missing value (None, NaN, NA) one token, a whole float as an
+    integer (a store read back from CSV holds 1.0 where records hold 1)."""
+    try:
+        if pd.isna(v):
+            return "NA"
+    except (TypeError, ValueError):  # a list or array: not a missing value
+        pass
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
 def nothing_to_compare(cur: pd.DataFrame, base: pd.DataFrame) -> str | None:
     """Why a comparison of the kernel records ``cur`` against ``base`` would compare nothing (one
     line naming what differs), or None when at least one configuration is on both sides."""
@@ -55,12 +68,12 @@ def nothing_to_compare(cur: pd.DataFrame, base: pd.DataFrame) -> str | None:
         return f"the comparison is of kernel jobs' times and {side} hold none"
     keys = [k for k in MATCH_KEYS if k in cur and k in base]
 
-    def key(df: pd.DataFrame) -> pd.Series:  # one text per configuration (NA as text too)
-        return df[keys].apply(lambda col: col.map(str)).agg("|".join, axis=1)
+    def key(df: pd.DataFrame) -> pd.Series:  # one text per configuration
+        return df[keys].apply(lambda col: col.map(_token)).agg("|".join, axis=1)
 
     if key(cur).isin(set(key(base))).any():
         return None
-    differ = [k for k in keys if not set(cur[k].map(str)) & set(base[k].map(str))]
+    differ = [k for k in keys if not set(cur[k].map(_token)) & set(base[k].map(_token))]
     return "no configuration was measured on both sides" + (
         f": none of their values of {', '.join(differ)} is shared" if differ else ""
     )
@@ -107,8 +120,17 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
         )  # fmt: skip
 
     cur, base = with_times(cur), with_times(base)
-    m = cur[MATCH_KEYS + cols].merge(
-        base[MATCH_KEYS + cols], on=MATCH_KEYS, how="left", suffixes=("", "_base"), indicator=True
+    # matched as text (_token): records and a store read back from CSV hold the same values in
+    # different types (1 and 1.0, None and NaN), which a merge on the columns themselves refuses
+    tok = {f"_match_{k}": k for k in MATCH_KEYS}
+
+    def keyed(df: pd.DataFrame) -> pd.DataFrame:
+        return df.assign(**{t: df[k].map(_token) for t, k in tok.items()})
+
+    m = (
+        keyed(cur)[[*tok, *MATCH_KEYS, *cols]]
+        .merge(keyed(base)[[*tok, *cols]], on=list(tok), how="left", suffixes=("", "_base"), indicator=True)
+        .drop(columns=list(tok))
     )
     m["started_at"] = pd.NaT
     ok_now = usable(m)

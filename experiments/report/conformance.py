@@ -26,6 +26,8 @@ import variants
 from variants import AttentionVariant, Unavailable, Unsupported, oracle
 from variants.base import repeat_kv
 
+from ..measure.inputs import document_ids
+
 B, H, HKV, N, D = 2, 4, 2, 24, 8
 TOL = 1e-4  # fp32 against the float64 oracle
 CHANGED = 1e-3  # a feature that changes the output moves it by more than this (relative)
@@ -163,7 +165,7 @@ def _cross(name: str) -> Cell:
 def _documents() -> torch.Tensor:
     """``(B, N)`` ids: three packed documents per sequence, cut differently in each row."""
     lengths = ((7, 10, 7), (12, 3, 9))
-    return torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(row)) for row in lengths])
+    return document_ids([list(row) for row in lengths])
 
 
 def _dropout(name: str) -> Cell:

@@ -144,9 +144,20 @@ def _validate_model(conf: BenchConfig) -> None:
     from ..measure.model_job import ModelSettings
 
     m = {**asdict(ModelSettings()), **dict(conf.model)}
-    for name in ("layers", "hidden", "heads", "kv_heads", "vocab", "prefill_len", "new_tokens", "batch"):
-        if isinstance(m[name], bool) or not isinstance(m[name], int) or m[name] < 1:
-            raise ValueError(f"model.{name} must be an integer >= 1, got {m[name]!r}")
+    # new_tokens >= 2: the first comes out of the prefill, the others are the decode steps timed
+    least = {
+        "layers": 1,
+        "hidden": 1,
+        "heads": 1,
+        "kv_heads": 1,
+        "vocab": 1,
+        "prefill_len": 1,
+        "new_tokens": 2,
+        "batch": 1,
+    }
+    for name, low in least.items():
+        if isinstance(m[name], bool) or not isinstance(m[name], int) or m[name] < low:
+            raise ValueError(f"model.{name} must be an integer >= {low}, got {m[name]!r}")
     if m["hidden"] % m["heads"]:
         raise ValueError(
             f"model.heads must divide model.hidden (head size), got hidden={m['hidden']}, heads={m['heads']}"
