@@ -194,6 +194,28 @@ def test_every_variant_takes_packed_documents_or_says_why_not(name):
     torch.testing.assert_close(out.double(), want, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("nq", [48, 20])
+def test_the_oracle_attends_each_document_alone_in_every_row_it_checks(nq):
+    """The float64 oracle the jobs check against, on all rows and on a subset (``rows``), against the
+    per-document formula above."""
+    inp = make_inputs(2, 2, nq, 48, 16, 16, dtype=torch.float64, device="cpu", documents=4, seed=6)
+    naive, kw = build("naive"), inp.kwargs(True)
+    rows = torch.tensor([0, nq // 2, nq - 1])
+    whole, some = oracle(naive, *inp.tensors(), **kw), oracle(naive, *inp.tensors(), **kw, rows=rows)
+    torch.testing.assert_close(some, whole[:, :, rows])
+    first = 48 - nq
+    for b, row in enumerate(inp.document_lengths):
+        start = 0
+        for n in row:
+            a, end = max(start, first), start + n
+            if a < end:
+                want = _alone(
+                    inp.q[b, :, a - first : end - first], inp.k[b, :, start:end], inp.v[b, :, start:end], True
+                )
+                torch.testing.assert_close(whole[b, :, a - first : end - first], want)
+            start = end
+
+
 @pytest.mark.parametrize("nq,nk,causal", [(40, 40, False), (40, 40, True), (9, 40, True), (9, 40, False)])
 def test_pairs_kept_counts_the_masks_pairs(nq, nk, causal):
     """The share counted from the lengths equals the mask's own pairs (and causal's) over the call's."""

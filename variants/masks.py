@@ -39,10 +39,14 @@ def combined_mask(
     return mask
 
 
-def document_mask(documents: torch.Tensor, nq: int) -> torch.Tensor:
+def document_mask(documents: torch.Tensor, nq: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """``(B, 1, Nq, Nk)`` boolean, True where query and key lie in the same packed document, from the
-    ids ``documents (B, Nk)`` (one per key position; the queries are the last ``Nq``). ``O(B Nq Nk)``."""
-    return (documents[:, -nq:, None] == documents[:, None, :])[:, None]  # (B, Nq, Nk) -> (B, 1, Nq, Nk)
+    ids ``documents (B, Nk)`` (one per key position; the queries are the last ``Nq``); with ``rows``
+    (1-D query indices) only those rows, ``(B, 1, R, Nk)``. ``O(B R Nk)``."""
+    q_ids = documents[:, documents.shape[1] - nq :]  # (B, Nq)
+    if rows is not None:
+        q_ids = q_ids[:, rows]  # (B, R)
+    return (q_ids[:, :, None] == documents[:, None, :])[:, None]  # (B, R, Nk) -> (B, 1, R, Nk)
 
 
 def safe_softmax(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

@@ -133,10 +133,8 @@ def oracle(
         allowed = allowed & key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, R, Nk)
     if attn_mask is not None:
         allowed = allowed & _rows_of(attn_mask.to(q.device), rows, nq)
-    if documents is not None:  # only the checked rows' ids against every key's: (B, 1, R, Nk)
-        ids = documents.to(q.device)
-        q_ids = ids[:, nk - nq :] if rows is None else ids[:, nk - nq :][:, rows]  # (B, R)
-        allowed = allowed & (q_ids[:, :, None] == ids[:, None, :])[:, None]
+    if documents is not None:  # only the checked rows' ids against every key's
+        allowed = allowed & document_mask(documents.to(q.device), nq, rows)  # (B, 1, R, Nk)
     q_rows = q if rows is None else q[:, :, rows]
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, H, Nk, D|Dv)
     scores = variant.reference_scores(q_rows, k, **({} if scale is None else {"scale": scale}))
@@ -179,7 +177,7 @@ def full_attention_reference(
         am = _rows_of(attn_mask.to(q.device), rows, nq)
         allowed = am if allowed is None else allowed & am
     if documents is not None:
-        same = _rows_of(document_mask(documents.to(q.device), nq), rows, nq)  # (B, 1, R, Nk)
+        same = document_mask(documents.to(q.device), nq, rows)  # (B, 1, R, Nk): the checked rows only
         allowed = same if allowed is None else allowed & same
     if bias is not None:
         bias = _rows_of(bias.to(q.device), rows, nq)
