@@ -281,7 +281,7 @@ class AdditiveAttention(AttentionVariant):
         ``w`` ``2 * hidden``, then ``2 * Dv`` for ``p @ v``; plus the projections
         ``2 * D * hidden * (Nq + Nk)`` per batch and head. Backward counts 2.5x forward as elsewhere.
         """
-        pairs = self.num_pairs(w.nq, w.nk, w.causal) * w.pair_share  # packed documents: those kept
+        pairs = self.useful_pairs(w)
         per_pair = 4 * self.hidden + 2 * w.v_head_dim
         proj = 2 * w.head_dim * self.hidden * (w.nq + w.nk)
         fwd = w.batch * w.heads * (pairs * per_pair + proj)

@@ -673,19 +673,22 @@ class AttentionVariant(nn.Module):
             return full_pairs(nq, nk, causal)
         return int(self.pattern(nq, nk, causal).sum())
 
+    def useful_pairs(self, w: Workload) -> float:
+        """The (query, key) pairs the call ``w`` computes usefully: :meth:`num_pairs`, less the pairs
+        between packed documents (``w.pair_share``, their share of the full or causal call's pairs),
+        which only a variant with every pair in its pattern can subtract (a pattern's own pairs within
+        documents are not known from the share). Key padding is not subtracted. ``O(1)`` where the
+        pattern is analytic."""
+        pairs = self.num_pairs(w.nq, w.nk, w.causal)
+        return pairs * w.pair_share if pairs == full_pairs(w.nq, w.nk, w.causal) else pairs
+
     def flops(self, w: Workload, mode: str = "fwd") -> int:
         """Useful FLOPs of ``mode`` ('fwd', 'bwd' or 'fwd_bwd') for workload ``w``.
 
-        Forward is ``B * H * pairs * (2*D + 2*Dv)`` (FlashAttention convention: useful pairs, not what
-        a blocked kernel computes); backward counts 2.5x forward. Of call-time masks only packed
-        documents are subtracted (``w.pair_share``, their share of the full or causal call's pairs),
-        and only for a variant with every pair in its pattern (a pattern's own pairs within documents
-        are not known from the share); key padding is not.
+        Forward is ``B * H * pairs * (2*D + 2*Dv)`` over :meth:`useful_pairs` (FlashAttention
+        convention: useful pairs, not what a blocked kernel computes); backward counts 2.5x forward.
         """
-        pairs = self.num_pairs(w.nq, w.nk, w.causal)
-        if pairs == full_pairs(w.nq, w.nk, w.causal):
-            pairs *= w.pair_share
-        fwd = w.batch * w.heads * pairs * (2 * w.head_dim + 2 * w.v_head_dim)
+        fwd = w.batch * w.heads * self.useful_pairs(w) * (2 * w.head_dim + 2 * w.v_head_dim)
         factor = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
         return int(fwd * factor)
 

@@ -103,7 +103,8 @@ class SDPAAttention(AttentionVariant):
 
     def native_documents(self, w: Workload) -> bool:
         # one call per document reads the boundaries on the host: on the CPU only (on a device it would
-        # wait for the stream every call); a mask, bias or sinks beside them would need slicing too
+        # wait for the stream every call); a mask (a window arrives as one), bias or sinks beside them
+        # would need slicing too
         return w.device == "cpu" and not (w.attn_mask or w.bias or w.sinks)
 
     def _attend_documents(self, q, k, v, documents, *, causal, key_padding_mask, scale):
@@ -134,7 +135,7 @@ class SDPAAttention(AttentionVariant):
                             key_padding_mask=kpm,
                             attn_mask=None,
                             scale=scale,
-                        )  # fmt: skip
+                        )
                     )  # (1, H, end - a, Dv)
                 start = end
             rows.append(torch.cat(parts, dim=2))  # (1, H, Nq, Dv)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from variants.base import full_pairs
 from variants.masks import alibi_bias
 
 DTYPES = {
@@ -135,5 +136,4 @@ def pairs_kept(lengths: list[list[int]], nq: int, causal: bool) -> float:
                 # causal: the query at p sees p - start + 1 keys of its document; else all n
                 kept += tri(n) - tri(a - start) if causal else (start + n - a) * n
             start += n
-    total = len(lengths) * (tri(nk) - tri(first) if causal else nq * nk)
-    return kept / total
+    return kept / (len(lengths) * full_pairs(nq, nk, causal))
