@@ -36,6 +36,28 @@ def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> t
     return torch.softmax(s, -1) @ v.double()
 
 
+def _assert_each_document_alone(out: torch.Tensor, inp, causal: bool, **tol: float) -> None:
+    """``out (B, H, Nq, Dv)``, a packed call's output, row by row equal to each document attended alone
+    (:func:`_alone`); its queries are the last ``Nq`` positions, so a document holds those of its
+    positions among them."""
+    nq, nk = inp.q.shape[2], inp.k.shape[2]
+    first = nk - nq
+    for b, row in enumerate(inp.document_lengths):
+        start = 0
+        for n in row:
+            a, end = max(start, first), start + n
+            if a < end:
+                qd, kd, vd = (
+                    inp.q[b, :, a - first : end - first],
+                    inp.k[b, :, start:end],
+                    inp.v[b, :, start:end],
+                )
+                torch.testing.assert_close(
+                    out[b, :, a - first : end - first].double(), _alone(qd, kd, vd, causal), **tol
+                )
+            start = end
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 def test_lengths_cut_each_row_into_that_many_documents(seed):
     rows = document_lengths(3, 100, 7, seed)
@@ -62,20 +84,7 @@ def test_a_packed_call_attends_each_document_alone(name, knobs, nq, causal):
     fewer queries than keys, each document's share of the last ``nq`` positions)."""
     inp = make_inputs(2, 2, nq, 48, 16, 16, dtype=torch.float32, device="cpu", documents=4, seed=1)
     out = build(name, **knobs)(inp.q, inp.k, inp.v, **inp.kwargs(causal)).double()
-    first = 48 - nq
-    for b, row in enumerate(inp.document_lengths):
-        start = 0
-        for n in row:
-            a, end = max(start, first), start + n
-            if a < end:
-                want = _alone(
-                    inp.q[b, :, a - first : end - first],
-                    inp.k[b, :, start:end],
-                    inp.v[b, :, start:end],
-                    causal,
-                )
-                torch.testing.assert_close(out[b, :, a - first : end - first], want, rtol=1e-4, atol=1e-5)
-            start = end
+    _assert_each_document_alone(out, inp, causal, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -203,17 +212,7 @@ def test_the_oracle_attends_each_document_alone_in_every_row_it_checks(nq):
     rows = torch.tensor([0, nq // 2, nq - 1])
     whole, some = oracle(naive, *inp.tensors(), **kw), oracle(naive, *inp.tensors(), **kw, rows=rows)
     torch.testing.assert_close(some, whole[:, :, rows])
-    first = 48 - nq
-    for b, row in enumerate(inp.document_lengths):
-        start = 0
-        for n in row:
-            a, end = max(start, first), start + n
-            if a < end:
-                want = _alone(
-                    inp.q[b, :, a - first : end - first], inp.k[b, :, start:end], inp.v[b, :, start:end], True
-                )
-                torch.testing.assert_close(whole[b, :, a - first : end - first], want)
-            start = end
+    _assert_each_document_alone(whole, inp, True)
 
 
 @pytest.mark.parametrize("nq,nk,causal", [(40, 40, False), (40, 40, True), (9, 40, True), (9, 40, False)])
