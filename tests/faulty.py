@@ -61,7 +61,8 @@ class ShakyOnceAttention(NaiveAttention):
     repetitions spread as widely as they go on, so no figure can be stable), a steady 1 ms in later
     ones (a sleep: steadier on a busy 2-core CI machine than the microseconds of the attention
     itself): a job with ``retry_unstable=1`` must come out stable. The first caller writes its pid
-    to a marker file, ``$ATTNBENCH_SHAKY_MARKER``."""
+    to a marker file, ``$ATTNBENCH_SHAKY_MARKER``; a later one writes its own to that path +
+    ``.later``, so a test can tell a fresh process measured without timing anything."""
 
     calls = 0
 
@@ -75,5 +76,7 @@ class ShakyOnceAttention(NaiveAttention):
                 ShakyOnceAttention.calls += 1
                 time.sleep(0.0003 * ShakyOnceAttention.calls)
             else:
+                with open(marker + ".later", "w") as later:
+                    later.write(str(os.getpid()))
                 time.sleep(0.001)
         return super()._attend(q, k, v, **kw)

@@ -927,9 +927,12 @@ def test_an_unstable_job_is_measured_again_in_a_fresh_process(tmp_path, monkeypa
         # was not stable
         (first,) = f["earlier_attempts"]
         assert first["fwd_unstable"] and first["fwd_median_s"] >= 0.001
-        # the second, a fresh process: a steady 1 ms sleep and 64 tokens of attention, far below the
-        # first's median (whether it ends stable too depends on how busy the machine is: not asserted)
-        assert 0.001 <= f["fwd_median_s"] < first["fwd_median_s"] / 2
+        # the kept figure is the second attempt's, measured in a fresh process (its pid is not the
+        # first's); its time is not compared with the first's: how far apart they land depends on how
+        # busy the machine is. A sleep never returns early, so 1 ms is a floor, not a timing.
+        first_pid = (tmp_path / "first_pid").read_text()
+        assert (tmp_path / "first_pid.later").read_text() not in ("", first_pid)
+        assert f["fwd_median_s"] >= 0.001
         assert "fwd unstable (IQR above 10% of the median); measuring again (attempt 2 of 2" in p.stdout
         # the store takes the list of earlier attempts (as JSON text) into its Parquet file and tables
         from experiments.records import store
