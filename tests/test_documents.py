@@ -36,10 +36,10 @@ def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> t
     return torch.softmax(s, -1) @ v.double()
 
 
-def _assert_each_document_alone(out: torch.Tensor, inp, causal: bool, **tol: float) -> None:
+def _assert_each_document_alone(out: torch.Tensor, inp, causal: bool, alone=_alone, **tol: float) -> None:
     """``out (B, H, Nq, Dv)``, a packed call's output, row by row equal to each document attended alone
-    (:func:`_alone`); its queries are the last ``Nq`` positions, so a document holds those of its
-    positions among them."""
+    (``alone(q, k, v, causal)`` of one document's ``(H, n, D)`` tensors: :func:`_alone` by default);
+    its queries are the last ``Nq`` positions, so a document holds those of its positions among them."""
     nq, nk = inp.q.shape[2], inp.k.shape[2]
     first = nk - nq
     for b, row in enumerate(inp.document_lengths):
@@ -53,7 +53,7 @@ def _assert_each_document_alone(out: torch.Tensor, inp, causal: bool, **tol: flo
                     inp.v[b, :, start:end],
                 )
                 torch.testing.assert_close(
-                    out[b, :, a - first : end - first].double(), _alone(qd, kd, vd, causal), **tol
+                    out[b, :, a - first : end - first].double(), alone(qd, kd, vd, causal), **tol
                 )
             start = end
 
@@ -282,3 +282,67 @@ def test_one_document_is_the_unpacked_job():
     rec = {"config_hash": "x", "status": "ok", "_path": "r.json", "config": {**before, "seq_len": 64},
            "figures": {}, "env": {"host": "h"}}  # fmt: skip
     assert to_frame([rec])["documents"].tolist() == [1]
+
+
+RECURRENCES = [("ssd", {}), ("gla", {"gate_rank": 4}), ("deltanet", {}), ("gated_deltanet", {})]
+
+
+def _own_formula(attn):
+    """One document's ``(H, n, D)`` tensors through ``attn``'s float64 token-by-token recurrence
+    (``oracle_forward``, written apart from its chunked form), from an empty state."""
+    return lambda q, k, v, causal: attn.oracle_forward(q[None], k[None], v[None], causal=causal)[0]
+
+
+@pytest.mark.parametrize("name,knobs", RECURRENCES)
+@pytest.mark.parametrize("chunk", [64, 5, 1])
+@pytest.mark.parametrize("nq", [48, 20])
+def test_a_recurrence_starts_each_document_from_an_empty_state(name, knobs, chunk, nq):
+    """A gated or delta-rule recurrence drops its state where a document begins: each document's rows
+    equal its own recurrence from zero (chunks larger than a document, starts at every offset of a
+    chunk, one position a chunk; fewer queries than keys, the earlier keys a state only)."""
+    attn = build(name, heads=2, head_dim=16, chunk=chunk, **knobs)
+    inp = make_inputs(2, 2, nq, 48, 16, 16, dtype=torch.float64, device="cpu", documents=4, seed=1)
+    out = attn(inp.q, inp.k, inp.v, **inp.kwargs(True))
+    _assert_each_document_alone(out, inp, True, alone=_own_formula(attn), rtol=1e-9, atol=1e-10)
+    unpacked = attn(inp.q, inp.k, inp.v, causal=True)
+    assert (out - unpacked).abs().max() > 1e-2  # the state did carry something across documents
+
+
+@pytest.mark.parametrize("name,knobs", RECURRENCES)
+def test_a_recurrence_s_gradients_stay_within_each_document(name, knobs):
+    """Backward through the packed call equals backward through each document's own call: no gradient
+    leaks across a boundary (q, k, v and the gate parameters)."""
+    attn = build(name, heads=2, head_dim=16, chunk=8, **knobs).double()
+    inp = make_inputs(1, 2, 40, 40, 16, 16, dtype=torch.float64, device="cpu", documents=3, seed=2,
+                      requires_grad=True)  # fmt: skip
+    grad = torch.randn(1, 2, 40, 16, dtype=torch.float64)
+    wrt = [inp.q, inp.k, inp.v, *attn.parameters()]
+    packed = torch.autograd.grad(attn(inp.q, inp.k, inp.v, **inp.kwargs(True)), wrt, grad)
+    parts, start = [], 0
+    for n in inp.document_lengths[0]:
+        sl = slice(start, start + n)
+        parts.append(attn(inp.q[:, :, sl], inp.k[:, :, sl], inp.v[:, :, sl], causal=True))
+        start += n
+    alone = torch.autograd.grad(torch.cat(parts, 2), wrt, grad)
+    for a, b in zip(packed, alone, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_long_context_carries_the_documents_across_its_segments(monkeypatch):
+    """Keys before the queries are taken ``SEGMENT`` positions at a time: a document that spans two
+    segments, and one that begins right at a segment's edge, still start from an empty state."""
+    import variants.gated_core as gated_core
+
+    monkeypatch.setattr(gated_core, "SEGMENT", 16)
+    attn = build("gated_deltanet", heads=2, head_dim=16, chunk=4)
+    inp = make_inputs(1, 2, 6, 64, 16, 16, dtype=torch.float64, device="cpu", documents=4, seed=3)
+    inp.documents[0] = torch.arange(64).div(16, rounding_mode="floor").clamp(max=2)  # starts at 16, 32
+    inp.document_lengths[0] = [16, 16, 32]
+    out = attn(inp.q, inp.k, inp.v, **inp.kwargs(True))
+    _assert_each_document_alone(out, inp, True, alone=_own_formula(attn), rtol=1e-9, atol=1e-10)
+
+
+def test_a_recurrence_refuses_ids_it_cannot_follow():
+    q = torch.randn(1, 8, 6, 64)
+    with pytest.raises(ValueError, match="row 0 gives one id to two separate runs"):
+        build("ssd")(q, q, q, causal=True, documents=torch.tensor([[0, 0, 1, 1, 0, 0]]))

@@ -44,6 +44,7 @@ import torch.nn.functional as fn
 
 from .base import AttentionVariant, Unsupported, Workload, repeat_kv
 from .linear_core import KernelState, decode_workload, refuse_pairwise, step_workload, work_dtype
+from .masks import document_starts
 
 NEG_INF = float("-inf")
 
@@ -56,14 +57,21 @@ def chunked_recurrence(
     beta: torch.Tensor | None,
     chunk: int,
     s0: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The recurrence above over ``N`` positions, in chunks of ``chunk``.
 
     ``q (B, H, N, Dk)`` already scaled, or None (a prefill: the state only); ``k (B, H, N, Dk)``;
     ``v (B, H, N, Dv)``; ``g`` the log decay ``(B, H, N)`` (scalar) or ``(B, H, N, Dk)`` (vector), or
     None (no decay); ``beta (B, H, N)`` for the delta rule, or None; ``s0 (B, H, Dk, Dv)`` the state
-    before the first position, or None (zeros). Returns ``(o (B, H, N, Dv) or None, S_N (B, H, Dk,
-    Dv))``. The delta rule takes a scalar decay only.
+    before the first position, or None (zeros); ``starts (B, N)`` boolean, True where a packed
+    document begins (its position sees no state from before it: ``S_{t-1}`` is dropped), or None.
+    Returns ``(o (B, H, N, Dv) or None, S_N (B, H, Dk, Dv))``. The delta rule takes a scalar decay only.
+
+    A document start inside a chunk splits it into segments (``seg``: how many starts lie at or before a
+    position in its chunk): a pair counts only within one segment, a query reads the state before the
+    chunk only in segment 0, and the state after the chunk keeps only the last segment's writes (and
+    the state before, if no start lies in the chunk). Nothing else changes, so the cost is the same.
     """
     b, h, n, dk = k.shape
     dv = v.shape[-1]
@@ -80,10 +88,21 @@ def chunked_recurrence(
             g = fn.pad(g, (0, 0, 0, pad)) if vector else fn.pad(g, (0, pad))
         if beta is not None:
             beta = fn.pad(beta, (0, pad))
+        if starts is not None:
+            starts = fn.pad(starts, (0, pad))
     kc = k.view(b, h, m, c, dk)  # (B, H, m c, Dk) -> (B, H, m, c, Dk)
     vc = v.view(b, h, m, c, dv)  # (B, H, m, c, Dv)
     qc = None if q is None else q.view(b, h, m, c, dk)  # (B, H, m, c, Dk)
     lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()  # (c, c): j <= i
+    strict = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)  # (c, c): j < i
+    first = last = None  # packed documents: which positions read the state before, which write the after
+    if starts is not None:
+        seg = starts.view(b, 1, m, c).cumsum(3)  # (B, N) -> (B, 1, m, c): the segment in the chunk
+        same = seg[..., :, None] == seg[..., None, :]  # (B, 1, m, c, c): one segment
+        lower, strict = lower & same, strict & same
+        first = seg == 0  # (B, 1, m, c): reads the state before the chunk
+        last = seg == seg[..., -1:]  # (B, 1, m, c): writes the state after it
+        keep = first[..., -1]  # (B, 1, m): the state before carries through the chunk
 
     # --- decay factors within each chunk
     if g is None:
@@ -111,15 +130,22 @@ def chunked_recurrence(
             # matrix per chunk and head is the largest tensor here, and fresh pages cost more than exp)
             diff = (big[..., :, None] - big[..., None, :]).to(k.dtype)  # (B, H, m, c, c): G_i - G_j
             gam = diff.masked_fill_(~lower, NEG_INF).exp_()  # e^{G_i - G_j} for j <= i, else 0
+    q_read = q_in  # the queries as they read the state before their chunk
+    if starts is not None:  # a document's first chunk reads no state before it, its last writes one
+        k_out = k_out * last[..., None]  # (B, H, m, c, Dk)
+        q_read = None if q_in is None else q_in * first[..., None]
+        carry = keep.to(k.dtype)  # (B, 1, m)
+        decay_end = carry if decay_end is None else decay_end * (carry[..., None] if vector else carry)
 
     # --- the values each chunk writes: v (gated), or U_0 - W S_0 (delta rule)
     if beta is not None:
         bc = beta.view(b, h, m, c, 1)  # (B, H, m, c, 1)
         kk = kc @ kc.transpose(-1, -2)  # (B, H, m, c, c)
-        strict = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)
         lmat = bc * (kk if gam is None else kk * gam)
         lmat = lmat.masked_fill(~strict, 0.0) + torch.eye(c, dtype=k.dtype, device=k.device)  # I + L
         ke = kc if g is None else kc * big.exp().to(k.dtype)[..., None]  # (B, H, m, c, Dk): e^{G_i} k_i
+        if first is not None:
+            ke = ke * first[..., None]  # only a chunk's first document follows the state before it
         rhs = bc * torch.cat([vc, ke], -1)  # (B, H, m, c, Dv + Dk)
         x = torch.linalg.solve_triangular(lmat, rhs, upper=False, unitriangular=True)
         u0, w = x[..., :dv], x[..., dv:]  # (B, H, m, c, Dv), (B, H, m, c, Dk)
@@ -159,7 +185,7 @@ def chunked_recurrence(
     else:
         scores = qc @ kc.transpose(-1, -2)  # (B, H, m, c, c)
         scores = scores.masked_fill(~lower, 0.0) if gam is None else scores * gam
-    out = (q_in @ before).add_(scores @ u)  # (B, H, m, c, Dv); in place: matmul keeps no output
+    out = (q_read @ before).add_(scores @ u)  # (B, H, m, c, Dv); in place: matmul keeps no output
     return out.reshape(b, h, m * c, dv)[:, :, :n], state  # (B, H, m, c, Dv) -> (B, H, N, Dv)
 
 
@@ -167,9 +193,10 @@ def chunked_recurrence(
 SEGMENT = 8192
 
 
-def _upto(valid: torch.Tensor | None, a: int, b: int | None) -> torch.Tensor | None:
-    """Positions ``a:b`` of a ``(B, 1, N)`` validity mask (None stays None)."""
-    return None if valid is None else valid[..., a:b]
+def _upto(x: torch.Tensor | None, a: int, b: int | None) -> torch.Tensor | None:
+    """Positions ``a:b`` of a ``(B, 1, N)`` validity mask or ``(B, N)`` document starts (None stays
+    None)."""
+    return None if x is None else x[..., a:b]
 
 
 def _unbind(x: torch.Tensor | None, m: int) -> list[torch.Tensor | None] | tuple[torch.Tensor, ...]:
@@ -259,32 +286,49 @@ class GatedRecurrence(AttentionVariant):
                 beta = torch.where(valid, beta, 0.0)
         return k, v, g, beta
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None):
+    def native_documents(self, w: Workload) -> bool:
+        # the state is dropped where a document begins (the chunks split there): no mask, no extra work
+        return True
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, documents=None):
         work = work_dtype(q.dtype)
         s = q.shape[-1] ** -0.5 if scale is None else scale
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, Nk)
+        starts = None if documents is None else document_starts(documents)  # (B, Nk)
         # the queries are the last Nq positions: the earlier ones are only the state they leave
         ctx = k.shape[2] - q.shape[2]
-        s0 = self._context_state(k[:, :, :ctx], v[:, :, :ctx], _upto(valid, 0, ctx), work) if ctx else None
+        s0 = None
+        if ctx:
+            s0 = self._context_state(
+                k[:, :, :ctx], v[:, :, :ctx], _upto(valid, 0, ctx), work, starts=_upto(starts, 0, ctx)
+            )
         kk, vv, g, beta = self._inputs(
             k[:, :, ctx:].to(work), v[:, :, ctx:].to(work), _upto(valid, ctx, None)
         )
-        out, _ = chunked_recurrence(q.to(work) * s, kk, vv, g, beta, self.chunk, s0)
+        out, _ = chunked_recurrence(q.to(work) * s, kk, vv, g, beta, self.chunk, s0, _upto(starts, ctx, None))
         return out.to(q.dtype)
 
     def _context_state(
-        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, work: torch.dtype, heads: int = 0
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: torch.Tensor | None,
+        work: torch.dtype,
+        heads: int = 0,
+        starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The state ``(B, H, Dk, Dv)`` after keys ``k (B, Hkv, N, Dk)`` and values ``v``, ``valid (B, 1,
-        N)`` or None, taken :data:`SEGMENT` positions at a time (gates, repeated heads and the chunks'
-        temporaries of one segment at once: a 128k-key context on 32 heads would otherwise hold
-        several GiB per tensor). The recurrence carries across segments exactly."""
+        N)`` or None, documents beginning at ``starts (B, N)`` or None, taken :data:`SEGMENT` positions
+        at a time (gates, repeated heads and the chunks' temporaries of one segment at once: a
+        128k-key context on 32 heads would otherwise hold several GiB per tensor). The recurrence
+        carries across segments exactly."""
         heads = heads or k.shape[1]
         state = None
         for a in range(0, k.shape[2], SEGMENT):
             b = min(a + SEGMENT, k.shape[2])
             kk, vv = (repeat_kv(x[:, :, a:b], heads).to(work) for x in (k, v))  # (B, H, seg, Dk|Dv)
-            _, state = chunked_recurrence(None, *self._inputs(kk, vv, _upto(valid, a, b)), self.chunk, state)
+            inputs = self._inputs(kk, vv, _upto(valid, a, b))
+            _, state = chunked_recurrence(None, *inputs, self.chunk, state, _upto(starts, a, b))
         return state
 
     # ------------------------------------------------------------------ the decoding state

@@ -49,6 +49,25 @@ def document_mask(documents: torch.Tensor, nq: int, rows: torch.Tensor | None = 
     return (q_ids[:, :, None] == documents[:, None, :])[:, None]  # (B, R, Nk) -> (B, 1, R, Nk)
 
 
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
+    """``(B, Nk)`` boolean, True at each position that begins a packed document after the first, from
+    the ids ``documents (B, Nk)``: where a recurrence drops its state. Each document must be one
+    contiguous run, since a state cannot rejoin a document it has left (the mask would join two runs
+    with one id): on the CPU a row that reuses an id is one ``ValueError`` naming it; on a device the
+    check is an asynchronous assert (no wait for the stream). ``O(B Nk log Nk)``."""
+    starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0))  # (B, Nk)
+    ordered = documents.sort(-1).values  # (B, Nk)
+    distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(-1)  # (B,): distinct ids less one
+    reused = distinct != starts.sum(-1)  # (B,): fewer distinct ids than runs
+    if documents.device.type == "cpu":
+        if reused.any():
+            row = int(reused.nonzero()[0])
+            raise ValueError(f"documents: row {row} gives one id to two separate runs; number each run apart")
+    else:
+        torch._assert_async(~reused.any(), "documents: a row gives one id to two separate runs")
+    return starts
+
+
 def safe_softmax(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last dim restricted to ``allowed``; rows with no allowed key give zeros.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionVariant, repeat_kv
-from .masks import combined_mask, document_mask, safe_softmax
+from .masks import combined_mask, document_mask, document_starts, safe_softmax
 
 
 def reference_attention(
@@ -86,7 +86,8 @@ def oracle(
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
 
     ``documents`` (ids ``(B, Nk)``, the queries the last ``Nq`` positions): a query sees only the keys
-    whose id is its own.
+    whose id is its own; a variant with its own formula (``oracle_forward``: a recurrence, say) runs it
+    on each document alone, each document then one contiguous run of ids.
 
     ``window=w`` keeps only keys ``j`` with ``|p - j| <= w`` (``p`` the query's position), and the pairs
     of the variant's ``window_exempt(nq, nk, causal)`` where it defines one (local_window's attention
@@ -110,9 +111,15 @@ def oracle(
     custom = getattr(variant, "oracle_forward", None)
     if custom is not None and (sinks is not None or softcap is not None):
         raise ValueError(f"{variant.name or type(variant).__name__}'s own oracle takes no sinks or softcap")
-    if custom is not None and documents is not None:  # its own formula, the documents as an attn_mask
-        same = document_mask(documents, q.shape[2])  # (B, 1, Nq, Nk)
-        attn_mask, documents = (same if attn_mask is None else attn_mask & same), None
+    if custom is not None and documents is not None:  # its own formula, on each document alone
+        if attn_mask is not None or window is not None or bias is not None:
+            raise ValueError(
+                f"{variant.name or type(variant).__name__}'s own oracle takes packed documents alone, "
+                "without an attn_mask, window or bias beside them"
+            )
+        extra = {} if scale is None else {"scale": scale}
+        out = _each_document_alone(custom, q, k, v, documents, causal, key_padding_mask, extra)
+        return out if rows is None else out[:, :, rows]
     if custom is not None and window is not None:  # its own formula over the band, as an attn_mask
         band = _window_band(q.shape[2], k.shape[2], window, q.device)
         attn_mask, window = (band if attn_mask is None else attn_mask & band), None
@@ -145,6 +152,35 @@ def oracle(
     if sinks is not None and sinks.dim() == 3 and rows is not None and sinks.shape[-1] == nq:
         sinks = sinks[..., rows.to(sinks.device)]  # (B, H, R): per-query sinks of the checked rows
     return reference_attention(q_rows, k, v, allowed=allowed, scores=scores, bias=bias, sinks=sinks)
+
+
+def _each_document_alone(custom, q, k, v, documents, causal, key_padding_mask, extra) -> torch.Tensor:
+    """``custom`` (a variant's own float64 formula) run on each packed document of ``documents (B, Nk)``
+    as a sequence of its own, its queries those of its positions among the last ``Nq``: what packing
+    means for an operator that is not a masked softmax (a recurrence starts each document from an
+    empty state). ``(B, H, Nq, Dv)``; one call per document."""
+    document_starts(documents)  # each document one run: a sequence of its own has one start
+    nq, nk = q.shape[2], k.shape[2]
+    first = nk - nq  # the first query's position
+    out = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=torch.float64)  # (B, H, Nq, Dv)
+    for i in range(q.shape[0]):
+        _, counts = torch.unique_consecutive(documents[i], return_counts=True)
+        start = 0
+        for n in counts.tolist():
+            end, a = start + n, max(start, first)
+            if a < end:  # the document holds queries
+                kpm = None if key_padding_mask is None else key_padding_mask[i : i + 1, start:end]
+                out[i : i + 1, :, a - first : end - first] = custom(
+                    q[i : i + 1, :, a - first : end - first],
+                    k[i : i + 1, :, start:end],
+                    v[i : i + 1, :, start:end],
+                    causal=causal,
+                    key_padding_mask=kpm,
+                    attn_mask=None,
+                    **extra,
+                )  # (1, H, end - a, Dv)
+            start = end
+    return out
 
 
 def full_attention_reference(

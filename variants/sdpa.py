@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .base import AttentionVariant, Unsupported, Workload, sinks_as_first_key
-from .masks import combined_mask, empty_rows
+from .masks import combined_mask, document_starts, empty_rows
 from .registry import register
 
 BACKENDS = {
@@ -114,13 +114,10 @@ class SDPAAttention(AttentionVariant):
         ``(B, H, Nq, Dv)``; time ``O(H D sum(n_q n_k))`` over the documents, plus a call per document."""
         b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
         first = nk - nq  # the first query's position
+        document_starts(documents)  # each document one run: an id in two would join what the mask joins
         rows = []
         for i in range(b):
-            ids, counts = torch.unique_consecutive(documents[i], return_counts=True)
-            if len(ids) != len(set(ids.tolist())):  # an id in two runs would join what the mask joins
-                raise ValueError(
-                    f"documents: row {i} gives one id to two separate runs; number each run apart"
-                )
+            _, counts = torch.unique_consecutive(documents[i], return_counts=True)
             parts, start = [], 0
             for n in counts.tolist():
                 end, a = start + n, max(start, first)
