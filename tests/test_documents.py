@@ -284,7 +284,17 @@ def test_one_document_is_the_unpacked_job():
     assert to_frame([rec])["documents"].tolist() == [1]
 
 
-RECURRENCES = [("ssd", {}), ("gla", {"gate_rank": 4}), ("deltanet", {}), ("gated_deltanet", {})]
+GATED = {"heads": 2, "head_dim": 16}
+RECURRENCES = [
+    ("ssd", GATED),
+    ("gla", {**GATED, "gate_rank": 4}),
+    ("deltanet", GATED),
+    ("gated_deltanet", GATED),
+    ("linear", {}),
+    ("linear", {"normalize": False}),
+    ("retention", {}),
+    ("performer", {}),
+]
 
 
 def _own_formula(attn):
@@ -297,10 +307,10 @@ def _own_formula(attn):
 @pytest.mark.parametrize("chunk", [64, 5, 1])
 @pytest.mark.parametrize("nq", [48, 20])
 def test_a_recurrence_starts_each_document_from_an_empty_state(name, knobs, chunk, nq):
-    """A gated or delta-rule recurrence drops its state where a document begins: each document's rows
-    equal its own recurrence from zero (chunks larger than a document, starts at every offset of a
-    chunk, one position a chunk; fewer queries than keys, the earlier keys a state only)."""
-    attn = build(name, heads=2, head_dim=16, chunk=chunk, **knobs)
+    """A recurrence (gated, delta rule, kernelized) drops its state where a document begins: each
+    document's rows equal its own recurrence from zero (chunks larger than a document, starts at every
+    offset of a chunk, one position a chunk; fewer queries than keys, the earlier keys a state only)."""
+    attn = build(name, chunk=chunk, **knobs)
     inp = make_inputs(2, 2, nq, 48, 16, 16, dtype=torch.float64, device="cpu", documents=4, seed=1)
     out = attn(inp.q, inp.k, inp.v, **inp.kwargs(True))
     _assert_each_document_alone(out, inp, True, alone=_own_formula(attn), rtol=1e-9, atol=1e-10)
@@ -311,8 +321,8 @@ def test_a_recurrence_starts_each_document_from_an_empty_state(name, knobs, chun
 @pytest.mark.parametrize("name,knobs", RECURRENCES)
 def test_a_recurrence_s_gradients_stay_within_each_document(name, knobs):
     """Backward through the packed call equals backward through each document's own call: no gradient
-    leaks across a boundary (q, k, v and the gate parameters)."""
-    attn = build(name, heads=2, head_dim=16, chunk=8, **knobs).double()
+    leaks across a boundary (q, k, v and the gate parameters, where there are any)."""
+    attn = build(name, chunk=8, **knobs).double()
     inp = make_inputs(1, 2, 40, 40, 16, 16, dtype=torch.float64, device="cpu", documents=3, seed=2,
                       requires_grad=True)  # fmt: skip
     grad = torch.randn(1, 2, 40, 16, dtype=torch.float64)
@@ -342,7 +352,17 @@ def test_a_long_context_carries_the_documents_across_its_segments(monkeypatch):
     _assert_each_document_alone(out, inp, True, alone=_own_formula(attn), rtol=1e-9, atol=1e-10)
 
 
-def test_a_recurrence_refuses_ids_it_cannot_follow():
+@pytest.mark.parametrize("name", ["ssd", "linear"])
+def test_a_recurrence_refuses_ids_it_cannot_follow(name):
     q = torch.randn(1, 8, 6, 64)
     with pytest.raises(ValueError, match="row 0 gives one id to two separate runs"):
-        build("ssd")(q, q, q, causal=True, documents=torch.tensor([[0, 0, 1, 1, 0, 0]]))
+        build(name)(q, q, q, causal=True, documents=torch.tensor([[0, 0, 1, 1, 0, 0]]))
+
+
+@pytest.mark.parametrize("name", ["linear", "performer"])
+def test_a_kernelized_variant_refuses_documents_without_causal(name):
+    """Its non-causal form is one state over the whole sequence: a document has no end there."""
+    q = torch.randn(1, 8, 6, 64)
+    with pytest.raises(Unsupported, match="takes packed documents causal only"):
+        build(name)(q, q, q, documents=torch.tensor([[0, 0, 1, 1, 2, 2]]))
+    build(name)(q, q, q)  # without the documents the call runs

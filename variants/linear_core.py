@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as fn
 
 from .base import AttentionVariant, Unsupported, Workload, repeat_kv
+from .masks import document_starts
 
 NEG_INF = float("-inf")
 
@@ -133,6 +134,7 @@ def causal_attention(
     kv0: torch.Tensor | None = None,
     ref0: torch.Tensor | None = None,
     den: bool = False,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Causal (*) in chunks of ``chunk`` positions, bottom-right aligned.
 
@@ -147,19 +149,35 @@ def causal_attention(
     Time ``O(Nq c (F + E) + Nk F E)``; memory ``O(Nq c + (Nq / c) F E)`` per batch and head (the
     state before each chunk is kept for the queries and for backward). With weights the state is
     carried chunk by chunk (a loop over ``Nq / c`` chunks of ``O(F E)`` work each); without, by a sum.
+
+    ``starts (B, Nk)`` boolean (no ``kv0``): True where a packed document begins; a position then sums
+    only its own document's keys. A start inside a chunk splits it into segments, as in
+    ``gated_core.chunked_recurrence``: pairs within a segment, the state before the chunk read by its
+    first segment only, the state after it holding its last segment's keys. Documents take the
+    weighted path (zero log weights where the variant has none): its carry is per chunk, where the
+    unweighted path's prefix sum would carry every document into the next.
     """
     b, h, nq, _ = qf.shape
     nk, e = kf.shape[2], v.shape[-1]
+    if starts is not None and kv0 is not None:
+        raise ValueError("packed documents start from an empty state: no kv0 beside starts")
+    if starts is not None and log_k is None:  # weights of 1: exp(0)
+        log_k = log_ref = torch.zeros(1, 1, nk, dtype=torch.float64, device=qf.device)  # (1, 1, Nk)
     weighted = log_k is not None
     if den and (weighted or kv0 is not None or nk != nq):
         v, den = with_ones(v), False  # the general path sums the denominator as a column of ones
         e += 1
     off = nk - nq
     if off:  # keys before the first query: state only
+        log_off = log_k[..., :off] if weighted else None  # (B|1, H, off)
+        if starts is not None:  # only the document the first query follows from
+            docs = starts[:, :off].cumsum(-1)  # (B, off): each key's document among them
+            log_off = torch.where((docs == docs[:, -1:])[:, None], log_off, NEG_INF)  # (B, H|1, off)
+            starts = starts[:, off:]  # (B, Nq)
         kv0, ref0 = absorb(
             kf[:, :, :off],
             v[:, :, :off],
-            log_k[..., :off] if weighted else None,
+            log_off,
             log_ref[..., off - 1] if weighted else None,
             kv0,
             ref0,
@@ -175,6 +193,8 @@ def causal_attention(
         if weighted:
             log_k = fn.pad(log_k, (0, pad), value=NEG_INF)  # (B|1, H, n c)
             log_ref = torch.cat([log_ref, log_ref[..., -1:].expand(*log_ref.shape[:-1], pad)], -1)
+        if starts is not None:
+            starts = fn.pad(starts, (0, pad))  # (B, n c)
     qc = qf.view(b, h, n, c, -1)  # (B, H, n c, F) -> (B, H, n, c, F)
     kc = kf.view(b, h, n, c, -1)  # (B, H, n, c, F)
     vc = v.view(b, h, n, c, e)  # (B, H, n, c, E)
@@ -182,10 +202,17 @@ def causal_attention(
         out, state = _plain_chunks(qc, kc, vc, kv0, den)
         return out[:, :, :nq], state, None
     lower = torch.ones(c, c, dtype=torch.bool, device=qf.device).tril()  # (c, c): key j <= query i
-
-    scores = qc @ kc.transpose(-1, -2)  # (B, H, n, c, c)
     lk = log_k.view(*log_k.shape[:2], n, c)  # (B|1, H, n, c)
     lr = log_ref.view(*log_ref.shape[:2], n, c)  # (B|1, H, n, c)
+    first = keep = None  # packed documents: who reads the state before a chunk, whether it carries
+    lk_out = lk  # the log weights of the keys the state after a chunk holds
+    if starts is not None:
+        seg = starts.view(b, 1, n, c).cumsum(3)  # (B, n c) -> (B, 1, n, c): the segment in the chunk
+        lower = lower & (seg[..., :, None] == seg[..., None, :])  # (B, 1, n, c, c): one segment
+        first, keep = seg == 0, seg[..., -1] == 0  # (B, 1, n, c), (B, 1, n)
+        lk_out = torch.where(seg == seg[..., -1:], lk, NEG_INF)  # (B, H|1, n, c): the last writes on
+
+    scores = qc @ kc.transpose(-1, -2)  # (B, H, n, c, c)
     # relative to the chunk's first reference before any float32 rounding: retention's absolute
     # log positions reach hundreds and more, where a float32 difference keeps ~4 significant digits
     base = lr[..., :1]
@@ -194,7 +221,7 @@ def causal_attention(
     diff = rel_k[..., None, :] - rel_r[..., :, None]  # (B|1, H, n, c, c): l_j - r_i
     scores = scores * _weight(diff.masked_fill(~lower, NEG_INF), qf.dtype)
     ends = lr[..., -1]  # (B|1, H, n): each chunk's state is held relative to its last reference
-    kw = kc * _weight(lk - ends[..., None], qf.dtype)[..., None]  # (B, H, n, c, F)
+    kw = kc * _weight(lk_out - ends[..., None], qf.dtype)[..., None]  # (B, H, n, c, F)
     out = scores @ vc  # (B, H, n, c, E): within each chunk
     chunk_kv = kw.transpose(-1, -2) @ vc  # (B, H, n, F, E): each chunk's own keys
     if kv0 is None:
@@ -203,14 +230,18 @@ def causal_attention(
     befores, refs = [], []
     # unbind, not chunk_kv[:, :, t] in the loop: each indexing's backward would allocate the whole
     # (B, H, n, F, E) gradient, O(n^2 F E) over the loop; unbind's backward is one stack
-    for kv_t, end_t in zip(chunk_kv.unbind(2), ends.unbind(-1), strict=True):
+    keeps = [None] * n if keep is None else keep.unbind(-1)  # (B, 1) each: no document begins in chunk t
+    for kv_t, end_t, keep_t in zip(chunk_kv.unbind(2), ends.unbind(-1), keeps, strict=True):
         befores.append(state)  # the state before chunk t, then chunk t added: O(F E) a chunk
         refs.append(ref)
-        state = _weight(ref - end_t, qf.dtype)[..., None, None] * state + kv_t
+        carry = _weight(ref - end_t, qf.dtype)  # (B|1, H)
+        state = (carry if keep_t is None else carry * keep_t)[..., None, None] * state + kv_t
         ref = end_t
     before = torch.stack(befores, 2)  # (B, H, n, F, E)
     # each query reads the state at its own reference: exp(ref_before - r_i) <= 1
     qscale = _weight(torch.stack(refs, -1)[..., None] - lr, qf.dtype)  # (B|1, H, n, c)
+    if first is not None:
+        qscale = qscale * first  # (B, H, n, c): only a chunk's first document reads the state before
     out = out + (qc * qscale[..., None]) @ before
     return out.reshape(b, h, n * c, e)[:, :, :nq], state, ref  # (B, H, n, c, E) -> (B, H, Nq, E)
 
@@ -377,8 +408,18 @@ class KernelizedAttention(AttentionVariant):
     chunk: int = 64
 
     def check(self, w: Workload) -> None:
-        refuse_pairwise(self.name or type(self).__name__, w)
+        who = self.name or type(self).__name__
+        refuse_pairwise(who, w)
+        if w.documents and not w.causal:
+            raise Unsupported(
+                f"{who} takes packed documents causal only: its non-causal form sums every key into "
+                "one state, with no place where a document ends"
+            )
         super().check(w)
+
+    def native_documents(self, w: Workload) -> bool:
+        # causal: the chunked form drops its state where a document begins (check refuses the rest)
+        return True
 
     def _features(
         self,
@@ -417,14 +458,15 @@ class KernelizedAttention(AttentionVariant):
         num, den = out[..., :-1], out[..., -1:]  # (B, H, N, Dv), (B, H, N, 1)
         return num / torch.where(den == 0, 1.0, den)
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, documents=None):
         work = work_dtype(q.dtype)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, Nk)
         qf, kf, log_k, log_ref = self._features(q.to(work), k.to(work), scale, valid, 0, None, causal)
         vv, den = v.to(work), self.normalize  # (B, H, Nk, Dv); the denominator is summed beside
+        starts = None if documents is None else document_starts(documents)  # (B, Nk)
         if causal:
-            out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref, den=den)
+            out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref, den=den, starts=starts)
         else:
             out = global_attention(qf, kf, vv, log_k, den)
         return self._finish(out).to(q.dtype)
