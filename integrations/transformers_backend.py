@@ -42,7 +42,14 @@ What transformers calls, and what this module does with it:
     -> half), checked element by element against transformers' own mask -> the same with
     ``window=`` (local_window takes the narrower of its window and the model's; variants with an
     ``attn_mask`` get the band as one; the rest refuse);
-  * anything else (chunked predicates, packed sequences, extra overlays) ->
+  * packed sequences (``position_ids`` that restart inside a row and no 2-D mask: transformers then
+    keeps each query to its own sequence) -> ``causal=True`` with ``documents (B, N)`` ids read off
+    the mask's first sub-diagonal (a query that cannot see the key just before it begins a document),
+    and a window where the config has one, kept only if the spec's own mask equals transformers'
+    element by element; the variant gets ``documents=`` (sdpa and flex skip the pairs between
+    documents, the recurrences drop their state at each start, the variants with an ``attn_mask``
+    get the mask; the rest refuse);
+  * anything else (chunked predicates, extra overlays) ->
     transformers' own boolean mask ``(B, 1, Nq, Nk)``, materialised once per forward pass, passed as
     ``attn_mask`` (pattern variants take no ``attn_mask``: they raise :class:`variants.Unsupported`
     with the reason).
@@ -96,6 +103,7 @@ import torch
 from torch import nn
 
 from variants.base import AttentionVariant, Unsupported
+from variants.masks import document_mask
 from variants.registry import available, build, check_knobs, get
 
 PREFIX = "attnbench_"
@@ -162,6 +170,8 @@ class MaskSpec:
     # the sequence position of the first key the layers are handed: > 0 once a cache dropped keys
     # (transformers' sliding one keeps the last W - 1; the suite's rolling one keeps sinks and a band)
     kv_offset: int = 0
+    # packed sequences: (B, Nk) ids, one per key, each document one run; a query sees its own only
+    documents: torch.Tensor | None = None
     # generate() with a static (compileable) cache builds the masks before the forward pass, calls
     # .contiguous() on them and hands them back to create_causal_mask, which reads .ndim: these two
     # let the spec pass through unchanged (the mask function returns a spec it is given as is)
@@ -188,6 +198,8 @@ class MaskSpec:
         if self.window is not None:  # comparisons of (Nq, 1) with (1, Nk): booleans only, no int tensor
             seen = seen & (keys >= pos - self.window) & (keys <= pos + self.window)
         seen = seen[None, None]  # (1, 1, R, Nk)
+        if self.documents is not None:  # the queries are the last Nq of the Nk keys
+            seen = seen & document_mask(self.documents, self.q_length, idx)  # (B, 1, R, Nk)
         if self.key_padding_mask is not None:
             pad = torch.ones(self.key_padding_mask.shape[0], self.kv_length, dtype=torch.bool, device=device)
             pad[:, : self.keys_used] = self.key_padding_mask
@@ -203,9 +215,10 @@ class MaskSpec:
         if self.attn_mask is not None:
             return f"MaskSpec(attn_mask {tuple(self.attn_mask.shape)})"
         pad = "none" if self.key_padding_mask is None else tuple(self.key_padding_mask.shape)
+        docs = "" if self.documents is None else f", documents={tuple(self.documents.shape)}"
         return (
             f"MaskSpec(causal={self.causal}, key_padding={pad}, Nq={self.q_length}, Nk={self.kv_length}, "
-            f"keys_used={self.keys_used})"
+            f"keys_used={self.keys_used}{docs})"
         )
 
 
@@ -264,7 +277,46 @@ def mask_function(
     banded = _as_window(full, config, attention_mask, q_length, kv_length, q_end, kv_offset)
     if banded is not None:
         return banded
+    if attention_mask is None and q_length == kv_length and q_end == kv_length and kv_offset == 0:
+        packed = _as_documents(full, config)
+        if packed is not None:
+            return packed
     return MaskSpec(False, None, full, q_length, kv_length, kv_length, None, None, kv_offset)
+
+
+def _equal_to(spec: MaskSpec, full: torch.Tensor) -> bool:
+    """Whether ``spec``'s own mask is transformers' ``full (B|1, 1, Nq, Nk)``, element by element: a few
+    rows first (the first, last and some between), where a wrong candidate is dropped at ``O(rows
+    Nk)``; only one that matches them is compared whole (``O(Nq Nk)``: about 1 GiB of booleans at 32k,
+    where checking every candidate whole took 13 s of a prefill)."""
+    n = spec.q_length
+    rows = torch.unique(torch.linspace(0, n - 1, min(n, 9)).round().long()).to(full.device)
+    some = full.expand(-1, -1, n, -1)[:, :, rows]  # (B|1, 1, R, Nk)
+    if not torch.equal(spec.dense(rows).expand_as(some), some):
+        return False
+    return torch.equal(spec.dense().expand_as(full), full)
+
+
+def _as_documents(full: torch.Tensor, config: Any) -> MaskSpec | None:
+    """``full (B|1, 1, N, N)`` as causal attention over packed documents (a row's sequences one after
+    another, as transformers masks ``position_ids`` that restart), with a window where the config
+    gives one: the ids are read off the first sub-diagonal (query ``i`` that cannot see key ``i - 1``
+    begins a document), and kept only if the spec's mask equals ``full``. None otherwise, or where
+    every row is one document (then it is not packing). ``O(N^2)`` booleans, once per forward pass."""
+    n = full.shape[-1]
+    if n < 2:
+        return None
+    starts = ~full[:, 0].diagonal(-1, -2, -1)  # (B|1, N - 1): query i + 1 cannot see key i
+    if not bool(starts.any()):
+        return None
+    ids = torch.nn.functional.pad(starts, (1, 0)).long().cumsum(-1)  # (B|1, N)
+    sizes = [getattr(config, a, None) for a in ("sliding_window",)]
+    radii = [None] + sorted({size - 1 for size in sizes if isinstance(size, int) and size > 0})
+    for radius in radii:
+        spec = MaskSpec(True, None, None, n, n, n, radius, full.device, 0, ids)
+        if _equal_to(spec, full):
+            return spec
+    return None
 
 
 def _as_window(
@@ -289,10 +341,6 @@ def _as_window(
     if not radii or full is None:
         return None
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    # a few rows first (the first, last and some between): a candidate that differs there is dropped
-    # at O(rows Nk); only one that matches them is compared whole (O(Nq Nk), about 1 GiB of booleans
-    # at 32k: checking every candidate whole took 13 s of a 32k prefill)
-    rows = torch.unique(torch.linspace(0, q_length - 1, min(q_length, 9)).round().long()).to(full.device)
     for causal in (True, False):
         used = min(q_end - kv_offset, kv_length) if causal else kv_length
         if used <= 0 or (causal and q_end != kv_offset + used):
@@ -301,10 +349,7 @@ def _as_window(
         pad = None if pad is None or bool(pad.all()) else pad
         for radius in radii:
             spec = MaskSpec(causal, pad, None, q_length, kv_length, used, radius, full.device, kv_offset)
-            some = full.expand(-1, -1, q_length, -1)[:, :, rows]  # (B|1, 1, R, Nk)
-            if not torch.equal(spec.dense(rows).expand_as(some), some):
-                continue
-            if torch.equal(spec.dense().expand_as(full), full):
+            if _equal_to(spec, full):
                 return spec
     return None
 
@@ -369,6 +414,8 @@ def _mask_args(
         }
         if attention_mask.window is not None:
             args["window"] = attention_mask.window
+        if attention_mask.documents is not None:
+            args["documents"] = attention_mask.documents
         return args
     if attention_mask is None:  # no mask built (a model that never calls the mask function)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -412,7 +459,7 @@ def _describe_call(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -
         parts.append(f"window {kw['window']}")
     if kw.get("cross"):
         parts.append("cross-attention")
-    for k in ("key_padding_mask", "attn_mask", "bias"):
+    for k in ("key_padding_mask", "attn_mask", "bias", "documents"):
         if kw.get(k) is not None:
             parts.append(f"{k} {tuple(kw[k].shape)}")
     if kw.get("scale") is not None:

@@ -102,10 +102,22 @@ def test_sparse_in_64_wide_tiles_matches_the_oracle_forward_and_backward(causal)
         assert rel_err(got.grad, want.grad) < 3e-2
 
 
-@pytest.mark.parametrize("name,knobs", [("flex", {"compile": True}), ("sdpa", {}), ("chunked", {})])
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        ("flex", {"compile": True}),
+        ("sdpa", {}),
+        ("chunked", {}),
+        ("gated_deltanet", {"heads": 4, "head_dim": 64}),
+        ("gla", {"heads": 4, "head_dim": 64}),
+        ("retention", {}),
+        ("linear", {}),
+    ],
+)
 def test_packed_documents_match_the_oracle_on_cuda_forward_and_backward(name, knobs):
     # flex reads the ids in its compiled kernel's block mask; sdpa (no per-document path off the CPU:
-    # it would read the boundaries on the host) and chunked's Triton kernels take their dense mask
+    # it would read the boundaries on the host) and chunked's Triton kernels take their dense mask; the
+    # recurrences drop their state at each start (the ids checked by an asynchronous device assert)
     from experiments.measure.inputs import make_inputs as job_inputs
 
     inp = job_inputs(

@@ -764,3 +764,75 @@ def test_a_window_is_recognised_by_a_few_rows_first_and_checked_whole_once(monke
     assert whole == [w]
     rows = torch.tensor([0, 7, 63])
     assert torch.equal(dense(spec, rows), dense(spec)[:, :, rows])  # a row's mask is the whole's row
+
+
+# ---------------------------------------------------------------- packed sequences (position_ids)
+
+PACKED = [[10, 14], [5, 12, 7]]  # per row, the lengths of the sequences packed into its 24 tokens
+
+
+def _packed_inputs():
+    """``ids (2, 24)`` and ``position_ids`` that restart at each packed sequence (as transformers'
+    ``DataCollatorWithFlattening`` gives them), and the ids per key the variant should get."""
+    ids = torch.randint(0, LLAMA["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in PACKED])  # (2, 24)
+    docs = torch.cat([torch.cat([torch.full((n,), i) for i, n in enumerate(row)])[None] for row in PACKED])
+    return ids, pos, docs
+
+
+@torch.inference_mode()
+def _each_sequence_alone(model, ids):
+    """The logits of every packed sequence run through ``model`` on its own, joined: ``(2, 24, vocab)``,
+    what a packed batch means."""
+    rows = []
+    for r, lengths in enumerate(PACKED):
+        parts, start = [], 0
+        for n in lengths:
+            parts.append(model(ids[r : r + 1, start : start + n], use_cache=False).logits)
+            start += n
+        rows.append(torch.cat(parts, 1))
+    return torch.cat(rows)
+
+
+def test_packed_position_ids_reach_the_layer_as_documents():
+    """transformers masks position_ids that restart as separate sequences; the mask function reads
+    that mask as causal attention over packed documents (ids, no (Nq, Nk) mask), checked against it."""
+    from transformers.masking_utils import and_masks, packed_sequence_mask_function
+
+    _, _, docs = _packed_inputs()
+    packed = and_masks(causal_mask_function, packed_sequence_mask_function(docs))
+    spec = hf.mask_function(2, 24, 24, mask_function=packed, config=LlamaConfig(**LLAMA))
+    assert spec.causal and spec.attn_mask is None and torch.equal(spec.documents, docs)
+    ref = sdpa_mask(2, 24, 24, mask_function=packed, allow_is_causal_skip=False)
+    assert torch.equal(spec.dense(), ref)
+    # one sequence per row is no packing: plain causal; a predicate that is not packing stays a mask
+    whole = hf.mask_function(
+        2, 24, 24, mask_function=and_masks(causal_mask_function, lambda b, h, q, k: k != 3)
+    )
+    assert whole.documents is None and whole.attn_mask is not None
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_exact_variants_run_a_packed_batch_as_eager_does(name):
+    """A packed batch (restarting position_ids, no attention_mask, no cache) gives eager's logits, which
+    are each sequence run alone."""
+    eager, _ = llama_eager()
+    ids, pos, _ = _packed_inputs()
+    with torch.inference_mode():
+        ref = eager(ids, position_ids=pos, use_cache=False).logits
+        got = _attnbench_model(name)(ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(ref, _each_sequence_alone(eager, ids), rtol=1e-4, atol=1e-4)
+    assert (got - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "linear"])
+def test_a_recurrence_runs_a_packed_batch_as_each_sequence_alone(name):
+    """A recurrence takes no (Nq, Nk) mask: it runs a packed batch only because the documents reach it
+    as ids, and its logits are those of each sequence run alone through the same model."""
+    eager, _ = llama_eager()
+    knobs = {"heads": 8, "head_dim": 16} if variants.get(name).has_params else {}
+    model = _attnbench_model(name, knobs, key=f"packed-{name}")
+    ids, pos, _ = _packed_inputs()
+    with torch.inference_mode():
+        got = model(ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, _each_sequence_alone(model, ids), rtol=1e-4, atol=1e-4)
