@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,37 @@ def document_starts(documents: torch.Tensor) -> torch.Tensor:
     else:
         torch._assert_async(~reused.any(), "documents: a row gives one id to two separate runs")
     return starts
+
+
+def attend_each_document(
+    attend: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each packed document of ``documents (B, Nk)`` (ids, each document one run: checked by
+    :func:`document_starts`) as a sequence of its own: ``attend(q_d, k_d, v_d, kpm_d)`` on its queries
+    ``(1, H, n_q, D)`` (its positions among the last ``Nq``, as ``q (B, H, Nq, D)`` holds them), its
+    keys and values ``(1, Hkv, n_k, D|Dv)`` and their padding mask (or None), joined into ``(B, H, Nq,
+    Dv)``. One call per document that holds queries; reads the boundaries on the host."""
+    document_starts(documents)
+    b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
+    first = nk - nq  # the first query's position
+    rows = []
+    for i in range(b):
+        _, counts = torch.unique_consecutive(documents[i], return_counts=True)
+        parts, start = [], 0
+        for n in counts.tolist():
+            end, a = start + n, max(start, first)
+            if a < end:  # the document holds queries
+                kpm = None if key_padding_mask is None else key_padding_mask[i : i + 1, start:end]
+                keys = (k[i : i + 1, :, start:end], v[i : i + 1, :, start:end])  # (1, Hkv, n_k, D|Dv)
+                parts.append(attend(q[i : i + 1, :, a - first : end - first], *keys, kpm))  # (1, H, n_q, Dv)
+            start = end
+        rows.append(torch.cat(parts, dim=2))  # (1, H, Nq, Dv)
+    return torch.cat(rows, dim=0)
 
 
 def safe_softmax(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionVariant, repeat_kv
-from .masks import combined_mask, document_mask, document_starts, safe_softmax
+from .masks import attend_each_document, combined_mask, document_mask, safe_softmax
 
 
 def reference_attention(
@@ -118,7 +118,11 @@ def oracle(
                 "without an attn_mask, window or bias beside them"
             )
         extra = {} if scale is None else {"scale": scale}
-        out = _each_document_alone(custom, q, k, v, documents, causal, key_padding_mask, extra)
+
+        def alone(qd, kd, vd, kpm):  # one document as a sequence of its own (a recurrence from zero)
+            return custom(qd, kd, vd, causal=causal, key_padding_mask=kpm, attn_mask=None, **extra)
+
+        out = attend_each_document(alone, q, k, v, documents, key_padding_mask)  # (B, H, Nq, Dv)
         return out if rows is None else out[:, :, rows]
     if custom is not None and window is not None:  # its own formula over the band, as an attn_mask
         band = _window_band(q.shape[2], k.shape[2], window, q.device)
@@ -152,35 +156,6 @@ def oracle(
     if sinks is not None and sinks.dim() == 3 and rows is not None and sinks.shape[-1] == nq:
         sinks = sinks[..., rows.to(sinks.device)]  # (B, H, R): per-query sinks of the checked rows
     return reference_attention(q_rows, k, v, allowed=allowed, scores=scores, bias=bias, sinks=sinks)
-
-
-def _each_document_alone(custom, q, k, v, documents, causal, key_padding_mask, extra) -> torch.Tensor:
-    """``custom`` (a variant's own float64 formula) run on each packed document of ``documents (B, Nk)``
-    as a sequence of its own, its queries those of its positions among the last ``Nq``: what packing
-    means for an operator that is not a masked softmax (a recurrence starts each document from an
-    empty state). ``(B, H, Nq, Dv)``; one call per document."""
-    document_starts(documents)  # each document one run: a sequence of its own has one start
-    nq, nk = q.shape[2], k.shape[2]
-    first = nk - nq  # the first query's position
-    out = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=torch.float64)  # (B, H, Nq, Dv)
-    for i in range(q.shape[0]):
-        _, counts = torch.unique_consecutive(documents[i], return_counts=True)
-        start = 0
-        for n in counts.tolist():
-            end, a = start + n, max(start, first)
-            if a < end:  # the document holds queries
-                kpm = None if key_padding_mask is None else key_padding_mask[i : i + 1, start:end]
-                out[i : i + 1, :, a - first : end - first] = custom(
-                    q[i : i + 1, :, a - first : end - first],
-                    k[i : i + 1, :, start:end],
-                    v[i : i + 1, :, start:end],
-                    causal=causal,
-                    key_padding_mask=kpm,
-                    attn_mask=None,
-                    **extra,
-                )  # (1, H, end - a, Dv)
-            start = end
-    return out
 
 
 def full_attention_reference(

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .base import AttentionVariant, Unsupported, Workload, sinks_as_first_key
-from .masks import combined_mask, document_starts, empty_rows
+from .masks import attend_each_document, combined_mask, empty_rows
 from .registry import register
 
 BACKENDS = {
@@ -112,31 +112,11 @@ class SDPAAttention(AttentionVariant):
         Nk)`` ids, each document a contiguous run; the queries are the last ``Nq`` positions, so a
         document's queries are its positions among them (causal: bottom-right within the document).
         ``(B, H, Nq, Dv)``; time ``O(H D sum(n_q n_k))`` over the documents, plus a call per document."""
-        b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
-        first = nk - nq  # the first query's position
-        document_starts(documents)  # each document one run: an id in two would join what the mask joins
-        rows = []
-        for i in range(b):
-            _, counts = torch.unique_consecutive(documents[i], return_counts=True)
-            parts, start = [], 0
-            for n in counts.tolist():
-                end, a = start + n, max(start, first)
-                if a < end:  # the document holds queries
-                    kpm = None if key_padding_mask is None else key_padding_mask[i : i + 1, start:end]
-                    parts.append(
-                        self._attend(
-                            q[i : i + 1, :, a - first : end - first],
-                            k[i : i + 1, :, start:end],
-                            v[i : i + 1, :, start:end],
-                            causal=causal,
-                            key_padding_mask=kpm,
-                            attn_mask=None,
-                            scale=scale,
-                        )
-                    )  # (1, H, end - a, Dv)
-                start = end
-            rows.append(torch.cat(parts, dim=2))  # (1, H, Nq, Dv)
-        return torch.cat(rows, dim=0)
+
+        def alone(qd, kd, vd, kpm):  # one document: a fused call with no mask but its padding
+            return self._attend(qd, kd, vd, causal=causal, key_padding_mask=kpm, attn_mask=None, scale=scale)
+
+        return attend_each_document(alone, q, k, v, documents, key_padding_mask)
 
     def _attend_with_sinks(self, q, k, v, sinks, *, causal, key_padding_mask, attn_mask, scale, bias):
         """``sinks (B|1, H, Nq|1)`` as one more key in front (``sinks_as_first_key``), shaped so that
