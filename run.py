@@ -3,9 +3,12 @@
 Thin glue: Hydra composes the config, :func:`experiments.sweep.runner.run_job` measures one job.
 """
 
+import difflib
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.sweep.hydra_nodes import register_hydra_pieces
@@ -20,9 +23,18 @@ def main(cfg: DictConfig) -> float:
     """Measure one job; return its ``objective`` figure (for optimising sweepers such as Optuna)."""
     record, figure = run_job(cfg), cfg.get("objective")
     value = objective(record, figure)
-    if figure and record and record.get("status") == "ok" and figure not in (record.get("figures") or {}):
-        # a misspelt objective must not pass for a failed trial: say so in one line
-        print(f"warning: objective={figure} is not a figure of this record: NaN returned", file=sys.stderr)
+    figures = (record or {}).get("figures") or {}
+    if figure and record and record.get("status") == "ok" and figure not in figures:
+        # a misspelt objective must not pass for a failed trial: one line; a single run, which has no
+        # optimiser to hand a NaN to, fails (a sweep's end fails it too, once no record has the figure)
+        near = difflib.get_close_matches(figure, list(figures), n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        if HydraConfig.get().mode == RunMode.RUN:
+            print(f"error: objective={figure} is not a figure of this record{hint}", file=sys.stderr)
+            sys.exit(1)
+        print(
+            f"warning: objective={figure} is not a figure of this record: NaN returned{hint}", file=sys.stderr
+        )
     return value
 
 

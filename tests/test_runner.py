@@ -1048,6 +1048,19 @@ def test_a_sweep_whose_objective_no_record_has_fails(tmp_path):
     assert objective_missing([{"status": "unsupported", "record": str(rec)}], "nope") == []
 
 
+def test_a_single_run_with_a_misspelt_objective_fails_in_one_line(tmp_path):
+    """A single run has no optimiser to hand a NaN to: a misspelt objective is exit 1, one line."""
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    cmd = [sys.executable, "run.py", "variant=naive", *small, "objective=fwd_medain_s",
+           f"records_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        "error: objective=fwd_medain_s is not a figure of this record; did you mean fwd_median_s?"
+    )
+    assert len(list(tmp_path.glob("*.json"))) == 1  # the measurement itself is kept
+
+
 def test_a_job_returns_its_objective_figure():
     from experiments.sweep.runner import objective
 
