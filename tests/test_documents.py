@@ -120,6 +120,35 @@ def test_flex_reads_the_ids_into_one_cached_block_mask_that_skips_tiles():
     assert tiles_per_head(packed) < 0.5 * tiles_per_head(causal)  # 8 documents in 8 tile rows
 
 
+@pytest.mark.parametrize("causal,nq", [(True, 256), (False, 256), (True, 100)])
+def test_chunked_skips_the_blocks_between_documents_and_keeps_its_gradients(causal, nq, monkeypatch):
+    """chunked on the CPU reads the ids itself: its output and gradients equal those of the same call
+    through the documents' dense mask, and it computes fewer blocks (those between documents skipped)."""
+    import variants.chunked as chunked
+
+    inp = make_inputs(2, 2, nq, 256, 16, 16, dtype=torch.float64, device="cpu", documents=6, seed=7,
+                      padding=0.1, requires_grad=True)  # fmt: skip
+    attn = build("chunked", query_chunk=32, key_chunk=32)
+    assert attn.native_documents(Workload.of(inp.q, inp.k, inp.v, causal=causal, documents=inp.documents))
+    blocks = []
+    scores = chunked._scores
+    monkeypatch.setattr(chunked, "_scores", lambda *a: blocks.append(a[2]) or scores(*a))
+    grad = torch.randn(2, 2, nq, 16, dtype=torch.float64)
+
+    def run():
+        blocks.clear()
+        out = attn(inp.q, inp.k, inp.v, **inp.kwargs(causal))
+        return out, torch.autograd.grad(out, [inp.q, inp.k, inp.v], grad), len(blocks)
+
+    own, own_g, own_blocks = run()
+    monkeypatch.setattr(type(attn), "native_documents", lambda self, w: False)
+    masked, masked_g, masked_blocks = run()
+    torch.testing.assert_close(own, masked)
+    for a, b in zip(own_g, masked_g, strict=True):
+        torch.testing.assert_close(a, b)
+    assert own_blocks < 0.7 * masked_blocks  # forward and backward both skip
+
+
 def _feature(name: str, inp) -> dict:
     b, h, nq, nk = inp.q.shape[0], inp.q.shape[1], inp.q.shape[2], inp.k.shape[2]
     g = torch.Generator().manual_seed(9)

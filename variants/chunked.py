@@ -9,6 +9,10 @@ keeps the output and each row's log-sum-exp ``L``. Backward recomputes the proba
 gradients of the query, key and value chunks, so backward memory stays linear too, with nothing kept
 per block between the passes.
 
+Packed documents (``documents=`` ids) on the CPU: each block is masked by the ids, and a block that
+holds no pair of one document is skipped, forward and backward, as causal skips the blocks past the
+diagonal, so memory stays linear (no ``Nq x Nk`` mask); the Triton path takes them as a mask.
+
 Time ``O(B H Nq Nk D)`` (backward about 2.5x forward: it recomputes ``S``); memory
 ``O(B H (Nq (D + Dv) + q_chunk * k_chunk))``. Low-precision inputs are accumulated in float32, as the
 fused kernels do. A float ``bias`` is added block by block (no gradient for it); causal with
@@ -51,6 +55,7 @@ from .base import (
     repeat_kv,
     sinks_as_first_key,
 )
+from .masks import document_starts
 from .registry import register
 
 DECODE = ("auto", "kernel", "torch")
@@ -65,13 +70,18 @@ def _allowed(
     causal: bool,
     kpm: torch.Tensor | None,
     am: torch.Tensor | None,
+    docs: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Which pairs of a block of key columns ``[ks, ke)`` the query ``rows (cq, 1)`` may use, or
     None for all: broadcasts to ``(B, H, cq, ck)``. ``rows`` are positions in the keys' sequence
-    (query index + ``Nk - Nq``), so causal is bottom-right aligned."""
+    (query index + ``Nk - Nq``), so causal is bottom-right aligned; ``docs (B, Nk)``, each position's
+    packed document, keeps a query to its own."""
     allowed = None
     if causal:
         allowed = torch.arange(ks, ke, device=rows.device)[None, :] <= rows  # (cq, ck)
+    if docs is not None:
+        same = docs[:, rows[:, 0], None] == docs[:, None, ks:ke]  # (B, cq, ck)
+        allowed = same[:, None] if allowed is None else allowed & same[:, None]  # (B, 1, cq, ck)
     if kpm is not None:
         pad = kpm[:, None, None, ks:ke]  # (B, 1, 1, ck)
         allowed = pad if allowed is None else allowed & pad
@@ -81,7 +91,7 @@ def _allowed(
     return allowed
 
 
-def _scores(q, kc, ks, rows, causal, kpm, am, bias, cap):
+def _scores(q, kc, ks, rows, causal, kpm, am, bias, cap, docs=None):
     """Masked scores ``(B, H, cq, ck)`` of the (already scaled) query chunk against key chunk ``kc``,
     soft-capped to ``cap tanh(s / cap)`` when ``cap`` is set, plus the chunk's rows of ``bias (B|1,
     H|1, cq|1, Nk)``; and the cap's slope ``1 - tanh^2`` (None without a cap) for the backward."""
@@ -92,7 +102,7 @@ def _scores(q, kc, ks, rows, causal, kpm, am, bias, cap):
         s, slope = cap * t, 1 - t * t  # d(cap tanh(s / cap)) / ds
     if bias is not None:
         s = s + bias[..., ks : ks + kc.shape[2]]
-    allowed = _allowed(ks, ks + kc.shape[2], rows, causal, kpm, am)
+    allowed = _allowed(ks, ks + kc.shape[2], rows, causal, kpm, am, docs)
     return (s if allowed is None else s.masked_fill(~allowed, float("-inf"))), slope
 
 
@@ -110,9 +120,32 @@ def _as_4d(t: torch.Tensor | None, nk: int) -> torch.Tensor | None:
     return t.expand(*t.shape[:-1], nk)
 
 
-def _key_chunks(nk: int, k_chunk: int, q_end: int, causal: bool) -> range:
-    """Start of every key chunk a query chunk ending at position ``q_end`` sees (causal: none past it)."""
-    return range(0, min(nk, q_end) if causal else nk, k_chunk)
+def _key_chunks(
+    nk: int, k_chunk: int, q_start: int, q_end: int, causal: bool, spans: list[tuple[int, int]] | None
+) -> list[int]:
+    """Start of every key chunk a query chunk at positions ``[q_start, q_end)`` sees: causal, none past
+    it; with packed documents (``spans``: per position, the first and last position of its
+    document, over every row of the batch), none that holds no key of the chunk's documents."""
+    starts = range(0, min(nk, q_end) if causal else nk, k_chunk)
+    if spans is None:
+        return list(starts)
+    lo, hi = spans[q_start][0], spans[q_end - 1][1]  # the chunk's documents lie within [lo, hi]
+    return [ks for ks in starts if ks <= hi and min(ks + k_chunk, nk) > lo]
+
+
+def document_spans(docs: torch.Tensor) -> list[tuple[int, int]]:
+    """Per position of ``docs (B, Nk)`` (each position's document, non-decreasing along a row), the
+    first and last position of its document in any row: ``spans[p][0]`` the earliest start, and
+    ``spans[p][1]`` the latest end, of the documents at ``p`` across the batch. Read on the host, once
+    per call. ``O(B Nk)``."""
+    nk = docs.shape[1]
+    pos = torch.arange(nk).expand_as(docs)  # (B, Nk)
+    # (B, Nk): where each position's document begins, and where it ends, by a scan of the run ids
+    begin = torch.zeros_like(docs).scatter_reduce(1, docs, pos, "amin", include_self=False)
+    end = torch.zeros_like(docs).scatter_reduce(1, docs, pos, "amax", include_self=False)
+    first = begin.gather(1, docs).amin(0)  # (Nk,)
+    last = end.gather(1, docs).amax(0)  # (Nk,)
+    return list(zip(first.tolist(), last.tolist(), strict=True))
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -120,7 +153,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q, k, v, kpm, am, bias, causal: bool, q_chunk: int, k_chunk: int, scale: float, cap
+        ctx: Any, q, k, v, kpm, am, bias, causal: bool, q_chunk: int, k_chunk: int, scale: float, cap, docs
     ):
         b, h, nq, d = q.shape
         nk, dv = k.shape[2], v.shape[-1]
@@ -128,6 +161,7 @@ class _ChunkedAttention(torch.autograd.Function):
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         qw, kw, vw = q.to(work) * scale, k.to(work), v.to(work)
         bw = None if bias is None else bias.to(work)
+        spans = None if docs is None else document_spans(docs)
         out = torch.empty(b, h, nq, dv, dtype=work, device=q.device)
         lse = torch.empty(b, h, nq, 1, dtype=work, device=q.device)  # log-sum-exp of each row
         for qs in range(0, nq, q_chunk):
@@ -137,9 +171,11 @@ class _ChunkedAttention(torch.autograd.Function):
             m = torch.full((b, h, qe - qs, 1), float("-inf"), dtype=work, device=q.device)  # running max
             s = torch.zeros((b, h, qe - qs, 1), dtype=work, device=q.device)  # running sum of exp
             acc = torch.zeros((b, h, qe - qs, dv), dtype=work, device=q.device)  # running sum of p v
-            for ks in _key_chunks(nk, k_chunk, qe + off, causal):
+            for ks in _key_chunks(nk, k_chunk, qs + off, qe + off, causal, spans):
                 ke = min(ks + k_chunk, nk)
-                sc, _ = _scores(qc, kw[:, :, ks:ke], ks, rows, causal, kpm, am_c, b_c, cap)  # (B, H, cq, ck)
+                sc, _ = _scores(
+                    qc, kw[:, :, ks:ke], ks, rows, causal, kpm, am_c, b_c, cap, docs
+                )  # (B, H, cq, ck)
                 m_new = torch.maximum(m, sc.amax(dim=-1, keepdim=True))
                 m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
                 p = torch.exp(sc - m_safe)  # (B, H, cq, ck); masked entries are exactly 0
@@ -150,14 +186,14 @@ class _ChunkedAttention(torch.autograd.Function):
             out[:, :, qs:qe] = acc / torch.where(s > 0, s, torch.ones_like(s))  # empty rows: 0 / 1 = 0
             # empty rows get L = +inf, so that exp(S - L) = 0 for them in backward
             lse[:, :, qs:qe] = torch.where(s > 0, m + torch.log(s), torch.full_like(s, float("inf")))
-        ctx.save_for_backward(q, k, v, out, lse, kpm, am, bw)
-        ctx.cfg = (causal, q_chunk, k_chunk, scale, cap)
+        ctx.save_for_backward(q, k, v, out, lse, kpm, am, bw, docs)
+        ctx.cfg = (causal, q_chunk, k_chunk, scale, cap, spans)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        q, k, v, out, lse, kpm, am, bw = ctx.saved_tensors
-        causal, q_chunk, k_chunk, scale, cap = ctx.cfg
+        q, k, v, out, lse, kpm, am, bw, docs = ctx.saved_tensors
+        causal, q_chunk, k_chunk, scale, cap, spans = ctx.cfg
         nq, nk = q.shape[2], k.shape[2]
         off = nk - nq
         work = out.dtype
@@ -169,10 +205,10 @@ class _ChunkedAttention(torch.autograd.Function):
             qc, am_c, b_c = qw[:, :, qs:qe], _am_rows(am, qs, qe), _am_rows(bw, qs, qe)  # (B, H, cq, D)
             rows = torch.arange(qs + off, qe + off, device=q.device)[:, None]  # (cq, 1) positions
             do_c, l_c, d_c = do[:, :, qs:qe], lse[:, :, qs:qe], delta[:, :, qs:qe]
-            for ks in _key_chunks(nk, k_chunk, qe + off, causal):
+            for ks in _key_chunks(nk, k_chunk, qs + off, qe + off, causal, spans):
                 ke = min(ks + k_chunk, nk)
                 kc, vc = kw[:, :, ks:ke], vw[:, :, ks:ke]  # (B, H, ck, D), (B, H, ck, Dv)
-                sc, slope = _scores(qc, kc, ks, rows, causal, kpm, am_c, b_c, cap)  # (B, H, cq, ck)
+                sc, slope = _scores(qc, kc, ks, rows, causal, kpm, am_c, b_c, cap, docs)  # (B, H, cq, ck)
                 p = torch.exp(sc - l_c)
                 dv[:, :, ks:ke] += p.transpose(-2, -1) @ do_c  # (B, H, ck, Dv)
                 ds = p * (do_c @ vc.transpose(-2, -1) - d_c)  # (B, H, cq, ck): dS = P (dP - delta)
@@ -181,7 +217,7 @@ class _ChunkedAttention(torch.autograd.Function):
                 dq[:, :, qs:qe] += ds @ kc
                 dk[:, :, ks:ke] += ds.transpose(-2, -1) @ qc
         dq = dq * scale  # S = (q scale) k^T: dq = dS k scale; dk = dS^T (q scale) already
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 9)
 
 
 @register("chunked")
@@ -260,6 +296,12 @@ class ChunkedAttention(AttentionVariant):
             return True
         return self.decode != "torch" and w.nq < w.nk and decode_kernel.unusable(w) is None
 
+    def native_documents(self, w: Workload) -> bool:
+        """On the CPU the PyTorch path reads the documents itself: each block masked by the ids, the
+        blocks between documents skipped (the spans read on the host once a call), no ``(Nq, Nk)``
+        mask; the Triton path (CUDA) takes them as the mask ``forward`` makes."""
+        return w.device == "cpu" and self._path(w) == "reference"
+
     def check(self, w: Workload) -> None:
         if self.impl == "triton" and (why := chunked_triton.refusal(w)):  # first: it says why
             raise (Unavailable if chunked_triton.IMPORT_ERROR else Unsupported)(f"chunked impl=triton: {why}")
@@ -278,15 +320,16 @@ class ChunkedAttention(AttentionVariant):
             raise Unavailable(f"chunked decode=kernel: {decode_kernel.build_error()}")
 
     def _attend(
-        self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None, sinks=None
-    ):
+        self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, bias=None, softcap=None,
+        sinks=None, documents=None,
+    ):  # fmt: skip
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         self.decode_ran = self.decode_note = self.impl_ran = self.impl_note = None
         am, bias4 = (_as_4d(t, k.shape[2]) for t in (attn_mask, bias))  # (B|1, H|1, Nq|1, Nk) each
         w = Workload.of(
             q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias, softcap=softcap,
-            sinks=sinks,
-        )  # fmt: skip  # sinks: a trained sink logit needs the path with a backward
+            sinks=sinks, documents=documents,
+        )  # fmt: skip  # sinks: a trained sink logit needs the path with a backward; documents: no kernel
         decoding = self.decode != "torch" and q.shape[2] < k.shape[2]
         self.impl_ran = self._path(w)
         if self.impl_ran == "triton":
@@ -327,6 +370,8 @@ class ChunkedAttention(AttentionVariant):
             key_padding_mask, am, bias4 = call["key_padding_mask"], call["attn_mask"], call["bias"]
         h = q.shape[1]
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # (B, H, Nk, D|Dv): the PyTorch path's heads
+        docs = None if documents is None else document_starts(documents).cumsum(-1)  # (B, Nk): run index
+        chunks = (self.query_chunk, self.key_chunk)
         return _ChunkedAttention.apply(
-            q, k, v, key_padding_mask, am, bias4, causal, self.query_chunk, self.key_chunk, scale, softcap
+            q, k, v, key_padding_mask, am, bias4, causal, *chunks, scale, softcap, docs
         )  # (B, H, Nq, Dv)

@@ -64,8 +64,11 @@ def refusal(w: Workload) -> str | None:
         return f"the decode kernel takes float32 CPU tensors, not {dtype} on {w.device}"
     if w.backward:
         return "the decode kernel has no backward"
-    if w.key_padding or w.attn_mask or w.bias or w.softcap is not None:
-        return "the decode kernel takes causal masking only (no padding mask, attn_mask, bias or softcap)"
+    if w.key_padding or w.attn_mask or w.bias or w.softcap is not None or w.documents:
+        return (
+            "the decode kernel takes causal masking only (no padding mask, attn_mask, bias, softcap or "
+            "packed documents)"
+        )
     if w.nq >= w.nk:
         return f"the decode kernel is for fewer queries than keys (Nq={w.nq}, Nk={w.nk})"
     rows = w.heads // w.hkv * w.nq
