@@ -182,6 +182,9 @@ class LocalWindowAttention(AttentionVariant):
                 narrower = self._narrower[window] = LocalWindowAttention(
                     window, self.block, self.impl, sink_tokens=self.sink_tokens
                 )
+            narrower._flex.compile = (
+                self._flex.compile
+            )  # its FlexAttention kernel as this one's, eager or not
             out = narrower._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=None)
             self.impl_ran = narrower.impl_ran
             return out
