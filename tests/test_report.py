@@ -601,3 +601,22 @@ def test_a_cpu_time_whose_threads_were_off_their_cores_is_marked(cpu_per_wall, d
     text = speed.parts[0][1].iloc[0, 0]
     assert text.startswith("105") and text.endswith(" *") == marked, text
     assert speed.data["cpu_per_wall"].tolist() == [cpu_per_wall]
+
+
+def test_a_store_with_no_usable_record_has_no_scaling_row():
+    """Only refusals: the scaling section says there is nothing to fit (it showed a row of NaN keys,
+    headed "nan · nan · nan", because assigning columns to an empty frame took their index)."""
+    from experiments.records.store import to_frame
+    from experiments.report.kernel_tables import scaling_fits, scaling_table
+
+    from .test_runner import job_cfg
+
+    recs = [
+        {"config_hash": f"h{n}", "status": "unsupported", "_path": f"r{n}.json", "reason": "no",
+         "config": job_cfg(variant="naive", seq_len=n), "figures": {}, "env": {"host": "h"}}
+        for n in (64, 128)
+    ]  # fmt: skip
+    df = to_frame(recs)
+    assert scaling_fits(df).empty
+    sec = scaling_table(df)
+    assert sec.parts == [] and "nothing to fit" in sec.note

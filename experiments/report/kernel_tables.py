@@ -461,7 +461,9 @@ def scaling_fits(df: pd.DataFrame) -> pd.DataFrame:
     :func:`length_axis`), R² (NaN below :data:`MIN_R2_LENGTHS` lengths), length range, points."""
     keys = group_keys(df)
     axis = length_axis(df)
-    ok = df[usable(df)].assign(time_s=mode_times(df)["time_s"], peak=_col(df, "peak_mib"), _n=_col(df, axis))
+    # the columns first, then the rows: assigning a Series to an empty frame takes the Series' index,
+    # so a store with no usable record grew one row of NaN keys per record (a "nan · nan" table)
+    ok = df.assign(time_s=mode_times(df)["time_s"], peak=_col(df, "peak_mib"), _n=_col(df, axis))[usable(df)]
     rows = []
     for vals, sub in ok.groupby([*keys, "variant"], dropna=False, sort=True):
         row = dict(zip([*keys, "variant"], vals, strict=True))
@@ -494,6 +496,7 @@ def scaling_table(df: pd.DataFrame) -> Section:
     fits = scaling_fits(df)
     sec.data = fits
     if fits.empty:
+        sec.note = "No job ran and passed its check: there is nothing to fit."
         return sec
     for title, sub in groups(fits, keys):
         tab = pd.DataFrame(
