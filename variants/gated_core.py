@@ -43,7 +43,14 @@ import torch
 import torch.nn.functional as fn
 
 from .base import AttentionVariant, Unsupported, Workload, repeat_kv
-from .linear_core import KernelState, decode_workload, refuse_pairwise, step_workload, work_dtype
+from .linear_core import (
+    KernelState,
+    chunk_segments,
+    decode_workload,
+    refuse_pairwise,
+    step_workload,
+    work_dtype,
+)
 from .masks import document_starts
 
 NEG_INF = float("-inf")
@@ -97,12 +104,8 @@ def chunked_recurrence(
     strict = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)  # (c, c): j < i
     first = last = None  # packed documents: which positions read the state before, which write the after
     if starts is not None:
-        seg = starts.view(b, 1, m, c).cumsum(3)  # (B, N) -> (B, 1, m, c): the segment in the chunk
-        same = seg[..., :, None] == seg[..., None, :]  # (B, 1, m, c, c): one segment
-        lower, strict = lower & same, strict & same
-        first = seg == 0  # (B, 1, m, c): reads the state before the chunk
-        last = seg == seg[..., -1:]  # (B, 1, m, c): writes the state after it
-        keep = first[..., -1]  # (B, 1, m): the state before carries through the chunk
+        same, first, last, keep = chunk_segments(starts, m, c)
+        lower, strict = lower & same, strict & same  # (B, 1, m, c, c)
 
     # --- decay factors within each chunk
     if g is None:

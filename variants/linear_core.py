@@ -102,6 +102,18 @@ def absorb(
     return kv, ref_end
 
 
+def chunk_segments(
+    starts: torch.Tensor, m: int, c: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How packed documents cut ``m`` chunks of ``c`` positions, from ``starts (B, m c)`` (True where a
+    document begins): ``(same (B, 1, m, c, c): a pair within one segment of its chunk, first (B, 1, m,
+    c): a position that reads the state before its chunk, last (B, 1, m, c): one whose key the state
+    after it holds, keep (B, 1, m): the state before carries through the chunk)``. ``O(B m c^2)``."""
+    seg = starts.view(starts.shape[0], 1, m, c).cumsum(3)  # (B, m c) -> (B, 1, m, c): segment in chunk
+    first = seg == 0
+    return seg[..., :, None] == seg[..., None, :], first, seg == seg[..., -1:], first[..., -1]
+
+
 def with_ones(v: torch.Tensor) -> torch.Tensor:
     """``v (B, H, N, E)`` with a column of ones, ``(B, H, N, E + 1)``: (*) then also sums the
     denominator of a normalised variant."""
@@ -207,10 +219,9 @@ def causal_attention(
     first = keep = None  # packed documents: who reads the state before a chunk, whether it carries
     lk_out = lk  # the log weights of the keys the state after a chunk holds
     if starts is not None:
-        seg = starts.view(b, 1, n, c).cumsum(3)  # (B, n c) -> (B, 1, n, c): the segment in the chunk
-        lower = lower & (seg[..., :, None] == seg[..., None, :])  # (B, 1, n, c, c): one segment
-        first, keep = seg == 0, seg[..., -1] == 0  # (B, 1, n, c), (B, 1, n)
-        lk_out = torch.where(seg == seg[..., -1:], lk, NEG_INF)  # (B, H|1, n, c): the last writes on
+        same, first, last, keep = chunk_segments(starts, n, c)
+        lower = lower & same  # (B, 1, n, c, c)
+        lk_out = torch.where(last, lk, NEG_INF)  # (B, H|1, n, c): the last segment writes on
 
     scores = qc @ kc.transpose(-1, -2)  # (B, H, n, c, c)
     # relative to the chunk's first reference before any float32 rounding: retention's absolute
