@@ -40,7 +40,6 @@ import contextlib
 import inspect
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +53,7 @@ import variants
 from experiments.measure.accuracy import error_stats
 from experiments.measure.memory import cpu_peak_bytes
 from experiments.measure.spec import DType, JobSpec, Mode
+from experiments.records.environment import cpu_capability, cpu_model
 from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -434,17 +434,6 @@ def config() -> dict[str, Any]:
     }
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict[str, Any]:
     """torch version, thread counts, CPU model and GPU of this machine (pytest-benchmark JSON, baseline)."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -452,7 +441,8 @@ def machine_info() -> dict[str, Any]:
         "torch_version": torch.__version__,
         "torch_threads_benchmarked": THREADS,
         "torch_threads_default": torch.get_num_threads(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
+        "cpu_capability": cpu_capability(),
         "cpu_count": os.cpu_count(),
         "gpu": gpu,
         "cuda_version": torch.version.cuda,

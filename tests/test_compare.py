@@ -68,3 +68,17 @@ def test_each_speedup_says_whether_it_is_outside_the_two_runs_noise(compared):
 def test_the_comparison_counts_its_verdicts(compared):
     assert compared.note.startswith("1 faster, 1 slower, 2 within noise, 1 on a slow machine (of 5 compared)")
     assert "`≈`: within the two runs' noise" in compared.note
+
+
+def test_the_comparison_names_a_change_of_cpu_instruction_set_on_one_cpu_model():
+    """Two hosts of one cloud machine type can share a CPU model name and not its vector units (an
+    AVX2 host ran a store 1.5x slower than an AVX-512 one): the comparison says so."""
+    from experiments.report.compare import env_diff
+
+    def frame(isa: str):
+        recs = [record(256, 10.0, 0.1)]
+        recs[0]["env"] = {"host": "vm", "cpu_model": "AMD EPYC", "cpu_capability": isa}
+        return store.to_frame(recs)
+
+    assert "cpu_capability: AVX2 (this) vs AVX512 (baseline)" in env_diff(frame("AVX2"), frame("AVX512"))
+    assert env_diff(frame("AVX2"), frame("AVX2")) == "The two sets report the same environment."

@@ -387,6 +387,7 @@ def _record(tmp_path, status, **env_changes):
         "torch": "2.13.0",
         "host": "h",
         "cpu_model": "cpu",
+        "cpu_capability": "AVX2",
         "gpu_name": None,
     }
     rec = {"config_hash": "abc", "status": status, "started_at": status, "env": {**env, **env_changes}}
@@ -406,7 +407,9 @@ def test_resume_measures_again_after_a_status_a_rerun_may_change(tmp_path, statu
     assert find_existing(tmp_path, "abc", env) is None
 
 
-@pytest.mark.parametrize("field", ["code_version", "variant_code", "torch", "host", "cpu_model", "gpu_name"])
+@pytest.mark.parametrize(
+    "field", ["code_version", "variant_code", "torch", "host", "cpu_model", "cpu_capability", "gpu_name"]
+)
 def test_resume_measures_again_when_code_torch_or_machine_changed(tmp_path, field):
     _, env = _record(tmp_path, "ok", **{field: "something else"})
     assert find_existing(tmp_path, "abc", env) is None

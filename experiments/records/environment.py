@@ -22,7 +22,8 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name as ``/proc/cpuinfo`` gives it (else what :mod:`platform` knows)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -30,6 +31,13 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_capability() -> str:
+    """The widest vector instruction set torch's CPU kernels dispatch to on this machine ("AVX512",
+    "AVX2", "DEFAULT", ...). Two hosts of one cloud machine type can share a model name ("AMD EPYC")
+    and differ here, and with it in GEMM rate and in which kernels win (docs/methodology.md)."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _git(*args: str) -> str | None:
@@ -108,7 +116,8 @@ def _static_environment() -> dict[str, object]:
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
+        "cpu_capability": cpu_capability(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,

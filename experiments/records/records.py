@@ -111,7 +111,9 @@ REUSABLE = frozenset({"ok", "unsupported", "oom"})
 #: what must match between a record's ``env`` and this run's for the record to be reused: the
 #: measuring code, the variant's own source (third-party plugins included), torch, Python (the
 #: pretrained experiment's corpus is its standard library's docstrings), and the machine
-FINGERPRINT = ("code_version", "variant_code", "torch", "python", "host", "cpu_model", "gpu_name")
+FINGERPRINT = (
+    "code_version", "variant_code", "torch", "python", "host", "cpu_model", "cpu_capability", "gpu_name",
+)  # fmt: skip
 
 
 def find_existing(

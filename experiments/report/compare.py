@@ -203,7 +203,10 @@ def verdict_summary(verdicts: pd.Series) -> str:
 
 def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
     """What differs between two sets' environments (host, CPU, GPU, torch, commit), as one sentence."""
-    fields = ["env_host", "env_cpu_model", "env_gpu_name", "env_torch", "env_cuda", "env_git_commit"]
+    fields = [
+        "env_host", "env_cpu_model", "env_cpu_capability", "env_gpu_name", "env_torch", "env_cuda",
+        "env_git_commit",
+    ]  # fmt: skip
     diffs = []
     for f in fields:
         a = sorted(cur[f].dropna().astype(str).unique()) if f in cur else []

@@ -50,10 +50,10 @@ def default_out_dir(inputs: Sequence[str | Path]) -> Path:
 
 
 def _machines(df: pd.DataFrame) -> list[str]:
-    """One line per machine in the store: host, CPU, GPU, torch, commit."""
-    cols = [
-        c for c in ("env_host", "env_cpu_model", "env_gpu_name", "env_torch", "env_git_commit") if c in df
-    ]
+    """One line per machine in the store: host, CPU (model and vector instruction set), GPU, torch,
+    commit."""
+    names = ("env_host", "env_cpu_model", "env_cpu_capability", "env_gpu_name", "env_torch", "env_git_commit")
+    cols = [c for c in names if c in df]
     lines = []
     for vals, sub in df.groupby(cols, dropna=False):
         vals = vals if isinstance(vals, tuple) else (vals,)
