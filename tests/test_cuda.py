@@ -112,6 +112,8 @@ def test_sparse_in_64_wide_tiles_matches_the_oracle_forward_and_backward(causal)
         ("gla", {"heads": 4, "head_dim": 64}),
         ("retention", {}),
         ("linear", {}),
+        ("local_window", {"window": 40}),  # flex on CUDA: the ids in its band's predicate
+        ("window_linear", {"window": 40}),
     ],
 )
 def test_packed_documents_match_the_oracle_on_cuda_forward_and_backward(name, knobs):

@@ -275,7 +275,7 @@ def test_a_packed_job_counts_only_the_pairs_within_documents():
 
 def test_a_variant_without_a_mask_refuses_packed_documents():
     res = measure(
-        job_spec(variant="local_window", seq_len=64, heads=2, head_dim=16, min_run_time=0.02, documents=4)
+        job_spec(variant="sparse", seq_len=64, heads=2, head_dim=16, min_run_time=0.02, documents=4)
     )
     assert res["status"] == "unsupported" and "takes no packed documents" in res["reason"]
 
@@ -395,3 +395,99 @@ def test_a_kernelized_variant_refuses_documents_without_causal(name):
     with pytest.raises(Unsupported, match="takes packed documents causal only"):
         build(name)(q, q, q, documents=torch.tensor([[0, 0, 1, 1, 2, 2]]))
     build(name)(q, q, q)  # without the documents the call runs
+
+
+# ---------------------------------------------------------------- the sliding window within documents
+
+
+def _band_alone(window: int):
+    """Float64 sliding-window attention of one document alone (the ``alone`` of
+    :func:`_assert_each_document_alone`): the query at position ``p`` (bottom-right) sees keys ``j``
+    with ``|p - j| <= window``, and ``j <= p`` when causal."""
+
+    def alone(q, k, v, causal):
+        nq, nk = q.shape[-2], k.shape[-2]
+        p = torch.arange(nk - nq, nk)[:, None]  # (nq, 1): the queries' positions in the document
+        j = torch.arange(nk)[None, :]  # (1, nk)
+        seen = ((p - j).abs() <= window) & ((j <= p) | (not causal))  # (nq, nk)
+        s = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        return torch.softmax(s.masked_fill(~seen, float("-inf")), -1) @ v.double()
+
+    return alone
+
+
+LOCAL_IMPLS = [
+    {"impl": "kernel"},
+    {"impl": "sdpa"},
+    {"impl": "blocked", "block": 8},
+    {"impl": "flex", "block": 16},
+]
+
+
+@pytest.mark.parametrize("knobs", LOCAL_IMPLS, ids=lambda k: k["impl"])
+@pytest.mark.parametrize("window", [3, 12])
+@pytest.mark.parametrize("nq,causal", [(48, True), (48, False), (20, True), (1, True)])
+def test_local_window_stops_its_band_at_each_document_s_edges(knobs, window, nq, causal):
+    """Every implementation of local_window (the C kernel, fused SDPA, the blocked reference, compiled
+    FlexAttention run eagerly) on a packed call gives, row by row, each document's own sliding window
+    attended alone (a formula written here), decoding rows included; and the documents change it."""
+    inp = make_inputs(
+        2, 2, nq, 48, 16, 16, dtype=torch.float32, device="cpu", documents=4, seed=1, kv_heads=1
+    )
+    attn = build("local_window", window=window, **knobs)
+    attn._flex.compile = False  # FlexAttention's eager path: the compiled one is checked on CUDA
+    out = attn(inp.q, inp.k, inp.v, **inp.kwargs(causal))
+    assert attn.impl_ran == knobs["impl"]
+    _assert_each_document_alone(out, inp, causal, alone=_band_alone(window), rtol=1e-4, atol=1e-5)
+    if nq > 1:  # (one decoded query's band may lie inside its document)
+        unpacked = attn(inp.q, inp.k, inp.v, causal=causal)
+        assert (out - unpacked).abs().max() > 1e-2  # some band crosses a document's edge
+
+
+@pytest.mark.parametrize("impl", ["kernel", "sdpa", "blocked"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_window_s_gradients_stay_within_each_document(impl, causal):
+    """Gradients of q, k and v through the packed band, against float64 autograd of the oracle (the
+    band and the documents' mask), with padded keys beside the documents."""
+    inp = make_inputs(
+        2, 4, 40, 40, 16, 16, dtype=torch.float32, device="cpu", documents=3, seed=2, kv_heads=2
+    )
+    kw = {**inp.kwargs(causal), "key_padding_mask": torch.arange(40).expand(2, 40) % 7 != 3}
+    attn = build("local_window", window=6, impl=impl, block=8)
+    got = [t.clone().requires_grad_() for t in inp.tensors()]
+    want = [t.double().requires_grad_() for t in inp.tensors()]
+    g = torch.randn(2, 4, 40, 16, dtype=torch.float64)
+    (attn(*got, **kw).double() * g).sum().backward()
+    (oracle(attn, *want, **kw) * g).sum().backward()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_local_window_with_sinks_refuses_packed_documents_by_name():
+    inp = make_inputs(1, 2, 32, 32, 16, 16, dtype=torch.float32, device="cpu", documents=3, seed=5)
+    with pytest.raises(Unsupported, match="sink_tokens=2 takes no packed documents"):
+        build("local_window", window=4, sink_tokens=2)(inp.q, inp.k, inp.v, **inp.kwargs(True))
+
+
+@pytest.mark.parametrize("window", [0, 3, 20])
+@pytest.mark.parametrize("nq", [60, 17])
+def test_window_linear_attends_each_document_alone_with_its_gradients(window, nq):
+    """Based's window + linear hybrid on a packed call: its output and gradients are those of its own
+    float64 formula run on each document alone (the window's edge and the far state's reset both at
+    the document's start, the far part empty for a query whose document starts inside its window)."""
+    inp = make_inputs(
+        2, 4, nq, 60, 16, 16, dtype=torch.float32, device="cpu", documents=4, seed=3, kv_heads=2
+    )
+    kw = {**inp.kwargs(True), "key_padding_mask": torch.arange(60).expand(2, 60) % 9 != 4}
+    attn = build("window_linear", window=window, chunk=8)
+    got = [t.clone().requires_grad_() for t in inp.tensors()]
+    want = [t.double().requires_grad_() for t in inp.tensors()]
+    out, ref = attn(*got, **kw), oracle(attn, *want, **kw)  # the oracle: each document alone
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    unpacked = oracle(attn, *inp.tensors(), **{k: v for k, v in kw.items() if k != "documents"})
+    assert (ref - unpacked).abs().max() > 1e-2
+    g = torch.randn_like(ref)
+    (out.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-5)

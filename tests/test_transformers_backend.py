@@ -825,7 +825,7 @@ def test_exact_variants_run_a_packed_batch_as_eager_does(name):
     assert (got - ref).abs().max() < TOL
 
 
-@pytest.mark.parametrize("name", ["gated_deltanet", "linear"])
+@pytest.mark.parametrize("name", ["gated_deltanet", "linear", "window_linear"])
 def test_a_recurrence_runs_a_packed_batch_as_each_sequence_alone(name):
     """A recurrence takes no (Nq, Nk) mask: it runs a packed batch only because the documents reach it
     as ids, and its logits are those of each sequence run alone through the same model."""
@@ -836,3 +836,26 @@ def test_a_recurrence_runs_a_packed_batch_as_each_sequence_alone(name):
     with torch.inference_mode():
         got = model(ids, position_ids=pos, use_cache=False).logits
     torch.testing.assert_close(got, _each_sequence_alone(model, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [2, 64])
+def test_local_window_runs_a_packed_sliding_window_batch_as_eager_does(window):
+    """Mistral (a window of 4 keys in every layer) on a packed batch: eager's logits are each sequence
+    run alone, and local_window gives them, its band stopped at each sequence's start (the mask
+    reaches it as documents and the model's window, the narrower of which it takes)."""
+    eager, _ = llama_eager()
+    ref_model = _model(MistralConfig(**{**LLAMA, "sliding_window": 4}), "eager", eager.state_dict())
+    model = _model(ref_model.config, "eager", eager.state_dict())
+    hf.attach(model, "local_window", window=window)
+    ids, pos, _ = _packed_inputs()
+    with torch.inference_mode():
+        ref = ref_model(ids, position_ids=pos, use_cache=False).logits
+        got = model(ids, position_ids=pos, use_cache=False).logits
+        unpacked = ref_model(ids, use_cache=False).logits
+    torch.testing.assert_close(ref, _each_sequence_alone(ref_model, ids), rtol=1e-4, atol=1e-4)
+    assert (unpacked - ref).abs().max() > 100 * TOL  # the packing changes the logits
+    if window >= 3:
+        assert (got - ref).abs().max() < TOL
+    else:  # narrower than the model's window: its own band, still within each sequence
+        want = _each_sequence_alone(model, ids)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -53,8 +53,16 @@ a cache that holds only the sinks and the last ``window`` keys (StreamingLLM's r
 the same output as the whole one. A call's ``window=`` narrower than the knob narrows the band; the
 sinks stay.
 
+Packed documents (``documents=`` ids ``(B, Nk)``, each document one run) stop each query's band at
+its document's edges, in every implementation: the C kernel reads, per position, the first and last
+position of its document (a range test per key and query, as the band's), the ``sdpa`` and
+``blocked`` spans are masked by the ids like key padding, ``flex`` puts them in its predicate. The
+band's cost does not change (pairs across an edge are masked, not skipped). Refused beside
+``sink_tokens``: each document would need its own first tokens as sinks.
+
 Shapes: ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` -> ``(B, H, Nq, Dv)``;
-self-attention only (``Nq <= Nk``), with causal and key padding masks, no arbitrary ``attn_mask``.
+self-attention only (``Nq <= Nk``), with causal, key padding and document masks, no arbitrary
+``attn_mask``.
 Time ``O(B H N (block + 2 window + sink_tokens) D)``; memory ``O(N (block + 2 window +
 sink_tokens))`` for the shared mask (``O(B H N (block + 2 window + sink_tokens))`` with key padding,
 or for the ``blocked`` scores): linear in ``N`` at a fixed window. ``blocked`` accumulates
@@ -69,7 +77,7 @@ import torch.nn.functional as F
 from . import sparse_kernel
 from .base import AttentionVariant, Unavailable, Unsupported, Workload, repeat_kv
 from .flex_kernel import CUDA_TILE, FlexKernel, flex_refusal
-from .masks import blocks_per_chunk, sdpa_blocked, softmax_blocked_, zero_empty_rows
+from .masks import blocks_per_chunk, document_mask, sdpa_blocked, softmax_blocked_, zero_empty_rows
 from .patterns import MaskMod, band_mask_mod, band_pairs, band_pattern
 from .registry import register
 
@@ -159,7 +167,17 @@ class LocalWindowAttention(AttentionVariant):
             return "one query onto a cache: one fused SDPA call over the keys in reach"
         return sparse_kernel.unusable(w)
 
+    def native_documents(self, w: Workload) -> bool:
+        """Packed documents are one more token-level mask in every implementation (a query's band
+        stops at its document's edges), without attention sinks: see :meth:`check`."""
+        return not self.sink_tokens
+
     def check(self, w: Workload) -> None:
+        if w.documents and self.sink_tokens:
+            raise Unsupported(
+                f"local_window with sink_tokens={self.sink_tokens} takes no packed documents: each "
+                "document would need its own first tokens as sinks, which this variant does not place"
+            )
         super().check(w)
         if self.choose_impl(w) == "flex" and (why := flex_refusal(w)):
             raise Unsupported(f"local_window impl=flex {why}")
@@ -175,7 +193,7 @@ class LocalWindowAttention(AttentionVariant):
         b = self.block if self.block is not None else max(window, 16)
         return max(1, min(b, n))
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, window=None):
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, window=None, documents=None):
         if window is not None and window < self.window:  # the call's band lies inside this one
             narrower = self._narrower.get(window)
             if narrower is None:  # the call narrows the band only: the sinks stay
@@ -185,7 +203,9 @@ class LocalWindowAttention(AttentionVariant):
             narrower._flex.compile = (
                 self._flex.compile
             )  # its FlexAttention kernel as this one's, eager or not
-            out = narrower._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=None)
+            out = narrower._attend(
+                q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=None, documents=documents
+            )
             self.impl_ran = narrower.impl_ran
             return out
         h, nq, nk = q.shape[1], q.shape[2], k.shape[2]
@@ -206,8 +226,10 @@ class LocalWindowAttention(AttentionVariant):
                 k, v = k[:, :, lo:], v[:, :, lo:]  # (B, Hkv, Nk - lo, D|Dv), views
                 if key_padding_mask is not None:
                     key_padding_mask = key_padding_mask[:, lo:]  # (B, Nk - lo)
+                if documents is not None:  # (no sinks: check refuses documents beside them)
+                    documents = documents[:, lo:]  # (B, Nk - lo): a document cut short is still one run
             # (else the sinks reach the first band: every key is in reach, nothing to cut)
-        w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        w = Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, documents=documents)
         impl = self.choose_impl(w)
         self.impl_ran = impl
         self.impl_note = self._cpu_kernel_refusal(w) if self.impl == "auto" and w.device == "cpu" else None
@@ -223,15 +245,17 @@ class LocalWindowAttention(AttentionVariant):
                 scale=q.shape[-1] ** -0.5,
                 window=self.window,
                 sinks=self.sink_tokens,
+                documents=documents,
             )  # (B, H, Nq, Dv)
+        masks = {"key_padding_mask": key_padding_mask, "documents": documents}
         if impl == "sdpa" and nq < nk and nq <= (self.block or max(self.window, 16)):
-            return self._few_queries_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+            return self._few_queries_attend(q, k, v, causal=causal, **masks)
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # grouped heads: only the keys kept are copied
         if impl == "flex":
-            return self._flex(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+            return self._flex(q, k, v, causal=causal, **masks)
         if impl == "sdpa":
-            return self._sdpa_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
-        return self._blocked_attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+            return self._sdpa_attend(q, k, v, causal=causal, **masks)
+        return self._blocked_attend(q, k, v, causal=causal, **masks)
 
     def _kernel_rows(self, nq: int, nk: int, causal: bool) -> sparse_kernel.Layout:
         """The C kernel's layout: each query block holding a query with the key blocks its band
@@ -250,7 +274,7 @@ class LocalWindowAttention(AttentionVariant):
             self._rows[nq, nk, causal] = sparse_kernel.layout(rows, -(-nk // KERNEL_BLOCK))
         return self._rows[nq, nk, causal]
 
-    def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask):
+    def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask, documents=None):
         """Fewer queries than keys, all within one query block (decoding, a short prefill onto a cache):
         one fused SDPA call on the keys in reach (``k``, ``v`` already cut to them, the sinks first) with
         the band OR the sinks as its mask, grouped K/V heads left to SDPA (no copy, no padding, no
@@ -266,6 +290,8 @@ class LocalWindowAttention(AttentionVariant):
         blocked = blocked[None, None]  # (1, 1, Nq, Nk)
         if key_padding_mask is not None:
             blocked = blocked | ~key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, Nq, Nk)
+        if documents is not None:
+            blocked = blocked | ~document_mask(documents.to(q.device), nq)  # (B, 1, Nq, Nk)
         return sdpa_blocked(q, k, v, blocked, enable_gqa=k.shape[1] != q.shape[1])  # (B, H, Nq, Dv)
 
     def _geometry(self, nq: int, nk: int, causal: bool) -> tuple[int, int, int, int, int, int, int]:
@@ -288,11 +314,18 @@ class LocalWindowAttention(AttentionVariant):
         return 0 if w >= nk - 1 else min(self.sink_tokens, nk)
 
     def _blocked_mask(
-        self, nq: int, nk: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
+        self,
+        nq: int,
+        nk: int,
+        causal: bool,
+        key_padding_mask: torch.Tensor | None,
+        device: torch.device,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """True where query row ``r`` of block ``c`` may not see slot ``t`` of its keys (the ``ns`` sink
         slots, then the span): ``(nb, b, ns + span)``, or ``(B, 1, nb, b, ns + span)`` with key
-        padding (``ns`` from :meth:`_sink_slots`, 0 without sinks)."""
+        padding or packed ``documents`` (ids ``(B, Nk)``; never beside sinks) (``ns`` from
+        :meth:`_sink_slots`, 0 without sinks)."""
         w, b, nb, n_pad, span, off, right = self._geometry(nq, nk, causal)
         # query r of a block vs span slot t: i - j = r + w - t, independent of the block, so the
         # band is one (b, span) matrix shared by all blocks
@@ -309,6 +342,12 @@ class LocalWindowAttention(AttentionVariant):
             blocked = outside | absent[:, None, :, None, :]  # (B, 1, nb, b, span)
         else:
             blocked = outside | absent[:, None, :]  # (nb, b, span)
+        if documents is not None:  # a slot of another document than the query's
+            ids = documents.to(device)
+            q_ids = F.pad(ids[:, off:], (0, n_pad - nq), value=-1).view(-1, nb, b)  # (B, nb, b)
+            slot_ids = F.pad(ids, (w, right), value=-1)[:, off:].unfold(-1, span, b)  # (B, nb, span)
+            other = q_ids[:, :, :, None] != slot_ids[:, :, None, :]  # (B, nb, b, span)
+            blocked = blocked | other[:, None]  # (B, 1, nb, b, span)
         ns = self._sink_slots(nk, w)
         if not ns:
             return blocked
@@ -333,7 +372,7 @@ class LocalWindowAttention(AttentionVariant):
         # off + c*b - w + t
         return xp[:, :, off:].unfold(2, span, b)  # (B, H, nb, E, span)
 
-    def _sdpa_attend(self, q, k, v, *, causal, key_padding_mask):
+    def _sdpa_attend(self, q, k, v, *, causal, key_padding_mask, documents=None):
         bsz, h, n, d = q.shape
         dv = v.shape[-1]
         w, b, nb, n_pad, span, _, _ = self._geometry(n, k.shape[2], causal)
@@ -344,7 +383,7 @@ class LocalWindowAttention(AttentionVariant):
         ku = self._spans(k, n, causal)  # (B, H, nb, D, span), a view
         vu = self._spans(v, n, causal)  # (B, H, nb, Dv, span), a view
         blocked = self._blocked_mask(
-            n, k.shape[2], causal, key_padding_mask, q.device
+            n, k.shape[2], causal, key_padding_mask, q.device, documents
         )  # (nb|B, ..., b, width)
         # spans are copied out a chunk of blocks at a time (see masks.CHUNK_BYTES)
         per_block = bsz * h * (width * (d + dv) + b * width) * q.element_size()
@@ -364,7 +403,7 @@ class LocalWindowAttention(AttentionVariant):
             else:
                 kc = kc.transpose(-2, -1).reshape(bsz * h, m, span, d)  # (B*H, m, span, D)
                 vc = vc.transpose(-2, -1).reshape(bsz * h, m, span, dv)  # (B*H, m, span, Dv)
-            if blocked.dim() == 5:  # key padding: one mask per batch element, repeated over heads
+            if blocked.dim() == 5:  # padding or documents: one mask per batch element, repeated over heads
                 bc = blocked[:, :, s : s + m].expand(bsz, h, m, b, width).reshape(bsz * h, m, b, width)
             else:
                 bc = blocked[None, s : s + m]  # (1, m, b, width): 4-D, the CPU's fused kernel takes it
@@ -374,7 +413,7 @@ class LocalWindowAttention(AttentionVariant):
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, H, Np, Dv)
         return out[:, :, :n]  # padded queries dropped
 
-    def _blocked_attend(self, q, k, v, *, causal, key_padding_mask):
+    def _blocked_attend(self, q, k, v, *, causal, key_padding_mask, documents=None):
         bsz, h, n, d = q.shape
         w, b, nb, n_pad, _, _, _ = self._geometry(n, k.shape[2], causal)
         ns = self._sink_slots(k.shape[2], w)
@@ -391,7 +430,7 @@ class LocalWindowAttention(AttentionVariant):
             sv = v[:, :, None, :ns].to(work)  # (B, H, 1, ns, Dv)
             ku = torch.cat([sk.expand(bsz, h, nb, d, ns), ku], -1)  # (B, H, nb, D, ns + span)
             vu = torch.cat([sv.expand(bsz, h, nb, ns, v.shape[-1]), vu], -2)  # (B, H, nb, ns + span, Dv)
-        blocked = self._blocked_mask(n, k.shape[2], causal, key_padding_mask, q.device)
+        blocked = self._blocked_mask(n, k.shape[2], causal, key_padding_mask, q.device, documents)
         # the scores are not kept: softmax overwrites them, and only p is needed afterwards
         p = softmax_blocked_(qb @ ku, blocked)  # (B, H, nb, b, ns + span)
         out = zero_empty_rows(p @ vu, blocked)  # (B, H, nb, b, Dv)

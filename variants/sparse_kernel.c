@@ -9,7 +9,10 @@
  * key blocks cols[rowptr[x] .. rowptr[x + 1]) (no repeats). Causal: the query at position p sees
  * keys j <= p. window >= 0: the query at p sees only keys with |p - j| <= window, besides the first
  * `sinks` keys (StreamingLLM's sinks); window < 0: no band. kpm: (B, nk) bytes, 0 = a padded key, or
- * NULL. Query head h reads K/V head h / (H / Hkv). A row that sees no key comes out zero.
+ * NULL. ds: packed documents, or NULL: (B, nk, 2) ints, the first and last position of the document
+ * holding each position; the query at p sees only keys of its own document, first(p) <= j <= last(p)
+ * (documents are contiguous runs, so this is one range per query, and per key the same range holds
+ * the queries that see it). Query head h reads K/V head h / (H / Hkv). A row that sees no key comes out zero.
  *
  * Work: one task per (row, batch, head, chunk of up to ROWS queries), over all threads, rows in the
  * order given (the caller lists the heavy ones first). A task holds its queries transposed, scaled by
@@ -149,21 +152,24 @@ static void weighted_sum(const float *v, int nt, int Dv, float p[KT][ROWS], int 
 }
 
 /* -inf where a key is hidden from a query: a padded key; a key after the query's position (causal);
- * a key outside the query's band unless it is a sink (window >= 0). Scores held keys x queries:
- * row t is key j0 + t, lane i of vector x the query at pos[x][i]. */
+ * a key outside the query's band unless it is a sink (window >= 0); a key of another document (ds).
+ * Scores held keys x queries: row t is key j0 + t, lane i of vector x the query at pos[x][i]. */
 static void mask_key_rows(float s[KT][ROWS], int nt, int rv, long j0, const vf *pos, long p0,
-                          const unsigned char *kpm, int causal, long window, long sinks) {
+                          const unsigned char *kpm, const int *ds, int causal, long window, long sinks) {
     for (int t = 0; t < nt; t++) {
         long j = j0 + t;
         int band = window >= 0 && j >= sinks;
         if (kpm && !kpm[j]) {
             for (int x = 0; x < rv; x++) *(vf *)(s[t] + x * VL) = splat(-INFINITY);
-        } else if (band || (causal && j > p0)) {
+        } else if (band || ds || (causal && j > p0)) {
             float fj = (float)j, lo = (float)(j - window), hi = (float)(j + window);
+            /* the queries that see key j are those of its document: positions ds[2j] .. ds[2j + 1] */
+            float dlo = ds ? (float)ds[2 * j] : 0.0f, dhi = ds ? (float)ds[2 * j + 1] : 0.0f;
             for (int x = 0; x < rv; x++) {
                 vi out = {0};
                 if (causal) out |= pos[x] < fj;
                 if (band) out |= (pos[x] < lo) | (pos[x] > hi);
+                if (ds) out |= (pos[x] < dlo) | (pos[x] > dhi);
                 *(vf *)(s[t] + x * VL) = select_v(out, splat(-INFINITY), *(vf *)(s[t] + x * VL));
             }
         }
@@ -173,13 +179,16 @@ static void mask_key_rows(float s[KT][ROWS], int nt, int rv, long j0, const vf *
 /* The same rule with the roles swapped: row t is the query at position p0 + t, lane i of vector x
  * the key at kpos[x][i]; hidden[x] marks the padded keys and the lanes past the tile. */
 static void mask_query_rows(float s[KT][ROWS], int nt, int rv, long p0, const vf *kpos, const vi *hidden,
-                            int causal, long window, long sinks) {
+                            const int *ds, int causal, long window, long sinks) {
     for (int t = 0; t < nt; t++) {
         float p = (float)(p0 + t), lo = (float)(p0 + t - window), hi = (float)(p0 + t + window);
+        /* the keys the query at p sees are those of its document: positions ds[2p] .. ds[2p + 1] */
+        float dlo = ds ? (float)ds[2 * (p0 + t)] : 0.0f, dhi = ds ? (float)ds[2 * (p0 + t) + 1] : 0.0f;
         for (int x = 0; x < rv; x++) {
             vi out = hidden[x];
             if (causal) out |= kpos[x] > p;
             if (window >= 0) out |= ((kpos[x] < lo) | (kpos[x] > hi)) & (kpos[x] >= (float)sinks);
+            if (ds) out |= (kpos[x] < dlo) | (kpos[x] > dhi);
             *(vf *)(s[t] + x * VL) = select_v(out, splat(-INFINITY), *(vf *)(s[t] + x * VL));
         }
     }
@@ -194,8 +203,8 @@ typedef struct {
 
 /* one task: queries q0 .. q0+nr-1 (positions p0 ..) of one (batch, head) against key blocks cols */
 static void task(const float *q, const float *k, const float *v, float *out, float *lse,
-                 const unsigned char *kpm, const int *cols, int ncols, int nr, long p0, int nk, int D,
-                 int Dv, int blk, float scale2, int causal, long window, long sinks, scratch *w) {
+                 const unsigned char *kpm, const int *ds, const int *cols, int ncols, int nr, long p0, int nk,
+                 int D, int Dv, int blk, float scale2, int causal, long window, long sinks, scratch *w) {
     const int rv = (nr + VL - 1) / VL;
     for (int d = 0; d < D; d++)
         for (int r = 0; r < ROWS; r++) w->qt[d * ROWS + r] = r < nr ? q[(long)r * D + d] * scale2 : 0.0f;
@@ -214,7 +223,7 @@ static void task(const float *q, const float *k, const float *v, float *out, flo
         for (long j0 = k0; j0 < k1; j0 += KT) {
             int nt = (int)(k1 - j0 < KT ? k1 - j0 : KT);
             scores(k + j0 * D, nt, D, w->qt, w->s, rv);
-            mask_key_rows(w->s, nt, rv, j0, pos, p0, kpm, causal, window, sinks);
+            mask_key_rows(w->s, nt, rv, j0, pos, p0, kpm, ds, causal, window, sinks);
             /* online softmax, lane-wise over the queries */
             for (int x = 0; x < rv; x++) {
                 vf mt = splat(-INFINITY);
@@ -278,7 +287,7 @@ static int query_task(long x, const int *qblock, int B, int H, int Hkv, int chun
 
 /* Returns 0, or -1 if a size is outside what this kernel takes (the caller falls back). */
 int sparse_fwd(const float *q, const float *k, const float *v, float *out, float *lse, const unsigned char *kpm,
-               const int *qblock, const int *rowptr, const int *cols, int nrows, int B, int H, int Hkv,
+               const int *ds, const int *qblock, const int *rowptr, const int *cols, int nrows, int B, int H, int Hkv,
                int nq, int nk, int D, int Dv, int blk, float scale, int causal, int window, int sinks,
                int threads) {
     if (D > MAX_DIM || Dv > MAX_DIM || D < 1 || Dv < 1 || blk < 1 || nq > nk || Hkv < 1 || H % Hkv ||
@@ -300,7 +309,7 @@ int sparse_fwd(const float *q, const float *k, const float *v, float *out, float
             qtask t;
             if (!w || !query_task(x, qblock, B, H, Hkv, chunks, blk, nq, nk, &t)) continue;
             task(q + t.r0 * D, k + t.kv * D, v + t.kv * Dv, out + t.r0 * Dv, lse ? lse + t.r0 : NULL,
-                 kpm ? kpm + (long)t.b * nk : NULL, cols + rowptr[t.row], rowptr[t.row + 1] - rowptr[t.row], t.nr,
+                 kpm ? kpm + (long)t.b * nk : NULL, ds ? ds + 2L * t.b * nk : NULL, cols + rowptr[t.row], rowptr[t.row + 1] - rowptr[t.row], t.nr,
                  t.p0, nk, D, Dv, blk, scale2, causal, window, sinks, w);
         }
         free(w);
@@ -331,7 +340,8 @@ static void transpose_in(const float *x, int n, int dim, float scale, float *xt)
 }
 
 static void task_dq(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                    const float *di, float *dq, const unsigned char *kpm, const int *cols, int ncols, int nr,
+                    const float *di, float *dq, const unsigned char *kpm, const int *ds, const int *cols,
+                    int ncols, int nr,
                     long p0, int nk, int D, int Dv, int blk, float scale, float scale2, int causal,
                     long window, long sinks, scratch_bwd *w) {
     const int rv = (nr + VL - 1) / VL;
@@ -353,7 +363,7 @@ static void task_dq(const float *q, const float *k, const float *v, const float 
         for (long j0 = k0; j0 < k1; j0 += KT) {
             int nt = (int)(k1 - j0 < KT ? k1 - j0 : KT);
             scores(k + j0 * D, nt, D, w->at, w->s, rv);
-            mask_key_rows(w->s, nt, rv, j0, pos, p0, kpm, causal, window, sinks);
+            mask_key_rows(w->s, nt, rv, j0, pos, p0, kpm, ds, causal, window, sinks);
             scores(v + j0 * Dv, nt, Dv, w->bt, w->s2, rv); /* dP = dO . V */
             for (int t = 0; t < nt; t++)
                 for (int x = 0; x < rv; x++) {
@@ -371,7 +381,8 @@ static void task_dq(const float *q, const float *k, const float *v, const float 
  * query blocks qrows[0 .. nqrows) of each of its grp query heads (q, dout, lse, di at the group's
  * first head; a head is nq rows further) */
 static void task_dkv(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                     const float *di, float *dk, float *dv, const unsigned char *kpm, const int *qrows,
+                     const float *di, float *dk, float *dv, const unsigned char *kpm, const int *ds,
+                     const int *qrows,
                      int nqrows, long kc0, int nkc, int nq, int nk, int grp, int D, int Dv, int blk,
                      float scale, float scale2, int causal, long window, long sinks, scratch_bwd *w) {
     const int rv = (nkc + VL - 1) / VL;
@@ -400,7 +411,7 @@ static void task_dkv(const float *q, const float *k, const float *v, const float
                 long row = head + t0 - off;
                 const float *qr = q + row * D, *dor = dout + row * Dv, *lr = lse + row, *dr = di + row;
                 scores(qr, nt, D, w->at, w->s, rv);
-                mask_query_rows(w->s, nt, rv, t0, kpos, hidden, causal, window, sinks);
+                mask_query_rows(w->s, nt, rv, t0, kpos, hidden, ds, causal, window, sinks);
                 for (int t = 0; t < nt; t++)
                     for (int x = 0; x < rv; x++) *(vf *)(w->s[t] + x * VL) = exp2_v(*(vf *)(w->s[t] + x * VL) - lr[t]);
                 scores(dor, nt, Dv, w->bt, w->s2, rv);        /* dP = dO . V */
@@ -423,7 +434,8 @@ static void task_dkv(const float *q, const float *k, const float *v, const float
  * layout as sparse_fwd's, plus its transpose: key block c is seen by query blocks
  * qrows[kptr[c] .. kptr[c + 1]), for the nkb = ceil(nk / blk) key blocks. Returns 0, or -1. */
 int sparse_bwd(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-               const float *di, float *dq, float *dk, float *dv, const unsigned char *kpm, const int *qblock,
+               const float *di, float *dq, float *dk, float *dv, const unsigned char *kpm, const int *ds,
+               const int *qblock,
                const int *rowptr, const int *cols, int nrows, const int *kptr, const int *qrows, int nkb,
                int B, int H, int Hkv, int nq, int nk, int D, int Dv, int blk, float scale, int causal,
                int window, int sinks, int threads) {
@@ -447,7 +459,8 @@ int sparse_bwd(const float *q, const float *k, const float *v, const float *dout
             qtask t;
             if (!w || !query_task(x, qblock, B, H, Hkv, chunks, blk, nq, nk, &t)) continue;
             task_dq(q + t.r0 * D, k + t.kv * D, v + t.kv * Dv, dout + t.r0 * Dv, lse + t.r0, di + t.r0,
-                    dq + t.r0 * D, kpm ? kpm + (long)t.b * nk : NULL, cols + rowptr[t.row],
+                    dq + t.r0 * D, kpm ? kpm + (long)t.b * nk : NULL, ds ? ds + 2L * t.b * nk : NULL,
+                    cols + rowptr[t.row],
                     rowptr[t.row + 1] - rowptr[t.row], t.nr, t.p0, nk, D, Dv, blk, scale, scale2, causal, window,
                     sinks, w);
         }
@@ -462,7 +475,7 @@ int sparse_bwd(const float *q, const float *k, const float *v, const float *dout
             long kv = ((long)b * Hkv + hk) * nk;
             long r0 = ((long)b * H + (long)hk * grp) * nq; /* the group's first query head */
             task_dkv(q + r0 * D, k + kv * D, v + kv * Dv, dout + r0 * Dv, lse + r0, di + r0, dk + kv * D,
-                     dv + kv * Dv, kpm ? kpm + (long)b * nk : NULL, qrows + kptr[col], kptr[col + 1] - kptr[col],
+                     dv + kv * Dv, kpm ? kpm + (long)b * nk : NULL, ds ? ds + 2L * b * nk : NULL, qrows + kptr[col], kptr[col + 1] - kptr[col],
                      kc0, nkc, nq, nk, grp, D, Dv, blk, scale, scale2, causal, window, sinks, w);
         }
         free(w);

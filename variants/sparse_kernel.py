@@ -1,6 +1,6 @@
 """Block-sparse attention forward on the CPU: a C kernel (``sparse_kernel.c``, built on first use,
 :mod:`variants.ckernel`) that computes each query block against only its listed key blocks, with
-causal, key padding and band (``local_window``) masks at token level.
+causal, key padding, band (``local_window``) and packed-document masks at token level.
 
 PyTorch has no block-sparse CPU kernel, so ``sparse``'s other CPU routes gather every query block's
 key blocks into a copy and hand them to a dense kernel with a mask. This kernel reads K and V in
@@ -21,6 +21,7 @@ import torch
 
 from .base import Workload
 from .ckernel import CKernel
+from .masks import document_starts
 
 MAX_DIM = 256  # head sizes it takes (MAX_DIM in the C source)
 MAX_KEYS = 2**24  # sequence lengths it takes (MAX_KEYS: positions are compared as float32)
@@ -29,11 +30,11 @@ MAX_KEYS = 2**24  # sequence lengths it takes (MAX_KEYS: positions are compared 
 def _declare(lib: ctypes.CDLL) -> None:
     f = lib.sparse_fwd
     f.restype = ctypes.c_int
-    f.argtypes = [*(ctypes.c_void_p,) * 9, *(ctypes.c_int,) * 9, ctypes.c_float, *(ctypes.c_int,) * 4]
+    f.argtypes = [*(ctypes.c_void_p,) * 10, *(ctypes.c_int,) * 9, ctypes.c_float, *(ctypes.c_int,) * 4]
     f = lib.sparse_bwd
     f.restype = ctypes.c_int
     f.argtypes = [
-        *(ctypes.c_void_p,) * 13,
+        *(ctypes.c_void_p,) * 14,
         ctypes.c_int,
         *(ctypes.c_void_p,) * 2,
         *(ctypes.c_int,) * 9,
@@ -106,18 +107,33 @@ def _padding(key_padding_mask: torch.Tensor | None, b: int, nk: int) -> torch.Te
     return None if key_padding_mask is None else key_padding_mask.to(torch.uint8).expand(b, nk).contiguous()
 
 
+def document_spans(documents: torch.Tensor | None) -> torch.Tensor | None:
+    """Packed documents as the kernel reads them: for ids ``documents (B, Nk)`` (each document one
+    run, :func:`variants.masks.document_starts` checks it), the first and last position of the
+    document holding each position, ``(B, Nk, 2)`` int32. ``O(B Nk)``."""
+    if documents is None:
+        return None
+    starts = document_starts(documents)  # (B, Nk): True where a document begins
+    nk = documents.shape[1]
+    pos = torch.arange(nk, device=documents.device).expand_as(documents)  # (B, Nk)
+    first = torch.where(starts, pos, 0).cummax(1).values  # (B, Nk): the latest start at or before
+    ends = torch.nn.functional.pad(starts[:, 1:], (0, 1), value=True)  # (B, Nk): True where one ends
+    last = torch.where(ends, pos, nk - 1).flip(1).cummin(1).values.flip(1)  # the earliest end at or after
+    return torch.stack([first, last], -1).to(torch.int32).contiguous()  # (B, Nk, 2)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _forward(q, k, v, rows, block, causal, kpm, scale, window, sinks, want_lse):
+def _forward(q, k, v, rows, block, causal, kpm, ds, scale, window, sinks, want_lse):
     """``(out (B, H, Nq, Dv), lse (B, H, Nq) or None)``; q, k, v contiguous float32."""
     b, h, nq = q.shape[:3]
     out = torch.empty(b, h, nq, v.shape[3])
     lse = torch.empty(b, h, nq) if want_lse else None  # base 2, of the scaled scores
     qblock, rowptr, cols = rows[:3]
     rc = kernel().sparse_fwd(
-        *map(_ptr, (q, k, v, out, lse, kpm, qblock, rowptr, cols)),
+        *map(_ptr, (q, k, v, out, lse, kpm, ds, qblock, rowptr, cols)),
         len(qblock),
         *_sizes(q, k, v, block, scale, causal, window, sinks),
     )
@@ -142,22 +158,22 @@ class _KernelAttention(torch.autograd.Function):
     """The kernel's forward, saving its log-sum-exp, and its backward (``sparse_bwd``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rows, block, causal, kpm, scale, window, sinks):
-        out, lse = _forward(q, k, v, rows, block, causal, kpm, scale, window, sinks, want_lse=True)
+    def forward(ctx, q, k, v, rows, block, causal, kpm, ds, scale, window, sinks):
+        out, lse = _forward(q, k, v, rows, block, causal, kpm, ds, scale, window, sinks, want_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (rows, block, causal, kpm, scale, window, sinks)
+        ctx.args = (rows, block, causal, kpm, ds, scale, window, sinks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        rows, block, causal, kpm, scale, window, sinks = ctx.args
+        rows, block, causal, kpm, ds, scale, window, sinks = ctx.args
         dout = dout.contiguous().float()
         di = (dout * out).sum(-1)  # (B, H, Nq): FlashAttention-2's D_i
         dq, dk, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         qblock, rowptr, cols, kptr, qrows = rows
         rc = kernel().sparse_bwd(
-            *map(_ptr, (q, k, v, dout, lse, di, dq, dk, dv_, kpm, qblock, rowptr, cols)),
+            *map(_ptr, (q, k, v, dout, lse, di, dq, dk, dv_, kpm, ds, qblock, rowptr, cols)),
             len(qblock),
             _ptr(kptr),
             _ptr(qrows),
@@ -165,7 +181,7 @@ class _KernelAttention(torch.autograd.Function):
             *_sizes(q, k, v, block, scale, causal, window, sinks),
         )
         _check(rc)
-        return dq, dk, dv_, *(None,) * 7
+        return dq, dk, dv_, *(None,) * 8
 
 
 def forward(
@@ -180,6 +196,7 @@ def forward(
     scale: float,
     window: int | None = None,
     sinks: int = 0,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q (B, H, Nq, D)`` over ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` (float32,
     CPU; query head ``h`` on K/V head ``h // (H / Hkv)``; query ``i`` at position ``i + Nk - Nq``)
@@ -187,12 +204,13 @@ def forward(
     ``rows`` (:func:`layout`; every block holding a query must have a row), and causal masking and
     ``key_padding_mask (B, Nk)`` (True = keep) at token level; with ``window``, a query at ``p`` sees
     only keys ``j`` with ``|p - j| <= window`` besides the first ``sinks`` keys (``local_window``'s
-    band). A query that sees no key comes out zero. Differentiable in q, k and v (the kernel's own
+    band); with ``documents`` (ids ``(B, Nk)``, each document one run), only keys of the query's own
+    document. A query that sees no key comes out zero. Differentiable in q, k and v (the kernel's own
     backward). Returns ``(B, H, Nq, Dv)``. The caller checked :func:`refusal` and that :func:`kernel`
     is not None."""
     assert kernel() is not None, "kernel() returned None: the caller must fall back"
     kpm = _padding(key_padding_mask, q.shape[0], k.shape[2])
-    args = (rows, block, causal, kpm, scale, window, sinks)
+    args = (rows, block, causal, kpm, document_spans(documents), scale, window, sinks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _KernelAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
     return _forward(q.contiguous(), k.contiguous(), v.contiguous(), *args, want_lse=False)[0]

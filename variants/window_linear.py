@@ -19,6 +19,11 @@ Both parts are the suite's own cores, unchanged: ``local_window`` for ``near`` (
 the keys (``q[t0:]`` against ``k[:Nk - w - 1]``, bottom-right aligned: query ``p`` then sees exactly
 the keys ``j <= p - w - 1``), ``O(N chunk D + N D Dv)``. Time and memory linear in ``N``.
 
+Packed documents (``documents=`` ids) go to both parts: the window stops at a document's edges, and
+the far call gets the ids of its keys, so its state starts empty at each document; a query whose
+document begins after ``p - w - 1`` (inside its window) has no far key, and its far part is zeroed.
+What a packed call means is each document run alone, as its oracle checks.
+
 Decoding keeps the last ``w`` keys and values (a fixed-size window cache, with a mask of which slots
 hold real keys) and the ``D x (Dv + 1)`` linear state per head of the keys that left the window: a
 state whose size does not grow with the context. Shapes: ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``,
@@ -104,18 +109,33 @@ class WindowLinear(AttentionVariant):
         w = self.window
         return max(0, w + 1 - (nk - nq)), nk - w - 1
 
-    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None):
-        out = self.near(q, k, v, causal=True, key_padding_mask=key_padding_mask, scale=scale)
+    def native_documents(self, w: Workload) -> bool:
+        """Both parts take packed documents: the window stops at a document's edges, and the far
+        part's state starts empty at each document (see :meth:`_attend`)."""
+        return True
+
+    def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, documents=None):
+        near = {} if documents is None else {"documents": documents}
+        out = self.near(q, k, v, causal=True, key_padding_mask=key_padding_mask, scale=scale, **near)
         nq, nk = q.shape[2], k.shape[2]
         t0, cut = self._far_split(nq, nk)
         if t0 >= nq or cut < 1:
             return out  # no query has a key beyond its window
         kpm = None if key_padding_mask is None else key_padding_mask[:, :cut]  # (B, cut)
+        far_docs = {} if documents is None else {"documents": documents[:, :cut]}  # (B, cut)
         # no scale: the far part is normalised linear attention, in which it cancels (and linear refuses
         # a scale it cannot honour)
         far = self.far(
-            q[:, :, t0:], k[:, :, :cut], v[:, :, :cut], causal=True, key_padding_mask=kpm
+            q[:, :, t0:], k[:, :, :cut], v[:, :, :cut], causal=True, key_padding_mask=kpm, **far_docs
         )  # (B, H, Nq - t0, Dv)
+        if documents is not None:
+            # the shifted call's query i stands at p - w - 1 (p its own position) and sees the keys of
+            # that position's document; a query whose document starts after p - w - 1 has no key
+            # beyond its window: its far part is zero
+            p = torch.arange(t0, nq, device=q.device) + (nk - nq)  # (Nq - t0,): the queries' positions
+            ids = documents.to(q.device)
+            same = ids[:, p] == ids[:, p - self.window - 1]  # (B, Nq - t0)
+            far = far * same[:, None, :, None]  # (B, H, Nq - t0, Dv)
         return out + fn.pad(far, (0, 0, t0, 0))  # (B, H, Nq, Dv): zeros for the first t0 queries
 
     def oracle_forward(
