@@ -231,6 +231,18 @@ def test_cuda_without_gpu_is_unavailable():
     assert measure(spec)["status"] == "unavailable"
 
 
+def test_more_threads_than_the_job_s_cpus_is_unavailable(monkeypatch):
+    """threads above the CPUs the job may run on (its affinity, faked here at 2) would time the
+    scheduler: the job is refused before it runs, in one line that names both numbers."""
+    import experiments.measure.common as common
+
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0, 1})
+    over = precheck(job_spec(variant="naive", threads=3, **SMALL), variants.build("naive"))
+    assert over["status"] == "unavailable" and "threads=3 but this job may run on 2 CPU(s)" in over["reason"]
+    assert precheck(job_spec(variant="naive", threads=2, **SMALL), variants.build("naive")) is None
+    assert precheck(job_spec(variant="naive", **SMALL), variants.build("naive")) is None  # all CPUs
+
+
 def test_dtype_a_variant_lacks_is_unsupported():
     cases = [
         (n, d)

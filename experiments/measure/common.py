@@ -40,16 +40,32 @@ def registered_variant(spec: JobSpec, kind: str) -> tuple[type[AttentionVariant]
     return cls, name, knobs
 
 
-def job_threads(spec: JobSpec) -> int:
-    """The job's torch thread count, always set explicitly: ``spec.threads``, or every CPU this
-    process may run on (its affinity: the machine, or a Slurm allocation), never a launcher worker's
-    limit (joblib's workers run with one)."""
-    if spec.threads:
-        return int(spec.threads)
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (the machine, or a Slurm allocation), else every
+    CPU the OS reports."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this OS
         return os.cpu_count() or 1
+
+
+def job_threads(spec: JobSpec) -> int:
+    """The job's torch thread count, always set explicitly: ``spec.threads``, or every CPU this
+    process may run on (:func:`usable_cpus`), never a launcher worker's limit (joblib's workers run
+    with one)."""
+    return int(spec.threads) if spec.threads else usable_cpus()
+
+
+def check_threads(spec: JobSpec) -> None:
+    """Raise :class:`Unavailable` when a CPU job asks for more threads than this process may run on:
+    the extra threads would wait for a CPU, and the time would measure the scheduler. Checked where
+    the job runs (a Slurm node's allocation, not the login node's CPUs)."""
+    cpus = usable_cpus()
+    if spec.device.value == "cpu" and spec.threads and spec.threads > cpus:
+        raise Unavailable(
+            f"threads={spec.threads} but this job may run on {cpus} CPU(s): more threads than CPUs "
+            f"time the scheduler, not the kernel (threads=null uses all {cpus})"
+        )
 
 
 def check_device(device: str) -> None:

@@ -21,7 +21,7 @@ from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
 from .canary import canary_ms
-from .common import build_variant, check_device, job_threads
+from .common import build_variant, check_device, check_threads, job_threads
 from .inputs import Inputs, make_inputs
 from .kinds import rules
 from .machine_load import LOADED_CORES, load_average, others_cores, snapshot
@@ -155,6 +155,7 @@ def precheck(spec: JobSpec, variant: AttentionVariant) -> dict[str, Any] | None:
     """
     try:
         check_device(spec.device.value)
+        check_threads(spec)
         if rules(spec.kind).checks_workload:
             variant.check(spec.workload())
     except (Unavailable, Unsupported) as exc:
