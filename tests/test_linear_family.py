@@ -252,3 +252,26 @@ def test_state_bytes_of_the_family():
     assert variants.build("retention").state_bytes(w) == 8 * (64 * 64 * 4 + 8)  # + its float64 position
     assert variants.build("performer").state_bytes(w) == 8 * (256 * 65 * 4 + 4)  # m x (Dv + 1) + max
     assert variants.build("sdpa").state_bytes(w) == 8 * 131072 * 128 * 4  # the K/V cache: 512 MiB
+
+
+@pytest.mark.parametrize("path", ["cpu loop", "cumsum"])
+def test_the_segmented_sum_over_chunks_restarts_where_a_document_begins(path):
+    """The chunks' prefix sum that packed documents restart (the CPU's loop and the cumsum form other
+    devices take), in value and gradient, against a float64 sum written here: out[t] sums x[u..t-1]
+    from the last chunk u < t where a document begins (keep 0), or from the first."""
+    from variants.linear_core import _SegmentedExclusiveSum, _segmented_sum_by_cumsum
+
+    g, n = 3, 9
+    keep = (torch.rand(g, n, generator=torch.Generator().manual_seed(0)) > 0.4).double()
+    x = torch.randn(g, n, 4, 5, dtype=torch.float64, requires_grad=True)
+    want = torch.zeros(g, n, 4, 5, dtype=torch.float64)
+    for i in range(g):
+        for t in range(1, n):
+            u = max([s for s in range(t) if keep[i, s] == 0], default=0)
+            want[i, t] = x[i, u:t].detach().sum(0)
+    run = (lambda a: _SegmentedExclusiveSum.apply(a, keep)) if path == "cpu loop" else (
+        lambda a: _segmented_sum_by_cumsum(a, keep)
+    )
+    torch.testing.assert_close(run(x), want)
+    assert torch.autograd.gradcheck(run, (x,))
+    assert (want - x.detach().cumsum(1).roll(1, 1)).abs().max() > 0.1  # the restarts matter

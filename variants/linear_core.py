@@ -165,16 +165,14 @@ def causal_attention(
     ``starts (B, Nk)`` boolean (no ``kv0``): True where a packed document begins; a position then sums
     only its own document's keys. A start inside a chunk splits it into segments, as in
     ``gated_core.chunked_recurrence``: pairs within a segment, the state before the chunk read by its
-    first segment only, the state after it holding its last segment's keys. Documents take the
-    weighted path (zero log weights where the variant has none): its carry is per chunk, where the
-    unweighted path's prefix sum would carry every document into the next.
+    first segment only, the state after it holding its last segment's keys, and the state carried
+    through a chunk only where no document begins in it (the unweighted path's prefix sum over the
+    chunks then restarts there: a segmented sum).
     """
     b, h, nq, _ = qf.shape
     nk, e = kf.shape[2], v.shape[-1]
     if starts is not None and kv0 is not None:
         raise ValueError("packed documents start from an empty state: no kv0 beside starts")
-    if starts is not None and log_k is None:  # weights of 1: exp(0)
-        log_k = log_ref = torch.zeros(1, 1, nk, dtype=torch.float64, device=qf.device)  # (1, 1, Nk)
     weighted = log_k is not None
     if den and (weighted or kv0 is not None or nk != nq):
         v, den = with_ones(v), False  # the general path sums the denominator as a column of ones
@@ -182,12 +180,17 @@ def causal_attention(
     off = nk - nq
     if off:  # keys before the first query: state only
         log_off = log_k[..., :off] if weighted else None  # (B|1, H, off)
+        k_off = kf[:, :, :off]  # (B, H, off, F)
         if starts is not None:  # only the document the first query follows from
             docs = starts[:, :off].cumsum(-1)  # (B, off): each key's document among them
-            log_off = torch.where((docs == docs[:, -1:])[:, None], log_off, NEG_INF)  # (B, H|1, off)
+            follows = (docs == docs[:, -1:])[:, None]  # (B, 1, off)
+            if weighted:
+                log_off = torch.where(follows, log_off, NEG_INF)  # (B, H|1, off)
+            else:
+                k_off = k_off * follows[..., None]  # (B, H, off, F): the others' features zeroed
             starts = starts[:, off:]  # (B, Nq)
         kv0, ref0 = absorb(
-            kf[:, :, :off],
+            k_off,
             v[:, :, :off],
             log_off,
             log_ref[..., off - 1] if weighted else None,
@@ -211,7 +214,8 @@ def causal_attention(
     kc = kf.view(b, h, n, c, -1)  # (B, H, n, c, F)
     vc = v.view(b, h, n, c, e)  # (B, H, n, c, E)
     if not weighted:
-        out, state = _plain_chunks(qc, kc, vc, kv0, den)
+        segments = None if starts is None else chunk_segments(starts, n, c)
+        out, state = _plain_chunks(qc, kc, vc, kv0, den, segments)
         return out[:, :, :nq], state, None
     lower = torch.ones(c, c, dtype=torch.bool, device=qf.device).tril()  # (c, c): key j <= query i
     lk = log_k.view(*log_k.shape[:2], n, c)  # (B|1, H, n, c)
@@ -287,6 +291,60 @@ class _ExclusivePrefixSum(torch.autograd.Function):
         return gx
 
 
+class _SegmentedExclusiveSum(torch.autograd.Function):
+    """``out[:, 0] = 0``, ``out[:, t] = keep[:, t - 1] out[:, t - 1] + x[:, t - 1]`` along dimension 1
+    of ``x (G, n, ...)``, ``keep (G, n)`` 0 or 1: :class:`_ExclusivePrefixSum` restarted after each
+    ``t`` with ``keep[:, t] = 0`` (``x[:, t]`` itself still counts). A loop of ``n - 1`` adds on the
+    CPU, as there; :func:`_exclusive_sum` writes it with cumsum elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        k = keep.view(*keep.shape, *(1,) * (x.dim() - 2))  # (G, n, 1, ...)
+        ctx.save_for_backward(k)
+        out = torch.empty_like(x)
+        out[:, 0] = 0
+        for t in range(1, x.shape[1]):
+            torch.addcmul(x[:, t - 1], k[:, t - 1], out[:, t - 1], out=out[:, t])
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # G[t], the whole gradient reaching out[:, t], is g[t] + keep[t] G[t + 1]; x[:, s] reaches
+        # out[:, s + 1] with weight 1, so its gradient is G[s + 1] (and x[:, n - 1] reaches nothing)
+        (k,) = ctx.saved_tensors
+        gx = torch.empty_like(g)
+        gx[:, -1] = 0
+        total = g[:, -1].clone()  # G[n - 1]
+        for s in range(g.shape[1] - 2, -1, -1):
+            gx[:, s] = total
+            total = torch.addcmul(g[:, s], k[:, s], total)  # G[s]
+        return gx, None
+
+
+def _exclusive_sum(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The chunks' states summed over the chunks before each one: ``x (G, n, ...)`` ->
+    ``(G, n, ...)``; with ``keep (G, n)`` (0 where a packed document begins inside a chunk) the sum
+    restarts after each such chunk (see :class:`_SegmentedExclusiveSum`). ``O(G n |x[0, 0]|)``."""
+    if keep is None:
+        return _ExclusivePrefixSum.apply(x)
+    if x.device.type == "cpu":
+        return _SegmentedExclusiveSum.apply(x, keep)
+    return _segmented_sum_by_cumsum(x, keep)
+
+
+def _segmented_sum_by_cumsum(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """:class:`_SegmentedExclusiveSum` in a few launches, not one per chunk (for GPUs): ``out[:, t] =
+    C[t - 1] - C[u - 1]`` for the last ``u < t`` with ``keep[:, u] = 0`` (else ``u = 0``; ``C`` the
+    inclusive sum, ``C[-1] = 0``), the sum of ``x`` over ``u .. t - 1``; autograd differentiates it."""
+    n = x.shape[1]
+    idx = torch.arange(n, device=x.device).expand_as(keep)  # (G, n)
+    reset = torch.where(keep == 0, idx, -1).cummax(1).values  # (G, n): the last u <= t with keep 0
+    lo = fn.pad(reset, (1, 0), value=-1)[:, :n].clamp(min=0)  # (G, n): u for out[t] (0 if none)
+    csum = fn.pad(x.cumsum(1), (0,) * (2 * (x.dim() - 2)) + (1, 0))  # (G, n + 1, ...): C[t - 1] at t
+    at = lo.view(*lo.shape, *(1,) * (x.dim() - 2)).expand(-1, -1, *x.shape[2:])  # (G, n, ...)
+    return csum[:, :n] - csum.gather(1, at)
+
+
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc + a @ b`` for ``acc (G, M, N)``, ``a (G, M, K)``, ``b (G, K, N)``: written into ``acc``
     when no gradient is recorded (a copy of ``acc`` fewer, ~5% of a causal forward), else a new tensor.
@@ -297,7 +355,12 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.T
 
 
 def _plain_chunks(
-    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kv0: torch.Tensor | None, den: bool
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    kv0: torch.Tensor | None,
+    den: bool,
+    segments: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The unweighted chunked form of (*): ``qc, kc (B, H, n, c, F)``, ``vc (B, H, n, c, E)``, the state
     ``kv0 (B, H, F, E)`` before (None: empty) -> ``(out (B, H, n c, E'), state (B, H, F, E))``; with
@@ -306,22 +369,37 @@ def _plain_chunks(
     the batched matrix products at their fast sizes, where ``65`` cost a third more time.
 
     Everything is a batched product over ``G = B H n`` chunks, the triangle masked in place; the
-    state before each chunk is one exclusive prefix sum over the chunks' own states."""
+    state before each chunk is one exclusive prefix sum over the chunks' own states. With packed
+    documents' ``segments`` (:func:`chunk_segments`: same, first, last, keep) the triangle keeps
+    pairs within a segment, only a chunk's first segment reads the state before it, only its last
+    writes the state after it, and the prefix sum restarts after a chunk where a document begins."""
     b, h, n, c, f = qc.shape
     e = vc.shape[-1]
+    hidden = torch.ones(c, c, dtype=torch.bool, device=qc.device).triu(1)  # (c, c): key j > query i
+    q_in, k_out, keep = qc, kc, None  # who reads the state before a chunk, writes the one after it
+    if segments is not None:
+        same, first, last, keep_b = segments  # (B, 1, n, c, c), (B, 1, n, c) x 2, (B, 1, n)
+        hidden = (hidden | ~same).expand(b, h, n, c, c).reshape(-1, c, c)  # (G, c, c)
+        q_in, k_out = qc * first[..., None], kc * last[..., None]  # (B, H, n, c, F) each
+        keep = keep_b.expand(b, h, n).reshape(b * h, n).to(qc.dtype)  # (B H, n)
     q2, k2 = qc.reshape(-1, c, f), kc.reshape(-1, c, f)  # (B, H, n, c, F) -> (G, c, F)
     v2 = vc.reshape(-1, c, e)  # (G, c, E)
-    upper = torch.ones(c, c, dtype=torch.bool, device=qc.device).triu(1)  # (c, c): key j > query i
-    scores = torch.bmm(q2, k2.transpose(1, 2)).masked_fill_(upper, 0.0)  # (G, c, c)
-    chunk_kv = torch.bmm(k2.transpose(1, 2), v2).view(b * h, n, f, e)  # (G, F, E) -> (B H, n, F, E)
-    before = _ExclusivePrefixSum.apply(chunk_kv)  # (B H, n, F, E): the chunks before each
-    if kv0 is not None:
-        before = before + kv0.reshape(b * h, 1, f, e)
-    state = (before[:, -1] + chunk_kv[:, -1]).view(b, h, f, e)
-    out = _add_product(torch.bmm(scores, v2), q2, before.view(-1, f, e))  # (G, c, E): intra + inter
+    scores = torch.bmm(q2, k2.transpose(1, 2)).masked_fill_(hidden, 0.0)  # (G, c, c)
+    kw = k_out.reshape(-1, c, f)  # (G, c, F)
+    chunk_kv = torch.bmm(kw.transpose(1, 2), v2).view(b * h, n, f, e)  # (G, F, E) -> (B H, n, F, E)
+    before = _exclusive_sum(chunk_kv, keep)  # (B H, n, F, E): the chunks before each
+    if kv0 is not None:  # (with documents: only up to the first chunk where one begins)
+        reach = kv0.reshape(b * h, 1, f, e)  # (B H, 1, F, E)
+        if keep is not None:
+            reach = reach * fn.pad(keep.cumprod(1), (1, 0), value=1.0)[:, :n, None, None]  # (B H, n, F, E)
+        before = before + reach
+    carry = before[:, -1] if keep is None else keep[:, -1, None, None] * before[:, -1]  # (B H, F, E)
+    state = (carry + chunk_kv[:, -1]).view(b, h, f, e)
+    qs = q_in.reshape(-1, c, f)  # (G, c, F)
+    out = _add_product(torch.bmm(scores, v2), qs, before.view(-1, f, e))  # (G, c, E): intra + inter
     if den:
-        ksum = _ExclusivePrefixSum.apply(kc.sum(3).view(b * h, n, f, 1))  # (B H, n, F, 1)
-        d = _add_product(scores.sum(-1, keepdim=True), q2, ksum.view(-1, f, 1))  # (G, c, 1)
+        ksum = _exclusive_sum(k_out.sum(3).view(b * h, n, f, 1), keep)  # (B H, n, F, 1)
+        d = _add_product(scores.sum(-1, keepdim=True), qs, ksum.view(-1, f, 1))  # (G, c, 1)
         out = torch.cat([out, d], -1)  # (G, c, E + 1)
     return out.view(b, h, n * c, -1), state  # (G, c, E') -> (B, H, n c, E')
 
