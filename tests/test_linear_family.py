@@ -259,7 +259,7 @@ def test_the_segmented_sum_over_chunks_restarts_where_a_document_begins(path):
     """The chunks' prefix sum that packed documents restart (the CPU's loop and the cumsum form other
     devices take), in value and gradient, against a float64 sum written here: out[t] sums x[u..t-1]
     from the last chunk u < t where a document begins (keep 0), or from the first."""
-    from variants.linear_core import _SegmentedExclusiveSum, _segmented_sum_by_cumsum
+    from variants.linear_core import _segmented_sum_by_cumsum, _SegmentedExclusiveSum
 
     g, n = 3, 9
     keep = (torch.rand(g, n, generator=torch.Generator().manual_seed(0)) > 0.4).double()
@@ -269,8 +269,10 @@ def test_the_segmented_sum_over_chunks_restarts_where_a_document_begins(path):
         for t in range(1, n):
             u = max([s for s in range(t) if keep[i, s] == 0], default=0)
             want[i, t] = x[i, u:t].detach().sum(0)
-    run = (lambda a: _SegmentedExclusiveSum.apply(a, keep)) if path == "cpu loop" else (
-        lambda a: _segmented_sum_by_cumsum(a, keep)
+    run = (
+        (lambda a: _SegmentedExclusiveSum.apply(a, keep))
+        if path == "cpu loop"
+        else (lambda a: _segmented_sum_by_cumsum(a, keep))
     )
     torch.testing.assert_close(run(x), want)
     assert torch.autograd.gradcheck(run, (x,))

@@ -21,7 +21,7 @@ from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
 from .accuracy import gradient_accuracy, output_accuracy, tolerance
 from .canary import canary_ms
-from .common import build_variant, check_device, check_threads, job_threads
+from .common import build_variant, check_device, check_threads, forget_compiled_code, job_threads
 from .inputs import Inputs, make_inputs
 from .kinds import rules
 from .machine_load import LOADED_CORES, load_average, others_cores, snapshot
@@ -172,10 +172,7 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
     torch.set_num_threads(job_threads(spec))
     w = spec.workload()
     dtype, nq, nk, dv, backward = w.dtype, w.nq, w.nk, w.v_head_dim, w.backward
-    # one process may run many jobs (isolate=false): Dynamo's code compiled for earlier shapes counts
-    # against its recompile limit (8), past which compiled FlexAttention silently runs eagerly with the
-    # whole N x N score matrix (seen on an H100: sparse at N=16384 fwd+bwd 180 ms and 53 GB, not 3 ms)
-    torch._dynamo.reset()
+    forget_compiled_code()  # one process may run many jobs (isolate=false)
     torch.manual_seed(spec.seed)
     variant = build_variant(spec.variant).to(device=device)
     if any(True for _ in variant.parameters()):

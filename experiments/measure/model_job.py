@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .common import check_device, job_threads, registered_variant
+from .common import check_device, forget_compiled_code, job_threads, registered_variant
 from .memory import hwm_peak_bytes
 from .spec import JobSpec
 
@@ -65,7 +65,7 @@ def measure_model(spec: JobSpec, result: dict[str, Any]) -> None:
     device = spec.device.value
     check_device(device)
     torch.set_num_threads(job_threads(spec))
-    torch._dynamo.reset()  # as in kernel jobs: earlier shapes must not count against the recompile limit
+    forget_compiled_code()  # as in kernel jobs
     _, name, knobs = registered_variant(spec, "model")
     model = {k: v for k, v in dict(spec.model).items() if k in MODEL_FIELDS}
     out: dict[str, Any] = {}

@@ -12,4 +12,9 @@ import os
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported, in this process only
 os.environ["HIP_VISIBLE_DEVICES"] = ""  # the same for ROCm builds of torch
 
+# torch._dynamo: imported by the profiler on its first use (the memory figure), which took 1.8-2.9 s of
+# every job on this project's 2-core VM when each fork imported it again. The profiler itself is never
+# run here: a fork of a process that has run it hangs in its first profile.
+import torch._dynamo  # noqa: E402,F401
+
 import experiments.measure.kernel  # noqa: E402,F401  torch and the variants, imported once for every fork

@@ -36,7 +36,7 @@ import torch
 
 from variants import Unsupported
 
-from ..common import check_device, job_threads, registered_variant
+from ..common import check_device, forget_compiled_code, job_threads, registered_variant
 from ..inputs import DTYPES
 from ..memory import peak_bytes
 from ..spec import JobSpec
@@ -77,7 +77,7 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
     device = spec.device.value
     check_device(device)
     torch.set_num_threads(job_threads(spec))
-    torch._dynamo.reset()  # as in kernel jobs: earlier shapes must not count against the recompile limit
+    forget_compiled_code()  # as in kernel jobs
     cls, name, knobs = registered_variant(spec, "pretrained")
     if cls.has_params:
         raise Unsupported(
