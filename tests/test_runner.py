@@ -986,7 +986,7 @@ def test_a_gemm_ceiling_below_a_jobs_own_rate_is_measured_again(tmp_path):
     low = {"device": "cpu", "dtype": "float32", "gemm_n": 2048, "gemm_flops_per_s": 1e9, "threads": 1}
     (tmp_path / "sweep" / "roofline-cpu-float32.json").write_text(json.dumps(low))
     small = [f"{k}={v}" for k, v in SMALL.items() if k != "seq_len"]
-    p = run_sweep(tmp_path, "variant=naive,sdpa", *small, "threads=1", "seq_len=256")
+    p = run_sweep(tmp_path, "variant=naive,sdpa", *small, "threads=1", "seq_len=256", "roofline=true")
     assert p.returncode == 0, p.stderr[-2000:]
     recs = {r["variant_name"]: r for r in read_records(tmp_path / "records")}
     assert (
