@@ -55,7 +55,7 @@ from .base import (
     repeat_kv,
     sinks_as_first_key,
 )
-from .masks import document_starts
+from .masks import document_bounds, document_starts
 from .registry import register
 
 DECODE = ("auto", "kernel", "torch")
@@ -138,14 +138,9 @@ def document_spans(docs: torch.Tensor) -> list[tuple[int, int]]:
     first and last position of its document in any row: ``spans[p][0]`` the earliest start, and
     ``spans[p][1]`` the latest end, of the documents at ``p`` across the batch. Read on the host, once
     per call. ``O(B Nk)``."""
-    nk = docs.shape[1]
-    pos = torch.arange(nk).expand_as(docs)  # (B, Nk)
-    # (B, Nk): where each position's document begins, and where it ends, by a scan of the run ids
-    begin = torch.zeros_like(docs).scatter_reduce(1, docs, pos, "amin", include_self=False)
-    end = torch.zeros_like(docs).scatter_reduce(1, docs, pos, "amax", include_self=False)
-    first = begin.gather(1, docs).amin(0)  # (Nk,)
-    last = end.gather(1, docs).amax(0)  # (Nk,)
-    return list(zip(first.tolist(), last.tolist(), strict=True))
+    starts = torch.nn.functional.pad(docs[:, 1:] != docs[:, :-1], (1, 0))  # (B, Nk): a run begins
+    first, last = document_bounds(starts)  # (B, Nk) x 2
+    return list(zip(first.amin(0).tolist(), last.amax(0).tolist(), strict=True))
 
 
 class _ChunkedAttention(torch.autograd.Function):

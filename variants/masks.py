@@ -69,6 +69,17 @@ def document_starts(documents: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+def document_bounds(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, last)``, each ``(B, Nk)``: the first and the last position of the packed document
+    holding each position, from :func:`document_starts`' ``starts (B, Nk)``. ``O(B Nk)``."""
+    nk = starts.shape[1]
+    pos = torch.arange(nk, device=starts.device).expand_as(starts)  # (B, Nk)
+    first = torch.where(starts, pos, 0).cummax(1).values  # (B, Nk): the latest start at or before
+    ends = F.pad(starts[:, 1:], (0, 1), value=True)  # (B, Nk): True where a document ends
+    last = torch.where(ends, pos, nk - 1).flip(1).cummin(1).values.flip(1)  # the earliest end at or after
+    return first, last
+
+
 def attend_each_document(
     attend: Callable[..., torch.Tensor],
     q: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 
 from .base import Workload
 from .ckernel import CKernel
-from .masks import document_starts
+from .masks import document_bounds, document_starts
 
 MAX_DIM = 256  # head sizes it takes (MAX_DIM in the C source)
 MAX_KEYS = 2**24  # sequence lengths it takes (MAX_KEYS: positions are compared as float32)
@@ -113,13 +113,8 @@ def document_spans(documents: torch.Tensor | None) -> torch.Tensor | None:
     document holding each position, ``(B, Nk, 2)`` int32. ``O(B Nk)``."""
     if documents is None:
         return None
-    starts = document_starts(documents)  # (B, Nk): True where a document begins
-    nk = documents.shape[1]
-    pos = torch.arange(nk, device=documents.device).expand_as(documents)  # (B, Nk)
-    first = torch.where(starts, pos, 0).cummax(1).values  # (B, Nk): the latest start at or before
-    ends = torch.nn.functional.pad(starts[:, 1:], (0, 1), value=True)  # (B, Nk): True where one ends
-    last = torch.where(ends, pos, nk - 1).flip(1).cummin(1).values.flip(1)  # the earliest end at or after
-    return torch.stack([first, last], -1).to(torch.int32).contiguous()  # (B, Nk, 2)
+    bounds = document_bounds(document_starts(documents))  # (B, Nk) x 2
+    return torch.stack(bounds, -1).to(torch.int32).contiguous()  # (B, Nk, 2)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

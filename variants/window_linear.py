@@ -115,18 +115,22 @@ class WindowLinear(AttentionVariant):
         return True
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, documents=None):
-        near = {} if documents is None else {"documents": documents}
-        out = self.near(q, k, v, causal=True, key_padding_mask=key_padding_mask, scale=scale, **near)
+        masks = {"key_padding_mask": key_padding_mask, "documents": documents}
+        out = self.near(q, k, v, causal=True, scale=scale, **masks)
         nq, nk = q.shape[2], k.shape[2]
         t0, cut = self._far_split(nq, nk)
         if t0 >= nq or cut < 1:
             return out  # no query has a key beyond its window
         kpm = None if key_padding_mask is None else key_padding_mask[:, :cut]  # (B, cut)
-        far_docs = {} if documents is None else {"documents": documents[:, :cut]}  # (B, cut)
         # no scale: the far part is normalised linear attention, in which it cancels (and linear refuses
         # a scale it cannot honour)
         far = self.far(
-            q[:, :, t0:], k[:, :, :cut], v[:, :, :cut], causal=True, key_padding_mask=kpm, **far_docs
+            q[:, :, t0:],
+            k[:, :, :cut],
+            v[:, :, :cut],
+            causal=True,
+            key_padding_mask=kpm,
+            documents=None if documents is None else documents[:, :cut],  # (B, cut)
         )  # (B, H, Nq - t0, Dv)
         if documents is not None:
             # the shifted call's query i stands at p - w - 1 (p its own position) and sees the keys of
