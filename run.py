@@ -6,14 +6,19 @@ Thin glue: Hydra composes the config, :func:`experiments.sweep.runner.run_job` m
 import difflib
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
+from experiments.sweep.cpu_server import start_early
 
-from experiments.sweep.hydra_nodes import register_hydra_pieces
-from experiments.sweep.preflight import preflight
-from experiments.sweep.runner import objective, run_job
+if __name__ == "__main__":  # (a job forked from the server runs this file again, as __mp_main__)
+    start_early(sys.argv[1:])  # the CPU jobs' fork server imports torch while this process does
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from experiments.sweep.hydra_nodes import register_hydra_pieces  # noqa: E402
+from experiments.sweep.preflight import preflight  # noqa: E402
+from experiments.sweep.runner import objective, run_job  # noqa: E402
 
 register_hydra_pieces()
 

@@ -57,12 +57,15 @@ class NeedsHiddenGpuAttention(NaiveAttention):
 
 
 class ShakyOnceAttention(NaiveAttention):
-    """Slower with every call in the first process that calls it (0.3 ms more each time: the
-    repetitions spread as widely as they go on, so no figure can be stable), a steady 1 ms in later
-    ones (a sleep: steadier on a busy 2-core CI machine than the microseconds of the attention
-    itself): a job with ``retry_unstable=1`` must come out stable. The first caller writes its pid
-    to a marker file, ``$ATTNBENCH_SHAKY_MARKER``; a later one writes its own to that path +
-    ``.later``, so a test can tell a fresh process measured without timing anything."""
+    """In the first process that calls it, calls sleep 1 ms sixteen at a time, then 4 ms sixteen at a
+    time, and so on: a window of its calls is never stable, however many calls came before it (a
+    figure timed again after a window that page-faulted included) and however many calls the timer
+    averages into one sample (10 at these times), since every window spans several such runs. In
+    later processes a steady 1 ms (a sleep: steadier on a busy 2-core CI machine than the
+    microseconds of the attention itself): a job with ``retry_unstable=1`` must come out stable. The
+    first caller writes its pid to a marker file, ``$ATTNBENCH_SHAKY_MARKER``; a later one writes its
+    own to that path + ``.later``, so a test can tell a fresh process measured without timing
+    anything."""
 
     calls = 0
 
@@ -74,9 +77,19 @@ class ShakyOnceAttention(NaiveAttention):
         with open(marker) as f:
             if f.read() == str(os.getpid()):
                 ShakyOnceAttention.calls += 1
-                time.sleep(0.0003 * ShakyOnceAttention.calls)
+                time.sleep(0.004 if ShakyOnceAttention.calls // 16 % 2 else 0.001)
             else:
                 with open(marker + ".later", "w") as later:
                     later.write(str(os.getpid()))
                 time.sleep(0.001)
+        return super()._attend(q, k, v, **kw)
+
+
+class WritesParentAttention(NaiveAttention):
+    """Writes its process's parent pid to the file ``$ATTNBENCH_TEST_PARENT_FILE`` names: which
+    process a job was forked from."""
+
+    def _attend(self, q, k, v, **kw):
+        with open(os.environ["ATTNBENCH_TEST_PARENT_FILE"], "w") as f:
+            f.write(str(os.getppid()))
         return super()._attend(q, k, v, **kw)

@@ -29,6 +29,7 @@ from ..measure.kernel import measure
 from ..measure.spec import JobSpec
 from .allocator import set_job_allocator_env
 from .concurrency import pid_alive
+from .cpu_server import cpu_context
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -66,10 +67,8 @@ def context_for(device: str) -> Any:
     """The multiprocessing context a job on ``device`` runs in: the GPU-free fork server for CPU
     jobs, spawn for CUDA jobs and where there is no fork server. Processes it starts keep the memory
     torch frees (:mod:`experiments.sweep.allocator`)."""
-    set_job_allocator_env()  # before the fork server or a spawned child exists: read at process start
-    if device == "cpu" and "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["experiments.sweep.cpu_forkserver"])
+    set_job_allocator_env()  # before a spawned child exists: read at process start
+    if device == "cpu" and (ctx := cpu_context()) is not None:
         return ctx
     return mp.get_context("spawn")
 
