@@ -6,8 +6,10 @@ import torch
 import variants
 from experiments.sweep.concurrency import RUNNING_DIR_ENV
 
-# tests are small; two threads keep them steady on a shared 2-core machine
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# tests are small; two threads keep them steady on a shared 2-core machine, and with pytest-xdist's
+# workers (the README's test command runs two) the cores are shared among them, not oversubscribed
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 @pytest.fixture(autouse=True, scope="session")
