@@ -133,12 +133,11 @@ def _key_chunks(
     return [ks for ks in starts if ks <= hi and min(ks + k_chunk, nk) > lo]
 
 
-def document_spans(docs: torch.Tensor) -> list[tuple[int, int]]:
-    """Per position of ``docs (B, Nk)`` (each position's document, non-decreasing along a row), the
-    first and last position of its document in any row: ``spans[p][0]`` the earliest start, and
-    ``spans[p][1]`` the latest end, of the documents at ``p`` across the batch. Read on the host, once
-    per call. ``O(B Nk)``."""
-    starts = torch.nn.functional.pad(docs[:, 1:] != docs[:, :-1], (1, 0))  # (B, Nk): a run begins
+def document_spans(starts: torch.Tensor) -> list[tuple[int, int]]:
+    """Per position of ``starts (B, Nk)`` (:func:`~variants.masks.document_starts`: True where a
+    document begins), the first and last position of its document in any row: ``spans[p][0]`` the
+    earliest start, and ``spans[p][1]`` the latest end, of the documents at ``p`` across the batch.
+    Read on the host, once per call. ``O(B Nk)``."""
     first, last = document_bounds(starts)  # (B, Nk) x 2
     return list(zip(first.amin(0).tolist(), last.amax(0).tolist(), strict=True))
 
@@ -148,7 +147,20 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q, k, v, kpm, am, bias, causal: bool, q_chunk: int, k_chunk: int, scale: float, cap, docs
+        ctx: Any,
+        q,
+        k,
+        v,
+        kpm,
+        am,
+        bias,
+        causal: bool,
+        q_chunk: int,
+        k_chunk: int,
+        scale: float,
+        cap,
+        docs,
+        spans: list[tuple[int, int]] | None,
     ):
         b, h, nq, d = q.shape
         nk, dv = k.shape[2], v.shape[-1]
@@ -156,7 +168,6 @@ class _ChunkedAttention(torch.autograd.Function):
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         qw, kw, vw = q.to(work) * scale, k.to(work), v.to(work)
         bw = None if bias is None else bias.to(work)
-        spans = None if docs is None else document_spans(docs)
         out = torch.empty(b, h, nq, dv, dtype=work, device=q.device)
         lse = torch.empty(b, h, nq, 1, dtype=work, device=q.device)  # log-sum-exp of each row
         for qs in range(0, nq, q_chunk):
@@ -212,7 +223,7 @@ class _ChunkedAttention(torch.autograd.Function):
                 dq[:, :, qs:qe] += ds @ kc
                 dk[:, :, ks:ke] += ds.transpose(-2, -1) @ qc
         dq = dq * scale  # S = (q scale) k^T: dq = dS k scale; dk = dS^T (q scale) already
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 9)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 10)
 
 
 @register("chunked")
@@ -365,8 +376,11 @@ class ChunkedAttention(AttentionVariant):
             key_padding_mask, am, bias4 = call["key_padding_mask"], call["attn_mask"], call["bias"]
         h = q.shape[1]
         k, v = repeat_kv(k, h), repeat_kv(v, h)  # (B, H, Nk, D|Dv): the PyTorch path's heads
-        docs = None if documents is None else document_starts(documents).cumsum(-1)  # (B, Nk): run index
+        docs = spans = None
+        if documents is not None:
+            starts = document_starts(documents)  # (B, Nk): True where a document begins
+            docs, spans = starts.cumsum(-1), document_spans(starts)  # (B, Nk): run index; per position
         chunks = (self.query_chunk, self.key_chunk)
         return _ChunkedAttention.apply(
-            q, k, v, key_padding_mask, am, bias4, causal, *chunks, scale, softcap, docs
+            q, k, v, key_padding_mask, am, bias4, causal, *chunks, scale, softcap, docs, spans
         )  # (B, H, Nq, Dv)

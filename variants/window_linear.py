@@ -115,8 +115,9 @@ class WindowLinear(AttentionVariant):
         return True
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask, scale=None, documents=None):
-        masks = {"key_padding_mask": key_padding_mask, "documents": documents}
-        out = self.near(q, k, v, causal=True, scale=scale, **masks)
+        out = self.near(
+            q, k, v, causal=True, key_padding_mask=key_padding_mask, scale=scale, documents=documents
+        )
         nq, nk = q.shape[2], k.shape[2]
         t0, cut = self._far_split(nq, nk)
         if t0 >= nq or cut < 1:

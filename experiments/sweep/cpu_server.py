@@ -43,7 +43,7 @@ def forks_cpu_jobs_here(argv: Sequence[str]) -> bool:
     import."""
     for arg in argv:
         key, _, value = arg.lstrip("+~").partition("=")
-        if arg in _NO_JOB_FLAGS or arg.startswith("--cfg") or arg.startswith("--info"):
+        if arg in _NO_JOB_FLAGS or arg.startswith(("--cfg=", "--info=")):
             return False
         if key == "hydra/launcher" and value != "basic":
             return False

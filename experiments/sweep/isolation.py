@@ -67,9 +67,9 @@ def context_for(device: str) -> Any:
     """The multiprocessing context a job on ``device`` runs in: the GPU-free fork server for CPU
     jobs, spawn for CUDA jobs and where there is no fork server. Processes it starts keep the memory
     torch frees (:mod:`experiments.sweep.allocator`)."""
-    set_job_allocator_env()  # before a spawned child exists: read at process start
     if device == "cpu" and (ctx := cpu_context()) is not None:
         return ctx
+    set_job_allocator_env()  # before a spawned child exists: read at process start
     return mp.get_context("spawn")
 
 
