@@ -475,8 +475,8 @@ def test_weights_plot_draws_what_ran_with_its_knobs(sweep, monkeypatch):
     ran = {r["config"]["variant"]["_target_"] for r in raw_records(tmp / "records") if r["status"] == "ok"}
     panels = plots._swept_variants(df)
     # one panel per (variant, knobs) that ran ok, none for the others, each built with its recorded knobs
-    assert {f"{type(v).__module__}.{type(v).__qualname__}" for _, v in panels} == ran
-    windows = sorted(v.window for _, v in panels if type(v).name == "local_window")
+    assert {f"{type(v).__module__}.{type(v).__qualname__}" for _, v, _ in panels} == ran
+    windows = sorted(v.window for _, v, _ in panels if type(v).name == "local_window")
     recorded = {
         r["config"]["variant"]["window"]
         for r in raw_records(tmp / "records")
@@ -486,14 +486,48 @@ def test_weights_plot_draws_what_ran_with_its_knobs(sweep, monkeypatch):
     # the figure draws exactly those panels
     drawn = []
     monkeypatch.setattr(
-        plots, "attention_weights", lambda v, x: drawn.append(x.shape[2]) or np.eye(x.shape[2])
+        plots,
+        "attention_weights",
+        lambda v, x, causal, documents: drawn.append((x.shape[2], causal, documents)) or np.eye(x.shape[2]),
     )
     (tmp / "weights_plot").mkdir()
     plots.plot_weights(df, tmp / "weights_plot")
-    assert drawn == [64] * len(panels)  # at the sweep's shortest length
+    assert drawn == [(64, False, 1)] * len(panels)  # at the sweep's shortest length, as they ran
     drawn.clear()
     plots.plot_weights(df, tmp / "weights_plot", n_max=32)  # longer than legible: drawn at n_max
-    assert drawn == [32] * len(panels)
+    assert drawn == [(32, False, 1)] * len(panels)
+    # a variant that ran causal over 1 and 4 packed documents is drawn under each of those masks
+    ok = df[df["status"] == "ok"]
+    sdpa = ok[ok["variant_name"] == "sdpa"].iloc[[0, 0]].assign(causal=True, documents=[1, 4])
+    drawn.clear()
+    plots.plot_weights(pd.concat([ok[ok["variant_name"] != "sdpa"], sdpa]), tmp / "weights_plot")
+    others = len(panels) - 1
+    assert sorted(drawn) == sorted([(64, False, 1)] * others + [(64, True, 1), (64, True, 4)])
+    # a model job's decoder is causal and a task's model when its task is, whatever the sweep's flag
+    assert plots._mask_setting({"kind": "model", "causal": False, "documents": 1}) == (True, 1)
+    task = {"kind": "task", "causal": False, "documents": pd.NA}
+    assert plots._mask_setting({**task, "task": json.dumps({"name": "recall", "causal": True})}) == (True, 1)
+    assert plots._mask_setting({**task, "task": {"name": "recall", "causal": False}}) == (False, 1)
+
+
+def test_attention_weights_are_the_masked_softmax_the_sweep_ran():
+    """The weights drawn for a causal call over packed documents: a float64 softmax written here, over
+    the pairs of one document at or before the query (the lengths drawn as the sweep draws them)."""
+    import torch
+
+    import variants
+    from experiments.measure.inputs import document_lengths
+
+    x, _ = plots.structured_input(40)
+    got = plots.attention_weights(variants.build("sdpa"), x, causal=True, documents=3)
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(document_lengths(1, 40, 3)[0]))
+    scores = (x[0, 0] @ x[0, 0].T) / 16**0.5  # (N, N): D = 16
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(40, 40, dtype=torch.bool).tril()
+    want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-12)
+    assert len(set(doc.tolist())) == 3 and (got[~allowed.numpy()] == 0).all()
+    # two-way, one document: every pair has weight
+    assert (plots.attention_weights(variants.build("sdpa"), x) > 0).all()
 
 
 def test_single_length_scaling_says_it_needs_two_lengths(sweep, capsys):

@@ -23,8 +23,9 @@ import seaborn as sns  # noqa: E402
 from matplotlib.colors import PowerNorm  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
+from ..measure.spec import Kind  # noqa: E402
 from ..records.store import is_false  # noqa: E402
-from .format import sci  # noqa: E402
+from .format import obj, sci  # noqa: E402
 from .grouping import (  # noqa: E402
     GROUP_BASE,
     beside_work,
@@ -430,31 +431,55 @@ def _example_variants() -> list[tuple[str, object | Exception]]:
     return out
 
 
-def _swept_variants(df: pd.DataFrame) -> list[tuple[str, object | Exception]]:
-    """``(title, variant or the exception building it)`` for every (variant, knobs) that ran ``ok`` in
-    ``df``, built with the knobs it ran with; empty if none did."""
+def _swept_variants(df: pd.DataFrame) -> list[tuple[str, object | Exception, tuple[bool, int]]]:
+    """``(title, variant or the exception building it, (causal, documents))`` for every (variant, knobs)
+    that ran ``ok`` in ``df``, built with the knobs it ran with, once per mask setting it ran under (its
+    rows' distinct ``causal`` and packed ``documents``); empty if none ran."""
     import json
 
     from hydra.utils import get_class
 
     from variants.registry import construct
 
-    out: list[tuple[str, object | Exception]] = []
-    ran = df[df["status"] == "ok"].drop_duplicates(subset=["variant_key"]).sort_values("variant")
-    for _, row in ran.iterrows():
+    out: list[tuple[str, object | Exception, tuple[bool, int]]] = []
+    ran = df[df["status"] == "ok"].sort_values("variant")
+    for _, rows in ran.groupby("variant_key", sort=False):
+        row = rows.iloc[0]
         knobs = json.loads(row["knobs"]) if isinstance(row["knobs"], str) else {}
         shown = ", ".join(f"{k}={v}" for k, v in knobs.items() if v is not None and k != "compile")
         title = f"{row['variant_name']}({shown})" if shown else str(row["variant_name"])
         try:
-            built = construct(get_class(row["variant_target"]), heads=1, head_dim=16, **knobs)
-            out.append((title, built))
+            built: object | Exception = construct(
+                get_class(row["variant_target"]), heads=1, head_dim=16, **knobs
+            )
         except Exception as exc:  # a plugin not installed where the report is drawn, say
-            out.append((title, exc))
+            built = exc
+        for setting in sorted(set(map(_mask_setting, rows.to_dict("records")))):
+            out.append((title, built, setting))
     return out
 
 
-def _grid(n_panels: int, size: float = 2.9) -> tuple[plt.Figure, np.ndarray]:
-    cols = min(4, n_panels)
+def _mask_setting(row: dict) -> tuple[bool, int]:
+    """``(causal, documents)`` of one record: the masks that shape its attention weights. A kernel job's
+    are its workload's; a model job's Llama decoder is causal and a task's model is when its task says
+    so, whatever the sweep's own ``causal``; records from before packed documents have one document."""
+    if row.get("kind") == Kind.model.value:
+        causal = True
+    elif row.get("kind") == Kind.task.value:
+        causal = bool((obj(row.get("task")) or {}).get("causal", False))
+    else:
+        causal = bool(row.get("causal"))
+    documents = row.get("documents")
+    return causal, 1 if pd.isna(documents) else int(documents)
+
+
+def _setting_text(causal: bool, documents: int) -> str:
+    """``"causal, 4 documents"``, ``"two-way"``: a mask setting in words."""
+    return ("causal" if causal else "two-way") + (f", {documents} documents" if documents > 1 else "")
+
+
+def _grid(n_panels: int, size: float = 2.9, cols: int = 4) -> tuple[plt.Figure, np.ndarray]:
+    cols = min(cols, n_panels)
     rows = -(-n_panels // cols)
     fig, axes = plt.subplots(
         rows, cols, figsize=(size * cols + 1.2, size * rows + 1.0), squeeze=False, layout="constrained"
@@ -520,54 +545,75 @@ def structured_input(n: int = 48, d: int = 16, seed: int = 0) -> tuple[object, s
     return x * 1.8, where
 
 
-def attention_weights(variant: object, x: object) -> np.ndarray:
-    """``(n, n)`` effective attention weights of ``variant`` on q = k = ``x`` by the float64 oracle.
+def attention_weights(variant: object, x: object, causal: bool = False, documents: int = 1) -> np.ndarray:
+    """``(n, n)`` effective attention weights of ``variant`` on q = k = ``x`` by the float64 oracle,
+    causal or not, over ``documents`` packed documents (lengths drawn as a sweep draws them at this
+    ``n``, seed 0: :func:`~experiments.measure.inputs.document_lengths`).
 
     The oracle is linear in v, so with v = identity its output *is* the weight matrix; this also
     covers variants that define ``oracle_forward`` (axial: the two stages compose; the recurrences,
     causal only, drawn causal: their state is linear in the values, the delta rule's included).
+    ``O(n^2)`` memory, ``O(n^3)`` time at most (n values of width n).
     """
     import torch
 
     import variants
+    from experiments.measure.inputs import document_ids, document_lengths
 
     n = x.shape[2]
     eye = torch.eye(n, dtype=torch.float64)[None, None]  # (1, 1, N, N): value j = one-hot j
-    causal_only = not getattr(variant, "supports_noncausal", True)  # a recurrence: its causal weights
+    causal = causal or not getattr(variant, "supports_noncausal", True)  # a recurrence: causal only
+    ids = document_ids(document_lengths(1, n, documents)) if documents > 1 else None  # (1, N)
     with torch.no_grad():
-        return variants.oracle(variant, x, x, eye, causal=causal_only)[0, 0].numpy()
+        return variants.oracle(variant, x, x, eye, causal=causal, documents=ids)[0, 0].numpy()
 
 
 def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
     """``attention_weights.png``: the attention weights on one structured input of each variant that
-    ran in ``df``, with the knobs it ran with, at the sweep's shortest length (at most ``n_max``);
-    every registered variant with its example knobs at N = 48 when nothing ran."""
+    ran in ``df``, with the knobs it ran with and under each mask setting it ran with (causal or not,
+    packed documents), at the sweep's shortest length (at most ``n_max``); every registered variant
+    with its example knobs at N = 48, two-way, when nothing ran. Where every variant ran under each of
+    two to four settings, each variant takes a row and each setting a column."""
     panels = _swept_variants(df) if len(df) else []
     if panels:
         # at least 16 tokens: a decode sweep's single query shows no pattern
         ran = df.loc[df["status"] == "ok", "seq_len"]
         shortest = int(ran.min()) if len(ran) else 16
         n = min(n_max, max(16, shortest))
-        which = "the variants that ran, with their knobs"
+        which = "the variants that ran, with their knobs and masks"
     else:
-        n, shortest, which, panels = 48, 48, "every registered variant, example knobs", _example_variants()
+        n, shortest, which = 48, 48, "every registered variant, example knobs"
+        panels = [(title, var, (False, 1)) for title, var in _example_variants()]
     at = f"at N = {n}"
     if n < shortest:  # an N x N image of thousands of tokens shows no single weight
         at += f" (they ran at N ≥ {shortest}: shorter, to be legible)"
+    settings = sorted({setting for *_, setting in panels})
+    if len(settings) == 1:  # said once, in the figure's title
+        at += f", {_setting_text(*settings[0])}"
+    if any(documents > 1 for _, documents in settings):
+        at += "; packed documents drawn at this N as the sweep draws them"
     x, where = structured_input(n)
-    fig, axes = _grid(len(panels))
+    # every variant under every setting: a variant a row, a setting a column
+    matrix = 1 < len(settings) <= 4 and len(panels) == len({id(var) for _, var, _ in panels}) * len(settings)
+    fig, axes = _grid(len(panels), cols=len(settings) if matrix else 4)
     image = None
-    for ax, (title, var) in zip(axes.flat, panels, strict=False):  # the grid may have spare cells
+    for ax, (title, var, setting) in zip(axes.flat, panels, strict=False):  # the grid may have spare cells
+        if len(settings) > 1:
+            title += f"\n{_setting_text(*setting)}"
         try:
             if isinstance(var, Exception):
                 raise var
-            image = ax.imshow(attention_weights(var, x), cmap="viridis", norm=PowerNorm(0.4, 0, 1))
+            weights = attention_weights(var, x, *setting)
+            image = ax.imshow(weights, cmap="viridis", norm=PowerNorm(0.4, 0, 1))
         except Exception as exc:
             ax.text(0.5, 0.5, textwrap.fill(f"no weights: {exc}", 30), ha="center", va="center", fontsize=7)
         _matrix_axes(ax, title, n)
-    if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight (power scale)")
-    fig.suptitle(f"Attention weights (float64 oracle) of {which}, {at}\nq = k random, {where}", fontsize=11)
+    if image is not None:  # about two panels tall, however many rows
+        shrink = min(0.6, 2 / axes.shape[0])
+        fig.colorbar(image, ax=axes, shrink=shrink, label="attention weight (power scale)")
+    title = f"Attention weights (float64 oracle) of {which}, {at}"
+    width = int(fig.get_figwidth() * 11)  # characters of an 11-point title across the figure
+    fig.suptitle(textwrap.fill(title, width) + f"\nq = k random, {where}", fontsize=11)
     return _save(fig, out_dir / "attention_weights.png")
 
 
