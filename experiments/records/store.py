@@ -43,6 +43,7 @@ WORKLOAD = [
     "head_dim",
     "v_head_dim",
     "causal",
+    "cross",
     "padding",
     "documents",
     "scale",
@@ -57,6 +58,7 @@ STATUSES = ("ok", "unsupported", "unavailable", "oom", "killed", "timeout", "nan
 _NOT_KNOBS = {"_target_", "heads", "head_dim"}
 _NULLABLE_INT = [
     "batch",
+    "tokens",
     "heads",
     "seq_len",
     "kv_len",
@@ -288,8 +290,10 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
     if "round" not in df:
         df["round"] = 0
     df["round"] = pd.to_numeric(df["round"], errors="coerce").fillna(0).astype("Int64")
-    # and from before packed documents existed, one document per sequence
+    # and from before packed documents existed, one document per sequence; from before cross-attention,
+    # self-attention
     df["documents"] = pd.to_numeric(df["documents"], errors="coerce").fillna(1).astype("Int64")
+    df["cross"] = df["cross"].map(lambda v: str(v) == "True")
     # the machine's speed around each job against its fastest in the store (host, threads)
     df["machine_slowdown"] = slowdown(df)
     keys = cell_keys(df)

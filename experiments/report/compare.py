@@ -94,8 +94,10 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
         f"{NOISE_FLOOR:.0%}); `~`: one of the two ran while its machine was slow (its canary), not "
         "compared. " + env_diff(cur, base),
     )
+    # each side's shown rows (a sweep run in rounds: its median round's), then the newest of them per
+    # workload, variant and N, whatever machine measured it
     cur = cur[cur["newest"]] if "newest" in cur else cur
-    # the newest row per workload, variant and N, whatever machine measured it
+    base = base[base["newest"]] if "newest" in base else base
     cur, base = cur[newest_mask(cur, MATCH_KEYS)], base[newest_mask(base, MATCH_KEYS)]
     cols = [
         "status",

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..records.store import newest_mask, variant_labels
+from ..records.store import variant_labels
 from .format import markdown as markdown_table
-from .task_section import task_rows
+from .task_section import newest_runs, task_rows
 
 REFERENCE = "sdpa"  # the exact attention every row is compared with
 
@@ -50,8 +50,7 @@ def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
     sub = sub[sub["_task_json"].map(lambda j: bool(json.loads(j).get("peak_memory")))]
     if not len(sub):
         return pd.DataFrame(columns=COLS)
-    key = "variant_key" if "variant_key" in sub else "variant_label"
-    sub = sub[newest_mask(sub, [key, "_task_json", "seq_len", "seed"])].copy()
+    sub = sub[newest_runs(sub)].copy()
     if "knobs" in sub and "variant_target" in sub:
         sub["variant_label"] = _labels_without_length(sub)
     rows = []
@@ -75,8 +74,11 @@ def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
             }
         )
     out = pd.DataFrame(rows, columns=[c for c in COLS if c not in ("speedup", "memory_ratio")])
-    # the reference of a row: sdpa in the same model (two-way, or causal: "sdpa (causal)")
-    ref_label = out["variant"].map(lambda v: REFERENCE + (" (causal)" if v.endswith(" (causal)") else ""))
+    # the reference of a row: sdpa in the same model (two-way, or causal: "sdpa (causal)"), run in the
+    # same place ("sdpa · threads=2", task_rows)
+    where = out["variant"].map(dict(zip(sub["variant_label"], sub["_where"], strict=True)))
+    causal = out["variant"].str.endswith(" (causal)")
+    ref_label = REFERENCE + where + causal.map({True: " (causal)", False: ""})
     ref = out.set_index(["variant", "N"])
     pick = list(zip(ref_label, out["N"], strict=True))
     ref_speed = [ref["steps_per_s"].get(k, math.nan) for k in pick]
@@ -89,13 +91,13 @@ def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
 def _labels_without_length(sub: pd.DataFrame) -> pd.Series:
     """Variant labels with the knobs that equal the row's N left out (linformer's ``max_len`` follows
     the length in experiment=lra_efficiency: it is the length, not a setting), a causal model's rows
-    marked as :func:`task_rows` marks them."""
+    and the place where records ran in several marked as :func:`task_rows` marks them."""
 
     def knobs(row: pd.Series) -> str:
         kn = json.loads(row["knobs"]) if isinstance(row["knobs"], str) else {}
         return json.dumps({k: v for k, v in kn.items() if v != row["seq_len"]}, sort_keys=True)
 
-    labels = variant_labels(sub.assign(knobs=sub.apply(knobs, axis=1)))
+    labels = variant_labels(sub.assign(knobs=sub.apply(knobs, axis=1))) + sub["_where"]
     causal = sub["variant_label"].str.endswith(" (causal)")
     return labels.where(~causal, labels + " (causal)")
 

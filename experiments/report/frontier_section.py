@@ -24,10 +24,9 @@ from typing import Any
 
 import pandas as pd
 
-from ..records.store import newest_mask
 from .format import markdown as markdown_table
 from .format import obj
-from .task_section import _plt, save_figure, task_rows
+from .task_section import _plt, newest_runs, save_figure, task_rows
 
 COLS = [
     "variant",
@@ -53,8 +52,7 @@ def _recall_rows(df: pd.DataFrame) -> pd.DataFrame:
     if not len(sub) or "state_bytes" not in sub:
         return sub.iloc[0:0]
     sub = sub[sub["task_name"] == "recall"]
-    key = "variant_key" if "variant_key" in sub else "variant_label"
-    sub = sub[newest_mask(sub, [key, "_task_json", "seq_len", "seed"])].copy()
+    sub = sub[newest_runs(sub)].copy()
     task = sub["_task_json"].map(obj)
     sub["pairs"] = task.map(lambda t: t.get("num_pairs", 16))  # Recall's default when unset
     sub["d_model"] = task.map(lambda t: t["d_model"])

@@ -71,15 +71,25 @@ def group_keys(df: pd.DataFrame) -> list[str]:
     extra = [c for c in GROUP_EXTRA if c in df and c != axis and df[c].astype(str).nunique(dropna=False) > 1]
     if axis == "kv_len" and df["seq_len"].nunique() > 1:
         extra.append("seq_len")
-    if "tokens" in df and df["tokens"].notna().any():
-        extra = [c for c in extra if c != "batch"]  # batch = tokens // N: it follows the length
+    if "batch" in extra and key_frame(df, extra)["batch"].astype(str).nunique(dropna=False) <= 1:
+        extra.remove("batch")  # only token budgets vary it (batch = tokens // N follows the length)
     return GROUP_BASE + extra
+
+
+def key_frame(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """``df`` as :func:`group_keys`' ``keys`` see it: where a token budget set the batch
+    (``tokens``), the batch follows the length and is no key (null), so those rows share a group
+    apart from those of a given batch. ``O(rows)``."""
+    if "batch" not in keys or "tokens" not in df or df["tokens"].isna().all():
+        return df
+    return df.assign(batch=df["batch"].where(df["tokens"].isna()))
 
 
 def groups(df: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
     """``(title, rows)`` per group, e.g. ``cpu · float32 · fwd · causal=True``."""
     out = []
-    for vals, sub in df.groupby(keys, dropna=False, sort=True):
+    for vals, keyed in key_frame(df, keys).groupby(keys, dropna=False, sort=True):
+        sub = df.loc[keyed.index]
         vals = vals if isinstance(vals, tuple) else (vals,)
         parts = [str(v) for v in vals[: len(GROUP_BASE)]]
         named = zip(keys[len(GROUP_BASE) :], vals[len(GROUP_BASE) :], strict=True)
@@ -89,9 +99,10 @@ def groups(df: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
 
 
 def value_text(key: str, v: object) -> object:
-    """A config value for a title; null kv_len / v_head_dim mean "the same as the queries'"."""
+    """A config value for a title; null kv_len / v_head_dim mean "the same as the queries'", a null
+    batch one set by a token budget (:func:`key_frame`)."""
     if v is None or (not isinstance(v, str) and pd.isna(v)):
-        return {"kv_len": "seq_len", "v_head_dim": "head_dim"}.get(key, "null")
+        return {"kv_len": "seq_len", "v_head_dim": "head_dim", "batch": "tokens/N"}.get(key, "null")
     return v
 
 
@@ -104,6 +115,8 @@ def workload_line(df: pd.DataFrame) -> str:
                 continue  # no token budget: the batch is as given
             if c == "documents" and df[c].iloc[0] == 1:
                 continue  # one document per sequence: nothing packed
+            if c == "cross" and not bool(df[c].iloc[0]):
+                continue  # self-attention
             same.append(f"{c}={value_text(c, df[c].iloc[0])}")
     return ", ".join(same)
 

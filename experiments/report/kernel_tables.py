@@ -28,6 +28,7 @@ from .grouping import (
     group_keys,
     groups,
     is_invalid,
+    key_frame,
     length_axis,
     mode_times,
     pivot_cells,
@@ -463,7 +464,8 @@ def scaling_fits(df: pd.DataFrame) -> pd.DataFrame:
     axis = length_axis(df)
     # the columns first, then the rows: assigning a Series to an empty frame takes the Series' index,
     # so a store with no usable record grew one row of NaN keys per record (a "nan · nan" table)
-    ok = df.assign(time_s=mode_times(df)["time_s"], peak=_col(df, "peak_mib"), _n=_col(df, axis))[usable(df)]
+    figures = {"time_s": mode_times(df)["time_s"], "peak": _col(df, "peak_mib"), "_n": _col(df, axis)}
+    ok = key_frame(df, keys).assign(**figures)[usable(df)]
     rows = []
     for vals, sub in ok.groupby([*keys, "variant"], dropna=False, sort=True):
         row = dict(zip([*keys, "variant"], vals, strict=True))
@@ -546,7 +548,8 @@ def status_table(df_all: pd.DataFrame, shown: pd.DataFrame) -> Section:
         bad["reason"] = bad["reason"].astype(object).fillna("(no reason recorded)")
         axis = length_axis(shown)  # the lengths listed: N, or Nk in a decode sweep
         agg = (
-            bad.groupby([*keys, "variant", "status", "reason"], dropna=False, sort=True)[axis]
+            key_frame(bad, keys)
+            .groupby([*keys, "variant", "status", "reason"], dropna=False, sort=True)[axis]
             .agg(lambda s: ", ".join(str(int(n)) for n in sorted(set(s.dropna()))))
             .reset_index()
         )

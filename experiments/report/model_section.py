@@ -9,7 +9,7 @@ import pandas as pd
 
 from ..records.store import newest_mask
 from .format import Section, num, obj
-from .grouping import status_cell
+from .grouping import status_cell, value_text
 
 
 def _mix_label(m: dict) -> str:
@@ -46,6 +46,19 @@ def _model_title(row: pd.Series) -> str:
     )
 
 
+#: what else tells model jobs of one model apart: the host, the threads, the seed, a run's tags
+_WHERE = ["env_host", "threads", "seed", "extra"]
+
+
+def _where(rows: pd.DataFrame, fields: list[str] = _WHERE) -> pd.Series:
+    """Per row, `` · threads=2`` and the like: the ``fields`` that vary among ``rows``, for a title or
+    a line's label (nothing where they are the same in all), so that no job hides another. ``O(rows)``."""
+    vary = [c for c in fields if c in rows and rows[c].astype(str).nunique(dropna=False) > 1]
+    return rows.apply(
+        lambda r: "".join(f" · {c.removeprefix('env_')}={value_text(c, r[c])}" for c in vary), axis=1
+    ).astype(str)
+
+
 def _row_label(row: pd.Series) -> str:
     """A model job's row: the variant, and the model's layer mix and cache when it has them."""
     mix = _mix_label(json.loads(row["model"]))
@@ -70,7 +83,7 @@ def model_table(rows: pd.DataFrame) -> Section:
     if rows.empty:
         return sec
     rows = rows.assign(
-        _title=rows.apply(_model_title, axis=1),
+        _title=rows.apply(_model_title, axis=1) + _where(rows),
         _row=rows.apply(_row_label, axis=1),
         _len=rows["model"].map(lambda v: int(json.loads(v).get("prefill_len") or 0)),
         kv_mib_kept=pd.to_numeric(rows.get("kv_bytes_kept"), errors="coerce") / 2**20,
@@ -121,7 +134,13 @@ def plot_context(rows: pd.DataFrame, path: Path) -> Path | None:
         _m=ok["model"].map(lambda v: {k: x for k, x in json.loads(v).items() if k != "prefill_len"}),
         _n=ok["model"].map(lambda v: int(json.loads(v)["prefill_len"])),
     )
-    ok = ok.assign(_line=ok["variant"].astype(str) + " · " + ok["_m"].map(lambda m: _mix_label(m) or "Llama"))
+    # a line per variant and model (every setting but the prompt length) and where it ran; its label
+    # names the model's mix and whatever of the rest differs between lines
+    shapes = pd.DataFrame(list(ok["_m"]), index=ok.index)
+    differ = [c for c in shapes if shapes[c].astype(str).nunique(dropna=False) > 1]
+    base = ok["variant"].astype(str) + " · " + ok["_m"].map(lambda m: _mix_label(m) or "Llama")
+    extra = shapes.apply(lambda r: "".join(f" · {c}={r[c]}" for c in differ), axis=1) if differ else ""
+    ok = ok.assign(_line=base + extra + _where(ok, ["device", "dtype", *_WHERE]))
     ok = ok[ok.groupby("_line")["_n"].transform("nunique") >= 2]
     if ok.empty:
         return None

@@ -31,6 +31,7 @@ from .grouping import (  # noqa: E402
     beside_work,
     group_keys,
     groups,
+    key_frame,
     length_axis,
     mode_times,
     pivot_cells,
@@ -45,10 +46,12 @@ MODE_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _facet_rows(df: pd.DataFrame) -> pd.Series:
-    """Facet row label: device · dtype, plus any other workload field that varies (causal=True, ...)."""
-    keys = group_keys(df)
+def _facet_rows(df: pd.DataFrame, keys: list[str] | None = None) -> pd.Series:
+    """Facet row label: device · dtype, plus any other workload field that varies (causal=True, ...):
+    ``keys`` where ``df`` is derived from the records (the scaling fits), else ``df``'s own group keys."""
+    keys = keys or group_keys(df)
     extra = [k for k in keys if k not in GROUP_BASE]
+    df = key_frame(df, keys)
 
     def label(row: pd.Series) -> str:
         named = [f"{k.removeprefix('env_')}={value_text(k, row[k])}" for k in extra]
@@ -288,7 +291,9 @@ def plot_scaling(df: pd.DataFrame, out_dir: Path) -> Path | None:
     ).dropna(subset=["exponent"])
     if long.empty:
         return None
-    long = long.assign(_row=_facet_rows(long), _col=long["mode"].map(lambda m: MODE_TITLES.get(m, m)))
+    # the records' group keys: the fits have no kv_len, so their own would take N for the length axis
+    rows = _facet_rows(long, group_keys(df))
+    long = long.assign(_row=rows, _col=long["mode"].map(lambda m: MODE_TITLES.get(m, m)))
     names = sorted(long["variant"].unique())
     g = sns.catplot(
         data=long,

@@ -42,6 +42,27 @@ _SETTING_DEFAULTS = {f.name: f.default for f in fields(Settings)}
 _RETIRED_KEYS = {"budget_knob"}
 
 
+#: where a task ran: the same task on another host, device, dtype or thread count is another
+#: measurement, never a re-run that replaces it
+PLACE = ["env_host", "device", "dtype", "threads"]
+
+
+def newest_runs(sub: pd.DataFrame) -> pd.Series:
+    """True for the newest record of each task run in ``sub`` (:func:`task_rows`' rows): the same
+    variant, task config, N and seed in the same :data:`PLACE`. A re-run replaces it; a run elsewhere
+    is another."""
+    key = "variant_key" if "variant_key" in sub else "variant_label"
+    return newest_mask(sub, [key, "_task_json", "seq_len", "seed", *[c for c in PLACE if c in sub]])
+
+
+def _place_text(rows: pd.DataFrame) -> pd.Series:
+    """Per row, `` · device=cuda`` and the like: the :data:`PLACE` fields that vary among ``rows``
+    (empty where they are the same in all). ``O(rows)``."""
+    vary = [c for c in PLACE if c in rows and rows[c].astype(str).nunique(dropna=False) > 1]
+    text = rows.apply(lambda r: "".join(f" · {c.removeprefix('env_')}={r[c]}" for c in vary), axis=1)
+    return text.astype(str) if vary else pd.Series("", index=rows.index, dtype=object)
+
+
 def _task_dict(v: Any) -> dict[str, Any] | None:
     """A task cell as its config dict (``{"name": ...}`` when a flattened frame holds only the name)."""
     v = obj(v)
@@ -65,7 +86,9 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
     ``task_label`` is the task name plus the task-config values that differ between its records
     (e.g. ``recall(gap=32)`` or ``reverse(steps=450)``), except the time cap and reporting settings.
     A causal model (``causal=true``) is told by its row, not its task: ``variant_label`` gets
-    `` (causal)``, so the exact variants' rows can sit beside a causal-only core's.
+    `` (causal)``, so the exact variants' rows can sit beside a causal-only core's. Where the records
+    ran in more than one place (:data:`PLACE`), the label names it before that (``sdpa · device=cuda``);
+    ``_variant_base`` is the label without it, ``_where`` the place's text.
     """
     sub = of_kind(df, Kind.task).copy()
     if sub.empty:
@@ -85,19 +108,23 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
             extra = ", ".join(f"{k}={d.get(k)}" for k in varying)
             labels[idx] = f"{name}({extra})" if extra else name
     sub["task_label"] = labels
-    sub["variant_label"] = _variant_col(sub).where(~causal, _variant_col(sub) + " (causal)")
+    sub["_where"] = _place_text(sub)
+    name = _variant_col(sub)
+    sub["_variant_base"] = name.where(~causal, name + " (causal)")
+    sub["variant_label"] = (name + sub["_where"]).where(~causal, name + sub["_where"] + " (causal)")
     return sub
 
 
 # ---------------------------------------------------------------------------------------------- table
 def _speed_beside(df: pd.DataFrame) -> pd.DataFrame:
-    """Median kernel time (forward, forward+backward) and forward peak memory per (variant, N), from
-    the ok kernel records of ``df``."""
-    cols = ["variant_label", "seq_len", "fwd_ms", "fwd_bwd_ms", "peak_mib"]
+    """Median kernel time (forward, forward+backward) and forward peak memory per (variant, N) and
+    place (``_<field>`` columns of :data:`PLACE`, as text), from the ok kernel records of ``df`` that
+    tables show."""
+    cols = ["variant_label", "seq_len", *[f"_{c}" for c in PLACE], "fwd_ms", "fwd_bwd_ms", "peak_mib"]
     timing = of_kind(df, Kind.kernel)
     if not len(timing) or "status" not in timing:
         return pd.DataFrame(columns=cols)
-    timing = timing[timing["status"] == "ok"].copy()
+    timing = timing[(timing["status"] == "ok") & timing.get("newest", True)].copy()
     if "valid" in timing:
         timing = timing[timing["valid"].astype(object) != False]  # noqa: E712 (None = not checked)
     if not len(timing):
@@ -105,9 +132,11 @@ def _speed_beside(df: pd.DataFrame) -> pd.DataFrame:
     # a causal kernel record times the call of a causal model's rows (see task_rows)
     causal = timing["causal"].astype(bool) if "causal" in timing else pd.Series(False, index=timing.index)
     timing["variant_label"] = _variant_col(timing).where(~causal, _variant_col(timing) + " (causal)")
+    timing = timing.assign(**{f"_{c}": timing[c].astype(str) if c in timing else "nan" for c in PLACE})
     out = []
-    for (v, n), g in timing.groupby(["variant_label", "seq_len"]):
-        row = {"variant_label": v, "seq_len": n}
+    places = [f"_{c}" for c in PLACE]
+    for (v, n, *where), g in timing.groupby(["variant_label", "seq_len", *places]):
+        row = {"variant_label": v, "seq_len": n, **dict(zip(places, where, strict=True))}
         fwd = g[g.get("mode", pd.Series("fwd", index=g.index)) == "fwd"]
         bwd = g[g.get("mode", pd.Series("", index=g.index)) == "fwd_bwd"]
         row["fwd_ms"] = 1e3 * fwd["fwd_median_s"].median() if "fwd_median_s" in fwd and len(fwd) else math.nan
@@ -159,14 +188,16 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
     ]
     if not len(sub):
         return pd.DataFrame(columns=cols)
-    variant_key = "variant_key" if "variant_key" in sub else "variant_label"
     # a re-run replaces a seed's record, it does not add a seed; oldest first, so that a cell with no
     # ok run shows its newest run's status
-    sub = sub[newest_mask(sub, [variant_key, "_task_json", "seq_len", "seed"])].sort_values("started_at")
+    sub = sub[newest_runs(sub)].sort_values("started_at")
     rows = []
     for (v, t, n), g in sub.groupby(keys, sort=True):
         ok = g[g["status"] == "ok"]
         row: dict[str, Any] = {"variant_label": v, "task_label": t, "seq_len": n, "seeds": len(ok)}
+        # the kernel figures beside it are the same variant's where it ran (one place: see task_rows)
+        row["_variant_base"] = g["_variant_base"].iloc[0]
+        row.update({f"_{c}": str(g[c].iloc[0]) if c in g else "nan" for c in PLACE})
 
         def stat(col: str, how: str = "mean", ok: pd.DataFrame = ok) -> float:
             if col not in ok or not len(ok):
@@ -195,7 +226,8 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     speed = _speed_beside(df)
     if len(speed):
-        table = table.merge(speed, on=["variant_label", "seq_len"], how="left")
+        speed = speed.rename(columns={"variant_label": "_variant_base"})
+        table = table.merge(speed, on=["_variant_base", "seq_len", *[f"_{c}" for c in PLACE]], how="left")
     for c in cols:
         if c not in table:
             table[c] = math.nan
