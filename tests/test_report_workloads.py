@@ -221,3 +221,29 @@ def test_the_training_cost_table_compares_with_sdpa_run_at_the_same_thread_count
     assert t.loc["linear · threads=1", "speedup"] == pytest.approx(2.0)
     assert t.loc["linear · threads=2", "speedup"] == pytest.approx(2.0)
     assert t.loc["sdpa · threads=2", "steps_per_s"] == pytest.approx(4.0)
+
+
+def test_a_pretrained_encoder_run_at_another_thread_count_is_its_own_table():
+    from experiments.report.pretrained_section import fidelity_table
+
+    def rec(threads: int, ms: float) -> dict:
+        cfg = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "pretrained": {"name": "minilm"}}
+        cfg.update(seq_len=128, device="cpu", dtype="float32", threads=threads, seed=0)
+        figures = {"cosine_mean": 1.0, "corpus_sha256": "c" * 64, "batch_ms_median": ms, "batch_ms_iqr": 0.1}
+        return {
+            "config": cfg,
+            "status": "ok",
+            "kind": "pretrained",
+            "config_hash": config_hash(cfg),
+            "_path": f"p{threads}",
+            "started_at": f"2026-01-01T00:00:0{threads}+00:00",
+            "env": {"host": "h"},
+            "figures": figures,
+        }
+
+    tables = dict(fidelity_table(store.to_frame([rec(1, 20.0), rec(2, 10.0)])))
+    assert sorted(tables) == [
+        "cpu · float32 · minilm · threads=1 · N=128",
+        "cpu · float32 · minilm · threads=2 · N=128",
+    ]
+    assert tables["cpu · float32 · minilm · threads=2 · N=128"].iloc[0]["ms / batch (IQR)"].startswith("10")

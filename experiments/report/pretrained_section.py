@@ -36,9 +36,11 @@ from .plots import palette  # noqa: E402
 
 DPI = 110
 # one measurement: the same values here are the same configuration (the newest one is shown)
-_IDENT = ["env_host", "device", "dtype", "pretrained", "variant_key", "seq_len"]
+_IDENT = ["env_host", "device", "dtype", "threads", "seed", "extra", "pretrained", "variant_key", "seq_len"]
 # one table, one frontier: records that may be compared with each other
-GROUP = ["env_host", "device", "dtype", "_encoder", "_corpus"]
+GROUP = ["env_host", "device", "dtype", "_encoder", "_corpus", "threads", "seed", "extra"]
+# named in a set's title only where the store has more than one value
+_NAMED_IF_SEVERAL = ("threads", "seed", "extra")
 # columns the figures of a pretrained record fill (absent when no job of the store got that far)
 _FIGURES = [
     "kept_pairs", "kept_pairs_layers", "mass_inside_mean", "mass_inside", "mass_first_token", "mass_band",
@@ -83,18 +85,25 @@ def pretrained_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _groups(rows: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
-    """``(keys, rows)`` per comparable set (host, device, dtype, encoder, corpus)."""
+    """``(keys, rows)`` per comparable set (host, device, dtype, encoder, corpus, threads, seed, extra)."""
+    rows = rows.assign(**{c: rows[c] if c in rows else None for c in GROUP})
     return [
         (dict(zip(GROUP, k, strict=True)), sub) for k, sub in rows.groupby(GROUP, sort=True, dropna=False)
     ]
 
 
-def _group_title(keys: dict[str, Any], several_hosts: bool, several_corpora: bool) -> str:
+def _several(rows: pd.DataFrame) -> set[str]:
+    """The :data:`GROUP` fields that take more than one value in ``rows``: a set's title names them."""
+    return {c for c in GROUP if c in rows and rows[c].astype(str).nunique(dropna=False) > 1}
+
+
+def _group_title(keys: dict[str, Any], several: set[str]) -> str:
     parts = [str(keys["device"]), str(keys["dtype"]), str(keys["_encoder"])]
-    if several_hosts:
+    if "env_host" in several:
         parts.insert(0, str(keys["env_host"]))
-    if several_corpora:
+    if "_corpus" in several:
         parts.append(f"corpus {keys['_corpus']}")
+    parts += [f"{c}={keys[c]}" for c in _NAMED_IF_SEVERAL if c in several]
     return " · ".join(parts)
 
 
@@ -140,7 +149,7 @@ def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     rows = pretrained_rows(df)
     if rows.empty:
         return []
-    hosts, corpora = rows["env_host"].nunique() > 1, rows["_corpus"].nunique() > 1
+    several = _several(rows)
     out = []
     for keys, grp in _groups(rows):
         for n, sub in grp.groupby("seq_len", sort=True):
@@ -150,7 +159,7 @@ def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
             tab = pd.DataFrame(index=pd.Index(sub["variant"].tolist(), name="variant"))
             for col, fmt in COLUMNS.items():
                 tab[col] = [fmt(r) if r["status"] == "ok" else str(r["status"]) for _, r in sub.iterrows()]
-            title = f"{_group_title(keys, hosts, corpora)} · N={int(n)}"
+            title = f"{_group_title(keys, several)} · N={int(n)}"
             trained = _beyond(sub)
             if trained is not None:
                 title += f" · BEYOND the {trained} tokens the model was trained on"
@@ -254,11 +263,12 @@ def _pareto(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return keep
 
 
-def _suffix(keys: dict[str, Any], several: bool) -> str:
-    """File-name suffix of a comparable set's plot: none when the store has only one set."""
-    if not several:
+def _suffix(keys: dict[str, Any], sets: int, several: set[str]) -> str:
+    """File-name suffix of a comparable set's plot: none when the store has only ``sets`` = 1."""
+    if sets < 2:
         return ""
-    bits = [keys["env_host"], keys["device"], keys["dtype"], keys["_encoder"], keys["_corpus"]]
+    named = [c for c in GROUP if c not in _NAMED_IF_SEVERAL or c in several]
+    bits = [keys[c] for c in named]
     return "_" + "_".join("".join(c if c.isalnum() else "-" for c in str(b)) for b in bits)
 
 
@@ -414,9 +424,9 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
     if plots:
         rows = pretrained_rows(df)
         sets = _groups(rows)
-        hosts, corpora = rows["env_host"].nunique() > 1, rows["_corpus"].nunique() > 1
+        several = _several(rows)
         for keys, sub in sets:
-            title, tag = _group_title(keys, hosts, corpora), _suffix(keys, len(sets) > 1)
+            title, tag = _group_title(keys, several), _suffix(keys, len(sets), several)
             for p in (
                 plot_frontier(sub, title, out / f"pretrained_frontier{tag}.png"),
                 plot_token_mass(sub, title, out / f"pretrained_token_mass{tag}.png"),
