@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import matplotlib
@@ -415,6 +417,17 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------------------- structure plots
+@contextmanager
+def _seeded() -> Iterator[None]:
+    """torch drawing from seed 0 inside, the global generator restored after: a learned variant's
+    random weights, so that a report drawn twice draws the same picture."""
+    import torch
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        yield
+
+
 def _example_variants() -> list[tuple[str, object | Exception]]:
     """``(title, variant or the exception building it)`` for every registered name, first example knobs."""
     import variants
@@ -430,7 +443,8 @@ def _example_variants() -> list[tuple[str, object | Exception]]:
             else ""
         )
         try:
-            out.append((title, variants.build(name, heads=1, head_dim=16, **knobs)))
+            with _seeded():
+                out.append((title, variants.build(name, heads=1, head_dim=16, **knobs)))
         except Exception as exc:  # a variant that cannot be built here still gets its panel, with why
             out.append((title, exc))
     return out
@@ -454,9 +468,10 @@ def _swept_variants(df: pd.DataFrame) -> list[tuple[str, object | Exception, tup
         shown = ", ".join(f"{k}={v}" for k, v in knobs.items() if v is not None and k != "compile")
         title = f"{row['variant_name']}({shown})" if shown else str(row["variant_name"])
         try:
-            built: object | Exception = construct(
-                get_class(row["variant_target"]), heads=1, head_dim=16, **knobs
-            )
+            with _seeded():
+                built: object | Exception = construct(
+                    get_class(row["variant_target"]), heads=1, head_dim=16, **knobs
+                )
         except Exception as exc:  # a plugin not installed where the report is drawn, say
             built = exc
         for setting in sorted(set(map(_mask_setting, rows.to_dict("records")))):
