@@ -247,3 +247,33 @@ def test_a_pretrained_encoder_run_at_another_thread_count_is_its_own_table():
         "cpu · float32 · minilm · threads=2 · N=128",
     ]
     assert tables["cpu · float32 · minilm · threads=2 · N=128"].iloc[0]["ms / batch (IQR)"].startswith("10")
+
+
+def test_the_recall_frontier_keeps_configurations_trained_differently_apart():
+    """Recall models that differ in a training setting (steps) are two points of the frontier, each
+    with its own seeds, not one point with their seeds pooled."""
+    from experiments.report.frontier_section import frontier_table
+
+    def rec(variant: str, steps: int, seed: int, accuracy: float) -> dict:
+        target = {"sdpa": "variants.sdpa.SDPAAttention", "linear": "variants.linear.LinearAttention"}[variant]
+        t = {"name": "recall", "num_pairs": 8, "d_model": 64, "heads": 4, "steps": steps}
+        cfg = {"variant": {"_target_": target}, "task": t, "seq_len": 64, "seed": seed}
+        cfg.update(device="cpu", dtype="float32", threads=1)
+        return {
+            "variant_name": variant,
+            "kind": "task",
+            "status": "ok",
+            "config": cfg,
+            "config_hash": config_hash(cfg),
+            "figures": {"test_accuracy": accuracy, "state_bytes": 4096, "step_ms": 1.0},
+            "env": {"host": "vm"},
+            "started_at": f"2026-11-23T10:0{seed}:00+00:00",
+            "_path": f"r-{variant}-{steps}-{seed}.json",
+        }
+
+    recs = [rec("sdpa", steps, seed, acc) for steps, acc in ((100, 0.2), (1000, 0.9)) for seed in (0, 1)]
+    recs += [rec("linear", 1000, 0, 0.5)]
+    table = frontier_table(store.to_frame(recs)).set_index("variant")
+    assert table.loc["sdpa · steps=100", "acc_mean"] == pytest.approx(0.2)
+    assert table.loc["sdpa · steps=1000", "acc_mean"] == pytest.approx(0.9)
+    assert table.loc["sdpa · steps=100", "seeds"] == 2

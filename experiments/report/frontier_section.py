@@ -18,6 +18,7 @@ Drawn when the store's recall records with ``state_bytes`` cover at least two va
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import pandas as pd
 
 from .format import markdown as markdown_table
 from .format import obj
-from .task_section import _plt, newest_runs, save_figure, task_rows
+from .task_section import _TRAINING_KEYS, _plt, newest_runs, save_figure, task_rows
 
 COLS = [
     "variant",
@@ -57,6 +58,11 @@ def _recall_rows(df: pd.DataFrame) -> pd.DataFrame:
     sub["pairs"] = task.map(lambda t: t.get("num_pairs", 16))  # Recall's default when unset
     sub["d_model"] = task.map(lambda t: t["d_model"])
     sub["heads"] = task.map(lambda t: t["heads"])
+    # another training setting (steps, lr, ...) is another configuration: its label names it
+    shown = {"num_pairs", "d_model", "heads", "name", "causal", *_TRAINING_KEYS}
+    keys = sorted({k for t in task for k in t if k not in shown})
+    vary = [k for k in keys if len({json.dumps(t.get(k), sort_keys=True) for t in task}) > 1]
+    sub["variant_label"] += task.map(lambda t: "".join(f" · {k}={t.get(k)}" for k in vary))
     measured = pd.to_numeric(sub["state_bytes"], errors="coerce").notna()
     return sub[measured | (sub["status"] != "ok")]
 
