@@ -109,3 +109,31 @@ def test_a_contender_that_cannot_run_is_left_out_and_the_others_are_timed(monkey
     assert "left out at N=128: RuntimeError: NYI: this kernel refuses the shape" in printed
     names = {row["name"] for row in json.loads(out.read_text())["rows"]}
     assert names == {"local_window", "sdpa (dense)"}
+
+
+def test_the_lent_gpu_s_checks_ask_only_for_what_exists(monkeypatch):
+    """scripts/device_checks.sh runs on a lent GPU, where a misspelt override or contender costs
+    scarce device time: each of its run.py command lines passes the sweep's preflight here, and every
+    contender its pattern_vs_flex calls name is one the script builds on CUDA."""
+    import re
+    import shlex
+
+    from experiments.sweep.hydra_nodes import register_hydra_pieces
+    from experiments.sweep.preflight import preflight
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import pattern_vs_flex
+
+    text = (ROOT / "scripts" / "device_checks.sh").read_text()
+    register_hydra_pieces()
+    runs = re.findall(r"python3 (run\.py [^;]*?)(?: \"\$\{@:2\}\")?;", text)
+    assert len(runs) >= 8, runs
+    for line in runs:
+        argv = shlex.split(line.replace("$R/", "/tmp/device_checks/"))
+        try:
+            preflight(argv)
+        except SystemExit as exc:
+            pytest.fail(f"device_checks.sh: `{line}` fails the preflight ({exc.code})")
+    asked = re.findall(r'--contenders "([^"]+)"', text)
+    known = set(pattern_vs_flex.contenders(128, 64, "cuda"))
+    assert asked and {c for names in asked for c in names.split(",")} <= known
