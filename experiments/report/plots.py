@@ -509,6 +509,13 @@ def _grid(n_panels: int, size: float = 2.9, cols: int = 4) -> tuple[plt.Figure, 
     return fig, axes
 
 
+def _no_matrix(ax: plt.Axes, why: str, n: int) -> None:
+    """A panel with no matrix: ``why`` in its middle, its axes those of an ``n x n`` image."""
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_ylim(n - 0.5, -0.5)  # query 0 at the top, as imshow draws it
+    ax.text(0.5, 0.5, textwrap.fill(why, 30), transform=ax.transAxes, ha="center", va="center", fontsize=7)
+
+
 def _matrix_axes(ax: plt.Axes, title: str, n: int) -> None:
     ax.set_title("\n".join(w for line in title.split("\n") for w in textwrap.wrap(line, 34)), fontsize=9)
     ax.set_xlabel("key j", fontsize=8)
@@ -538,7 +545,7 @@ def plot_patterns(out_dir: Path, n: int = 48) -> Path:
                 + (", causal only" if causal_only else "")
             )
         except Exception as exc:
-            ax.text(0.5, 0.5, textwrap.fill(f"no pattern: {exc}", 30), ha="center", va="center", fontsize=7)
+            _no_matrix(ax, f"no pattern: {exc}", n)
         _matrix_axes(ax, title, n)
     fig.suptitle(
         f"Attention patterns at N = {n} (dark: query i may attend to key j; example knobs)", fontsize=11
@@ -626,7 +633,7 @@ def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
             weights = attention_weights(var, x, *setting)
             image = ax.imshow(weights, cmap="viridis", norm=PowerNorm(0.4, 0, 1))
         except Exception as exc:
-            ax.text(0.5, 0.5, textwrap.fill(f"no weights: {exc}", 30), ha="center", va="center", fontsize=7)
+            _no_matrix(ax, f"no weights: {exc}", n)
         _matrix_axes(ax, title, n)
     if image is not None:  # about two panels tall, however many rows
         shrink = min(0.6, 2 / axes.shape[0])
