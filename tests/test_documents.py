@@ -273,6 +273,37 @@ def test_a_packed_job_counts_only_the_pairs_within_documents():
     assert "causal docs=4" in job_label(spec, "sdpa")
 
 
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        ("sdpa", {}),
+        ("local_window", {"window": 5}),
+        ("local_window", {"window": 30}),
+        ("window_linear", {"window": 5}),
+    ],
+)
+@pytest.mark.parametrize("nq,causal", [(40, False), (40, True), (9, True)])
+def test_a_packed_job_s_flops_count_its_pattern_within_each_document(name, knobs, nq, causal):
+    """The useful pairs of a packed job are its pattern's pairs between a query and a key of the same
+    document, counted here on the whole sequence's pattern matrix cut by the ids: a band's pairs
+    across a document's edge are masked, not useful (window_linear: its window part's)."""
+    spec = job_spec(
+        variant=name, seq_len=nq, kv_len=40, heads=2, head_dim=16, documents=5, causal=causal, seed=3
+    )
+    w = spec.workload()
+    variant = build(name, **knobs)
+    near = variant.near if name == "window_linear" else variant  # its window part: the pairs it keeps
+    ids = document_ids(document_lengths(1, 40, 5, spec.seed))  # (1, Nk)
+    same = document_mask(ids, nq)[0, 0]  # (Nq, Nk): a query's own document's keys
+    want = (near.pattern(nq, 40, causal) & same).sum().item()
+    assert near.useful_pairs(w) == want
+    unpacked = job_spec(variant=name, seq_len=nq, kv_len=40, heads=2, head_dim=16, causal=causal)
+    assert want < near.num_pairs(nq, 40, causal) == near.useful_pairs(unpacked.workload())
+    if name == "window_linear":  # the whole call: the window part's packed pairs, the linear part's work
+        far = variant.flops(w) - near.flops(w)
+        assert far == variant.flops(unpacked.workload()) - near.flops(unpacked.workload())
+
+
 def test_a_variant_without_a_mask_refuses_packed_documents():
     res = measure(
         job_spec(variant="sparse", seq_len=64, heads=2, head_dim=16, min_run_time=0.02, documents=4)

@@ -60,7 +60,10 @@ class Workload:
     window: int | None = None  # a sliding window: keys with |p - j| <= window only (Mistral, Gemma2)
     documents: bool = False  # packed documents, given as ids (B, Nk): a query sees its own document only
     pair_share: float = 1.0  # the share of the full (or causal) call's pairs packed documents keep,
-    # where it is known: what the useful FLOP count keeps
+    # where it is known
+    # the packed documents' lengths per batch row, where known (a sweep's workload; not from a call's
+    # tensors): what the useful FLOP count keeps of a pattern (useful_pairs)
+    document_lengths: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def hkv(self) -> int:
@@ -674,11 +677,26 @@ class AttentionVariant(nn.Module):
         return int(self.pattern(nq, nk, causal).sum())
 
     def useful_pairs(self, w: Workload) -> float:
-        """The (query, key) pairs the call ``w`` computes usefully: :meth:`num_pairs`, less the pairs
-        between packed documents (``w.pair_share``, their share of the full or causal call's pairs),
-        which only a variant with every pair in its pattern can subtract (a pattern's own pairs within
-        documents are not known from the share). Key padding is not subtracted. ``O(1)`` where the
-        pattern is analytic."""
+        """The (query, key) pairs the call ``w`` computes usefully, per batch row: :meth:`num_pairs`,
+        less the pairs between packed documents. With the documents' lengths (``w.document_lengths``)
+        each document counts alone: the pairs of its own pattern among its own keys, of its queries
+        (the call's last ``Nq`` positions), averaged over the rows. That is what packed documents mean
+        for a variant that takes them (a pattern the same at every position: local_window's band),
+        and for every pair the share of them kept. With only that share (``w.pair_share``), a variant
+        with every pair in its pattern subtracts it and a pattern keeps its pairs. Key padding is not
+        subtracted. ``O(B * documents)`` calls of :meth:`num_pairs`, ``O(1)`` each where the pattern
+        is analytic."""
+        if w.document_lengths:
+            first = w.nk - w.nq  # the first query's position
+            total = 0
+            for row in w.document_lengths:
+                start = 0
+                for n in row:
+                    queries = start + n - max(start, first)  # this document's, its last positions
+                    if queries > 0:
+                        total += self.num_pairs(queries, n, w.causal)
+                    start += n
+            return total / len(w.document_lengths)
         pairs = self.num_pairs(w.nq, w.nk, w.causal)
         return pairs * w.pair_share if pairs == full_pairs(w.nq, w.nk, w.causal) else pairs
 

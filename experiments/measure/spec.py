@@ -120,6 +120,7 @@ class JobSpec:
         from .inputs import document_lengths, pairs_kept
 
         nk = self.kv_len or self.seq_len
+        lengths = document_lengths(self.batch, nk, self.documents, self.seed) if self.documents > 1 else None
         return Workload(
             batch=self.batch,
             heads=self.heads,
@@ -138,13 +139,8 @@ class JobSpec:
             scale=self.scale,
             bias=self.bias is not None,
             cross=self.cross,
-            pair_share=(
-                pairs_kept(
-                    document_lengths(self.batch, nk, self.documents, self.seed), self.seq_len, self.causal
-                )
-                if self.documents > 1
-                else 1.0
-            ),
+            pair_share=pairs_kept(lengths, self.seq_len, self.causal) if lengths else 1.0,
+            document_lengths=tuple(map(tuple, lengths)) if lengths else None,
         )
 
     @classmethod
