@@ -998,7 +998,7 @@ def test_a_gemm_ceiling_below_a_jobs_own_rate_is_measured_again(tmp_path):
     # (its share of it is marked in the report) and the next job measures the ceiling again
     (tmp_path / "sweep").mkdir()
     low = {"device": "cpu", "dtype": "float32", "gemm_n": 2048, "gemm_flops_per_s": 1e9, "threads": 1}
-    (tmp_path / "sweep" / "roofline-cpu-float32.json").write_text(json.dumps(low))
+    (tmp_path / "sweep" / "roofline-cpu-float32-1t.json").write_text(json.dumps(low))
     small = [f"{k}={v}" for k, v in SMALL.items() if k != "seq_len"]
     p = run_sweep(tmp_path, "variant=naive,sdpa", *small, "threads=1", "seq_len=256", "roofline=true")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -1009,6 +1009,15 @@ def test_a_gemm_ceiling_below_a_jobs_own_rate_is_measured_again(tmp_path):
     assert "ran faster than the sweep's GEMM ceiling: the next job measures the ceiling again" in p.stdout
     again = recs["sdpa"]["roofline"]
     assert again["gemm_n"] == 2048 and again["gemm_flops_per_s"] > 1e9
+
+
+def test_each_thread_count_of_a_sweep_is_compared_with_its_own_gemm_ceiling(tmp_path):
+    # a 2-thread job's GEMM ceiling is measured with 2 threads, not taken from the 1-thread job's
+    small = [f"{k}={v}" for k, v in SMALL.items() if k != "seq_len"]
+    p = run_sweep(tmp_path, "variant=sdpa", *small, "threads=1,2", "seq_len=128", "roofline=true")
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = read_records(tmp_path / "records")
+    assert sorted((r["config"]["threads"], r["roofline"]["threads"]) for r in recs) == [(1, 1), (2, 2)]
 
 
 def test_a_slow_canary_beside_another_measuring_job_is_not_measured_again(tmp_path, monkeypatch):

@@ -160,9 +160,11 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
 
     from ..measure.kernel import precheck
 
-    # the device's ceilings, once per sweep and (device, dtype): the first job that runs measures them
-    roof_path = sweep_dir / f"roofline-{conf.device.value}-{conf.dtype.value}.json"
     spec = JobSpec.from_config(cfg)  # what the job's process gets: the measurement's half of conf
+    # the device's ceilings, once per sweep, (device, dtype) and on a CPU thread count (a GEMM on two
+    # threads runs about twice one's): the first job that runs measures them
+    threads = f"-{job_threads(spec)}t" if spec.device.value == "cpu" else ""
+    roof_path = sweep_dir / f"roofline-{conf.device.value}-{conf.dtype.value}{threads}.json"
     want_roof = conf.roofline and rules(spec.kind).roofline and not roof_path.exists()
     result = precheck(spec, variant)  # unsupported / unavailable without spawning a child
     if result is None:
