@@ -45,6 +45,30 @@ def output_file(text: str) -> str:
     return text
 
 
+def output_dir(text: str) -> Path:
+    """A folder the script will write into: made now, so that a path that is a file, or one that
+    cannot be made, is refused before any work."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {text}: {exc.strerror}") from None
+    return path
+
+
+def threads(text: str) -> int:
+    """A torch thread count between 1 and the CPUs this process may run on: more would time threads
+    queueing for cores (the sweep's jobs refuse them too)."""
+    from experiments.measure.common import usable_cpus
+
+    value, cpus = _int_at_least(text, 1), usable_cpus()
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"{value} threads, but this process may run on {cpus} CPU(s)")
+    return value
+
+
 def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)

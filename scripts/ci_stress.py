@@ -31,7 +31,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from arg_types import positive_int
+from arg_types import output_dir, positive_int
 from busy_machine import ROOT, busy_machine
 
 SETUP = re.compile(r"^(python -m venv|\. |source |pip install)")
@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--runs", type=positive_int, default=5)
     ap.add_argument("--quiet", action="store_true", help="nothing beside the runs")
     ap.add_argument("--fresh-clone", action="store_true", help="each run: .ci/run in a new clone of HEAD")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu" / "ci_stress")
+    ap.add_argument("--out", type=output_dir, default=ROOT / "results" / "cpu" / "ci_stress")
     args = ap.parse_args()
     command = "bash .ci/run (fresh clone)" if args.fresh_clone else test_command()
     (args.out / "logs").mkdir(parents=True, exist_ok=True)

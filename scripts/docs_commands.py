@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from arg_types import positive_float
+from arg_types import output_file, positive_float
 
 PREFIXES = ("python", "pip", ".", "MALLOC_")
 SHELL_FENCES = {"", "bash", "sh"}
@@ -214,10 +214,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, required=True, help="the checkout to run the commands in")
     parser.add_argument("--cap-s", type=positive_float, default=90.0, help="wall-time cap per command (s)")
-    parser.add_argument("--out", type=Path, required=True, help="the Markdown report; logs/ goes beside it")
+    parser.add_argument(
+        "--out", type=output_file, required=True, help="the Markdown report; logs/ goes beside it"
+    )
     parser.add_argument("--only", default="", help="run only the commands containing this text")
     parser.add_argument("--list", action="store_true", help="list the commands, run nothing")
     args = parser.parse_args()
+    args.out = Path(args.out)  # checked by output_file: a file, its folder made
     root = args.root.resolve()
     if not (root / "README.md").is_file():  # extract() reads it first: a bare FileNotFoundError otherwise
         parser.error(f"--root {args.root}: no README.md there (not a checkout of this project)")

@@ -30,7 +30,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from arg_types import positive_int
+from arg_types import output_dir, positive_int
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives in the repository, not in site-packages
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--runs", type=positive_int, default=20)
     ap.add_argument("--load", action="store_true", help="a sweep of this suite and a CPU hog beside the runs")
     ap.add_argument("--regression", action="store_true", help="also the regression gates' time ratios")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu" / "gate_noise")
+    ap.add_argument("--out", type=output_dir, default=ROOT / "results" / "cpu" / "gate_noise")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a single run, JSON on stdout
     args = ap.parse_args()
     if args.one:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from arg_types import non_negative_int, positive_int
+from arg_types import non_negative_int, positive_int, threads
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import variants
@@ -115,7 +115,7 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=positive_int, default=15, help="at least 2 (the quartiles need two)")
     ap.add_argument("--warmup", type=positive_int, default=3, help="untimed calls, the first one compared")
-    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=threads, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--impls", nargs="+", default=["sdpa", hf.implementation("sdpa"), "eager"])
     args = ap.parse_args()
     # what transformers or the statistics would otherwise refuse deep inside, or measure wrong

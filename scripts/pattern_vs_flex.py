@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from arg_types import non_negative_int, output_file, positive_float, positive_int
+from arg_types import non_negative_int, output_file, positive_float, positive_int, threads
 
 import variants
 from experiments.measure.profile import format_table, kernel_table
@@ -110,7 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--rounds", type=positive_int, default=7)
-    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=threads, default=torch.get_num_threads())
     ap.add_argument("--window", type=non_negative_int, default=128, help="local_window radius, tokens")
     ap.add_argument("--block", type=positive_int, default=64, help="sparse block (flex sparse uses the same)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from arg_types import positive_float, positive_int
+from arg_types import positive_float, positive_int, threads
 from torch.utils import benchmark
 
 import variants
@@ -43,7 +43,7 @@ def _call(attn: SDPAAttention, inputs: tuple, sinks: torch.Tensor | None, causal
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--threads", type=threads, default=2)
     ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--min-run-time", type=positive_float, default=0.5, help="seconds per timed figure")
     args = ap.parse_args()

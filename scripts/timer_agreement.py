@@ -16,7 +16,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 import torch.utils.benchmark as tbench
-from arg_types import positive_float, positive_int
+from arg_types import positive_float, positive_int, threads
 
 from experiments.measure.kernel import measure
 from experiments.measure.spec import JobSpec
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--min-run-time", type=positive_float, default=1.0)
     ap.add_argument(
-        "--threads", type=positive_int, default=torch.get_num_threads(), help="torch threads of both sides"
+        "--threads", type=threads, default=torch.get_num_threads(), help="torch threads of both sides"
     )
     args = ap.parse_args()
     # the same threads on both sides: a spec without them runs the harness on every CPU (its affinity)

@@ -34,7 +34,9 @@ def _conf(**over) -> BenchConfig:
         (dict(heads=8, kv_heads=3), "kv_heads must divide heads"),
         (dict(bias="t5"), "bias must be one of"),
         (dict(causal=True, seq_len=64, kv_len=32), "kv_len >= seq_len"),
-        (dict(scale=-0.5), "scale must be > 0"),
+        (dict(scale=-0.5), "scale must be a finite number > 0"),
+        (dict(scale=float("nan")), "scale must be a finite number > 0"),
+        (dict(records_dir=""), "records_dir is empty"),
     ],
 )
 def test_bad_decode_settings_are_one_line_errors(over, msg):

@@ -658,10 +658,15 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         (["window=16"], "error: unknown setting 'window' in 'window=16'; did you mean variant.window?"),
         # a sweep's jobs are checked before Hydra launches any: no banner, no sweep folder
         (["-m", "seq_len=64,0"], "error: seq_len must be > 0, got 0"),
+        (["timeout_s=nan"], "error: timeout_s must be a finite number > 0, got nan"),
+        (["settle_s=inf"], "error: settle_s must be a finite number >= 0"),
         (["-m", "variant=local_window", "variant.window=-5"], "error: window must be >= 0"),
         (["-m", "variant=naive,sdpa", "padding=0.5,1.5"], "error: padding must be in [0, 1), got 1.5"),
         # a named sweep or task that does not exist: one line, not Hydra's page of search paths
         (["-m", "experiment=nosuch"], "error: unknown experiment 'nosuch'; known: causal, cross, decode,"),
+        # a named sweep is a sweep: as a single run it would measure one job of defaults, exit 0
+        (["experiment=quick"], "error: experiment=quick sweeps variant, seq_len, mode: run it with -m"),
+        (["-m", "experiment=quick,scaling"], "error: experiment=quick,scaling: one named sweep at a time"),
         # Hydra's own multi-line errors, as one line: a value of the wrong type, a launcher misspelt
         (["seq_len=abc"], "error: seq_len=abc: Value 'abc' of type 'str' could not be converted to Integer"),
         (["-m", "batch=1,x"], "error: batch=x: Value 'x' of type 'str' could not be converted to Integer"),
@@ -677,14 +682,14 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
             ["+task=recall", "seq_len=128", "heads=3"],
             "error: task jobs build their own attention calls: heads=3",
         ),
-        (["experiment=llama", "model.layers=0"], "error: model.layers must be an integer >= 1, got 0"),
-        (["experiment=llama", "model.kv_heads=3"], "error: model.kv_heads must divide model.heads"),
+        (["-m", "experiment=llama", "model.layers=0"], "error: model.layers must be an integer >= 1, got 0"),
+        (["-m", "experiment=llama", "model.kv_heads=3"], "error: model.kv_heads must divide model.heads"),
         (
-            ["experiment=llama", "model.new_tokens=1"],
+            ["-m", "experiment=llama", "model.new_tokens=1"],
             "error: model.new_tokens must be an integer >= 2, got 1",
         ),
         (
-            ["experiment=llama", "seq_len=128"],
+            ["-m", "experiment=llama", "seq_len=128"],
             "error: seq_len=128 but a model job prefills model.prefill_len",
         ),
     ],

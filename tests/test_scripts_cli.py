@@ -66,6 +66,19 @@ CASES = [
         "--cap-s",
         id="docs-commands",
     ),
+    # an output the script would lose after its whole run: a folder for a file, a file for a folder
+    pytest.param(
+        ["scripts/docs_commands.py", "--root", ".", "--out", "{tmp}", "--list"], "--out", id="docs-out-folder"
+    ),
+    pytest.param(["scripts/gate_noise.py", "--runs", "1", "--out", "README.md"], "--out", id="gate-out-file"),
+    pytest.param(["scripts/ci_stress.py", "--runs", "1", "--out", "README.md"], "--out", id="stress-file"),
+    # more threads than CPUs time threads queueing for cores
+    pytest.param(
+        ["scripts/pattern_vs_flex.py", "--lengths", "48", "--rounds", "1", "--threads", "100000"],
+        "--threads",
+        id="pattern-threads",
+    ),
+    pytest.param(["scripts/sinks_cost.py", "--threads", "100000"], "--threads", id="sinks-threads"),
 ]
 
 

@@ -103,12 +103,35 @@ def slurm_problem(ping: list[str] | None = None) -> str | None:
     return None
 
 
+def _swept_by(experiment: str) -> list[str]:
+    """The settings the named sweep ``experiment`` lists values of (``hydra.sweeper.params`` in
+    ``conf/experiment/<name>.yaml``); none for a name that is no file there (refused later)."""
+    from omegaconf import OmegaConf
+
+    path = CONF / "experiment" / f"{experiment}.yaml"
+    if not path.is_file():
+        return []
+    params = OmegaConf.select(OmegaConf.load(path), "hydra.sweeper.params", default=None)
+    return list(params or [])
+
+
 def preflight(argv: list[str]) -> list[str]:
     """``argv`` with variant knobs made force-add overrides; exits with one line on a bad value."""
     out = [argv[0]]
     known_keys = known_settings()
+    multirun = any(a in ("-m", "--multirun") for a in argv[1:])
     for arg in argv[1:]:
         key, eq, value = arg.partition("=")
+        if key.lstrip("+") == "experiment" and eq:
+            if multirun and "," in value:  # Hydra would run one job per sweep, each with neither's lists
+                _fail(f"{arg}: one named sweep at a time (python run.py -m experiment=<name>)")
+            given = {a.partition("=")[0].lstrip("+") for a in argv[1:]}
+            if not multirun and (lists := [k for k in _swept_by(value) if k not in given]):
+                # a single run takes the sweep's settings and none of its lists: one job, of defaults
+                _fail(
+                    f"{arg} sweeps {', '.join(lists)}: run it with -m (python run.py -m {arg}), or give "
+                    "each of them one value for a single job"
+                )
         if key == "hydra/launcher" and value == "slurm" and (why := slurm_problem()):
             _fail(
                 f"hydra/launcher=slurm: {why}; start a one-machine cluster with "

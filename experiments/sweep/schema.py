@@ -6,6 +6,7 @@ sweep runs it (isolation, resume, records folder, report)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,12 +56,15 @@ BIASES = (None, "alibi")
 
 def validate(conf: BenchConfig) -> None:
     """Raise ``ValueError('<field>: ...')`` for the first out-of-range value."""
-    for name in _POSITIVE:
-        if getattr(conf, name) <= 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(conf, name)}")
-    for name in _POSITIVE_OR_NONE:
-        if getattr(conf, name) is not None and getattr(conf, name) <= 0:
-            raise ValueError(f"{name} must be > 0 (or null), got {getattr(conf, name)}")
+    for name in (*_POSITIVE, *_POSITIVE_OR_NONE):
+        value = getattr(conf, name)
+        if (value is not None or name in _POSITIVE) and not 0 < value < math.inf:  # (NaN fails both)
+            what = "a finite number > 0" if isinstance(value, float) else "> 0"
+            raise ValueError(
+                f"{name} must be {what}{' (or null)' if name in _POSITIVE_OR_NONE else ''}, got {value}"
+            )
+    if not str(conf.records_dir).strip():
+        raise ValueError("records_dir is empty: name a folder for the records (default outputs/records)")
     if not 0.0 <= conf.padding < 1.0:
         raise ValueError(f"padding must be in [0, 1), got {conf.padding}")
     if not 1 <= conf.documents <= (conf.kv_len or conf.seq_len):
@@ -85,8 +89,8 @@ def validate(conf: BenchConfig) -> None:
         )
     if conf.kv_heads is not None and conf.heads % conf.kv_heads:
         raise ValueError(f"kv_heads must divide heads, got heads={conf.heads}, kv_heads={conf.kv_heads}")
-    if conf.settle_s < 0:
-        raise ValueError(f"settle_s must be >= 0 (0: do not wait), got {conf.settle_s}")
+    if not 0 <= conf.settle_s < math.inf:
+        raise ValueError(f"settle_s must be a finite number >= 0 (0: do not wait), got {conf.settle_s}")
     if conf.retry_unstable < 0:
         raise ValueError(f"retry_unstable must be >= 0 (0: measure once), got {conf.retry_unstable}")
     if conf.round < 0:
