@@ -58,14 +58,17 @@ class NeedsHiddenGpuAttention(NaiveAttention):
 
 class ShakyOnceAttention(NaiveAttention):
     """In the first process that calls it, calls sleep 1 ms sixteen at a time, then 4 ms sixteen at a
-    time, and so on: a window of its calls is never stable, however many calls came before it (a
-    figure timed again after a window that page-faulted included) and however many calls the timer
-    averages into one sample (10 at these times), since every window spans several such runs. In
-    later processes a steady 1 ms (a sleep: steadier on a busy 2-core CI machine than the
-    microseconds of the attention itself): a job with ``retry_unstable=1`` must come out stable. The
-    first caller writes its pid to a marker file, ``$ATTNBENCH_SHAKY_MARKER``; a later one writes its
-    own to that path + ``.later``, so a test can tell a fresh process measured without timing
-    anything."""
+    time, and so on, for 200 calls; then 1 ms and 2 ms the same way for 200 calls, and again. A
+    window of its calls is never stable, however many calls came before it (a figure timed again
+    after a window that page-faulted included) and however many calls the timer averages into one
+    sample: torch's timer takes 10 or, where its overhead estimate comes out larger (a busy
+    machine), 100. Ten calls span parts of two runs of sixteen; a hundred average those runs out,
+    but a window of four or more such samples spans both halves of the 400-call cycle (2.5 and 1.5 ms
+    a call on average). In later processes a steady 1 ms (a sleep: steadier on a busy 2-core CI
+    machine than the microseconds of the attention itself): a job with ``retry_unstable=1`` must
+    come out stable. The first caller writes its pid to a marker file, ``$ATTNBENCH_SHAKY_MARKER``; a
+    later one writes its own to that path + ``.later``, so a test can tell a fresh process measured
+    without timing anything."""
 
     calls = 0
 
@@ -77,7 +80,9 @@ class ShakyOnceAttention(NaiveAttention):
         with open(marker) as f:
             if f.read() == str(os.getpid()):
                 ShakyOnceAttention.calls += 1
-                time.sleep(0.004 if ShakyOnceAttention.calls // 16 % 2 else 0.001)
+                n = ShakyOnceAttention.calls
+                slow = 0.004 if n // 200 % 2 == 0 else 0.002
+                time.sleep(slow if n // 16 % 2 else 0.001)
             else:
                 with open(marker + ".later", "w") as later:
                     later.write(str(os.getpid()))

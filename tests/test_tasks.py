@@ -245,8 +245,13 @@ def float_or(text: str) -> float | str:
         ({"steps": 0}, "task.steps must be an integer >= 1, got 0"),  # was: ok, loss 0, an untrained model
         ({"batch_size": -1}, "task.batch_size must be an integer >= 1"),
         ({"test_size": 0}, "task.test_size must be an integer >= 1"),
-        ({"lr": 0}, "task.lr must be a number > 0"),
-        ({"clip": -1.0}, "task.clip must be a number >= 0"),
+        ({"lr": 0}, "task.lr must be a finite number > 0"),
+        ({"lr": float("nan")}, "task.lr must be a finite number > 0"),
+        ({"clip": -1.0}, "task.clip must be a finite number >= 0"),
+        # a switch or knob of the wrong type: 'maybe' was read as true, 'abc' failed inside a comparison
+        ({"causal": "maybe"}, "task.causal must be true or false, got 'maybe'"),
+        ({"pair_tokens": "maybe"}, "task 'recall' knob pair_tokens must be bool, got 'maybe'"),
+        ({"num_pairs": "abc"}, "task 'recall' knob num_pairs must be int, got 'abc'"),
         ({"heads": 3}, "task.heads must divide task.d_model"),
         ({"max_train_s": 0}, "task.max_train_s must be > 0"),
         ({"num_pairs": 0}, "recall needs 1 <= num_pairs"),

@@ -94,12 +94,15 @@ class Settings:
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
-                or value < 0
+                or not 0 <= value < math.inf  # (NaN fails it)
                 or (name == "lr" and not value)
             ):
                 raise ValueError(
-                    f"task.{name} must be a number {'>' if name == 'lr' else '>='} 0, got {value!r}"
+                    f"task.{name} must be a finite number {'>' if name == 'lr' else '>='} 0, got {value!r}"
                 )
+        for f in fields(self):  # a switch given as text ('maybe') would be read as true
+            if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"task.{f.name} must be true or false, got {getattr(self, f.name)!r}")
         if self.d_model % self.heads:
             raise ValueError(
                 f"task.heads must divide task.d_model, got d_model={self.d_model}, heads={self.heads}"
