@@ -295,6 +295,9 @@ def test_pretrained_config_errors_are_one_line(tmp_path):
     base = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "pretrained": dict(CFG)}
     with pytest.raises(ValueError, match="pretrained.texts must be an integer >= 5"):
         validate(BenchConfig.from_config({**base, "pretrained": {**CFG, "texts": 3}}))
+    # a batch larger than the texts: each pass would hold the texts there are, timed as a full batch
+    with pytest.raises(ValueError, match="pretrained.batch=100 is more than the 8 pretrained.texts"):
+        validate(BenchConfig.from_config({**base, "pretrained": {**CFG, "texts": 8, "batch": 100}}))
     with pytest.raises(ValueError, match="causal=True apply to kernel jobs only"):
         validate(BenchConfig.from_config({**base, "causal": True}))
     validate(BenchConfig.from_config(base))  # the committed settings pass

@@ -332,6 +332,7 @@ def test_a_baseline_with_no_records_is_an_error_before_any_report(sweep, tmp_pat
 
     tmp, _ = sweep
     out = tmp_path / "report"
+    (tmp_path / "nope").mkdir()  # there, with nothing in it
     assert main([str(tmp / "records"), "--out", str(out), "--baseline", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"error: --baseline {tmp_path / 'nope'}: no records there to compare against"
@@ -542,6 +543,20 @@ def test_default_out_dir_is_inside_the_input(sweep):
     tmp, _ = sweep
     assert report.default_out_dir([tmp / "records"]) == tmp / "records" / "report"
     assert report.main([str(tmp / "nowhere")]) == 1  # no records: says so, exit status 1
+
+
+def test_a_path_that_is_not_there_or_not_a_store_is_one_line(sweep, capsys):
+    """A misspelt folder beside a real one would drop its records (or a comparison's side) without a
+    word; a report's own table is no saved store."""
+    tmp, _ = sweep
+    assert report.main([str(tmp / "nowhere"), str(tmp / "records"), "--no-plots"]) == 1
+    assert capsys.readouterr().err.strip() == f"error: no such file or folder: {tmp / 'nowhere'}"
+    assert report.main([str(tmp / "records"), "--baseline", str(tmp / "gone"), "--no-plots"]) == 1
+    assert "no such file or folder" in capsys.readouterr().err
+    table = tmp / "table.csv"
+    pd.DataFrame({"variant": ["naive"], "N=64": [1.0]}).to_csv(table, index=False)
+    assert report.main([str(table), "--out", str(tmp / "from_table"), "--no-plots"]) == 1
+    assert "not a saved store" in capsys.readouterr().out
 
 
 def test_a_time_marked_in_the_tables_is_ringed_in_the_time_plot(sweep, tmp_path, monkeypatch):

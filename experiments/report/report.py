@@ -296,6 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-plots", action="store_true", help="tables and store only")
     args = ap.parse_args(argv)
+    if gone := [p for p in [*args.paths, *(args.baseline or [])] if not Path(p).exists()]:
+        # a misspelt folder would drop its records from the report, or a side of the comparison
+        print(f"error: no such file or folder: {', '.join(gone)}", file=sys.stderr)
+        return 1
     if args.out and (why := _unwritable(Path(args.out))):
         print(f"error: --out {args.out}: {why}", file=sys.stderr)
         return 1

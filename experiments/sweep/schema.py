@@ -225,6 +225,8 @@ def _validate_pretrained(conf: BenchConfig) -> None:
         raise ValueError(f"pretrained.texts must be an integer >= {TOP_K} (the retrieval task's neighbours)")
     if not isinstance(p["batch"], int) or p["batch"] < 1:
         raise ValueError(f"pretrained.batch must be a positive integer, got {p['batch']!r}")
+    if p["batch"] > p["texts"]:  # a pass holds the texts there are: its time would be labelled wrong
+        raise ValueError(f"pretrained.batch={p['batch']} is more than the {p['texts']} pretrained.texts")
     if not isinstance(p["band"], int) or p["band"] < 0:
         raise ValueError(f"pretrained.band must be an integer >= 0, got {p['band']!r}")
     full = list(p["full_layers"] or [])
