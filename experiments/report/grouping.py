@@ -106,6 +106,20 @@ def value_text(key: str, v: object) -> object:
     return v
 
 
+def varying_text(rows: pd.DataFrame, fields: list[str]) -> pd.Series:
+    """Per row, `` · threads=2`` and the like: those of ``fields`` that take more than one value
+    among ``rows`` (empty text where none do), for a title or a label, so that no row hides
+    another. ``O(rows)``."""
+    vary = [c for c in fields if c in rows and rows[c].astype(str).nunique(dropna=False) > 1]
+    if not vary:
+        return pd.Series("", index=rows.index, dtype=object)
+
+    def text(row: pd.Series) -> str:
+        return "".join(f" · {c.removeprefix('env_')}={value_text(c, row[c])}" for c in vary)
+
+    return rows.apply(text, axis=1).astype(str)
+
+
 def workload_line(df: pd.DataFrame) -> str:
     """The workload fields that are the same in every row, e.g. ``batch=1, heads=8, head_dim=64``."""
     same = []

@@ -9,7 +9,7 @@ import pandas as pd
 
 from ..records.store import newest_mask
 from .format import Section, num, obj
-from .grouping import status_cell, value_text
+from .grouping import status_cell, varying_text
 
 
 def _mix_label(m: dict) -> str:
@@ -50,15 +50,6 @@ def _model_title(row: pd.Series) -> str:
 _WHERE = ["env_host", "threads", "seed", "extra"]
 
 
-def _where(rows: pd.DataFrame, fields: list[str] = _WHERE) -> pd.Series:
-    """Per row, `` · threads=2`` and the like: the ``fields`` that vary among ``rows``, for a title or
-    a line's label (nothing where they are the same in all), so that no job hides another. ``O(rows)``."""
-    vary = [c for c in fields if c in rows and rows[c].astype(str).nunique(dropna=False) > 1]
-    return rows.apply(
-        lambda r: "".join(f" · {c.removeprefix('env_')}={value_text(c, r[c])}" for c in vary), axis=1
-    ).astype(str)
-
-
 def _row_label(row: pd.Series) -> str:
     """A model job's row: the variant, and the model's layer mix and cache when it has them."""
     mix = _mix_label(json.loads(row["model"]))
@@ -83,7 +74,7 @@ def model_table(rows: pd.DataFrame) -> Section:
     if rows.empty:
         return sec
     rows = rows.assign(
-        _title=rows.apply(_model_title, axis=1) + _where(rows),
+        _title=rows.apply(_model_title, axis=1) + varying_text(rows, _WHERE),
         _row=rows.apply(_row_label, axis=1),
         _len=rows["model"].map(lambda v: int(json.loads(v).get("prefill_len") or 0)),
         kv_mib_kept=pd.to_numeric(rows.get("kv_bytes_kept"), errors="coerce") / 2**20,
@@ -140,7 +131,7 @@ def plot_context(rows: pd.DataFrame, path: Path) -> Path | None:
     differ = [c for c in shapes if shapes[c].astype(str).nunique(dropna=False) > 1]
     base = ok["variant"].astype(str) + " · " + ok["_m"].map(lambda m: _mix_label(m) or "Llama")
     extra = shapes.apply(lambda r: "".join(f" · {c}={r[c]}" for c in differ), axis=1) if differ else ""
-    ok = ok.assign(_line=base + extra + _where(ok, ["device", "dtype", *_WHERE]))
+    ok = ok.assign(_line=base + extra + varying_text(ok, ["device", "dtype", *_WHERE]))
     ok = ok[ok.groupby("_line")["_n"].transform("nunique") >= 2]
     if ok.empty:
         return None

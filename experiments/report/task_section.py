@@ -32,6 +32,7 @@ from ..measure.tasks.train import Settings
 from ..records.store import newest_mask, of_kind
 from .format import markdown as markdown_table
 from .format import obj
+from .grouping import varying_text
 
 # task-config keys left out of a task's label even when they vary: they change how a run is done or
 # reported, not what is learned (a run the time cap stopped says so in its stopped_early figure)
@@ -53,14 +54,6 @@ def newest_runs(sub: pd.DataFrame) -> pd.Series:
     is another."""
     key = "variant_key" if "variant_key" in sub else "variant_label"
     return newest_mask(sub, [key, "_task_json", "seq_len", "seed", *[c for c in PLACE if c in sub]])
-
-
-def _place_text(rows: pd.DataFrame) -> pd.Series:
-    """Per row, `` · device=cuda`` and the like: the :data:`PLACE` fields that vary among ``rows``
-    (empty where they are the same in all). ``O(rows)``."""
-    vary = [c for c in PLACE if c in rows and rows[c].astype(str).nunique(dropna=False) > 1]
-    text = rows.apply(lambda r: "".join(f" · {c.removeprefix('env_')}={r[c]}" for c in vary), axis=1)
-    return text.astype(str) if vary else pd.Series("", index=rows.index, dtype=object)
 
 
 def _task_dict(v: Any) -> dict[str, Any] | None:
@@ -108,7 +101,7 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
             extra = ", ".join(f"{k}={d.get(k)}" for k in varying)
             labels[idx] = f"{name}({extra})" if extra else name
     sub["task_label"] = labels
-    sub["_where"] = _place_text(sub)
+    sub["_where"] = varying_text(sub, PLACE)
     name = _variant_col(sub)
     sub["_variant_base"] = name.where(~causal, name + " (causal)")
     sub["variant_label"] = (name + sub["_where"]).where(~causal, name + sub["_where"] + " (causal)")
