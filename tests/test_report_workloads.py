@@ -177,23 +177,32 @@ def test_model_jobs_at_other_thread_counts_are_both_shown(tmp_path, monkeypatch)
 
 
 def task(
-    variant: str, device: str, accuracy: float, seed: int = 0, threads: int = 1, step_ms: float = 10.0
+    variant: str,
+    device: str,
+    accuracy: float,
+    seed: int = 0,
+    threads: int = 1,
+    step_ms: float = 10.0,
+    settings: dict | None = None,
+    seq_len: int = 128,
 ) -> dict:
-    """An ok copy-task record (N=128) of ``variant`` on ``device`` with its test accuracy."""
+    """An ok task record of ``variant`` on ``device`` with its test accuracy: the copy task at N=128
+    with its step's peak memory measured, or ``settings`` (a recall model, say) at ``seq_len``."""
     target = {"sdpa": "variants.sdpa.SDPAAttention", "linear": "variants.linear.LinearAttention"}[variant]
-    t = {"name": "copy", "causal": False, "peak_memory": True}
-    cfg = {"variant": {"_target_": target}, "task": t, "seq_len": 128, "seed": seed}
+    t = settings or {"name": "copy", "causal": False, "peak_memory": True}
+    cfg = {"variant": {"_target_": target}, "task": t, "seq_len": seq_len, "seed": seed}
     cfg.update(device=device, dtype="float32", threads=threads)
+    figures = {"test_accuracy": accuracy, "step_ms_median": step_ms, "step_peak_mib": step_ms}
     return {
         "variant_name": variant,
         "kind": "task",
         "status": "ok",
         "config": cfg,
         "config_hash": config_hash(cfg),
-        "figures": {"test_accuracy": accuracy, "step_ms_median": step_ms, "step_peak_mib": step_ms},
+        "figures": {**figures, "state_bytes": 4096, "step_ms": step_ms},
         "env": {"host": "vm"},
         "started_at": f"2026-11-23T1{seed}:00:{threads}0+00:00",
-        "_path": f"t-{variant}-{device}-{seed}-{threads}.json",
+        "_path": f"t-{config_hash(cfg)}.json",
     }
 
 
@@ -255,21 +264,8 @@ def test_the_recall_frontier_keeps_configurations_trained_differently_apart():
     from experiments.report.frontier_section import frontier_table
 
     def rec(variant: str, steps: int, seed: int, accuracy: float) -> dict:
-        target = {"sdpa": "variants.sdpa.SDPAAttention", "linear": "variants.linear.LinearAttention"}[variant]
         t = {"name": "recall", "num_pairs": 8, "d_model": 64, "heads": 4, "steps": steps}
-        cfg = {"variant": {"_target_": target}, "task": t, "seq_len": 64, "seed": seed}
-        cfg.update(device="cpu", dtype="float32", threads=1)
-        return {
-            "variant_name": variant,
-            "kind": "task",
-            "status": "ok",
-            "config": cfg,
-            "config_hash": config_hash(cfg),
-            "figures": {"test_accuracy": accuracy, "state_bytes": 4096, "step_ms": 1.0},
-            "env": {"host": "vm"},
-            "started_at": f"2026-11-23T10:0{seed}:00+00:00",
-            "_path": f"r-{variant}-{steps}-{seed}.json",
-        }
+        return task(variant, "cpu", accuracy, seed, settings=t, seq_len=64)
 
     recs = [rec("sdpa", steps, seed, acc) for steps, acc in ((100, 0.2), (1000, 0.9)) for seed in (0, 1)]
     recs += [rec("linear", 1000, 0, 0.5)]
