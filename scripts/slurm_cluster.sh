@@ -129,7 +129,10 @@ start() {
         say "slurmdbd started"
     fi
     sacctmgr -i -Q add cluster "$CLUSTER" >/dev/null 2>&1 || true
-    pgrep -x slurmctld >/dev/null || { slurmctld && say "slurmctld started"; }
+    # A controller started from down starts empty (-c): this cluster is for trials and tests, and the
+    # jobs of its last life have no processes left. Recovered, one such job stayed RUNNING on the
+    # node until its time limit and held every core, so the next sweep waited behind it (CI failed).
+    pgrep -x slurmctld >/dev/null || { slurmctld -c && say "slurmctld started (no jobs kept from before)"; }
     pgrep -x slurmd >/dev/null || { slurmd && say "slurmd started"; }
     for _ in $(seq 120); do
         if sinfo -h -o %T 2>/dev/null | grep -q -E '^(idle|mixed|allocated)'; then

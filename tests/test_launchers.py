@@ -163,16 +163,21 @@ def test_a_sweep_through_a_real_slurm_cluster(tmp_path, slurm_cluster):
         "min_run_time=0.05",
         f"records_dir={tmp_path / 'records'}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "hydra.launcher.timeout_min=10",  # a job left behind by a killed test frees the node soon
     ]
     args[args.index("report=false")] = "report=true"
-    p = subprocess.run(
-        [sys.executable, "run.py", *sweep_overrides(*args)],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    try:
+        p = subprocess.run(
+            [sys.executable, "run.py", *sweep_overrides(*args)],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except subprocess.TimeoutExpired:
+        queue = subprocess.run(["squeue", "-o", "%i %j %T %R %M"], capture_output=True, text=True).stdout
+        pytest.fail(f"the sweep did not end in 600 s; the cluster's queue:\n{queue}")
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]  # the crashing job is an error
     statuses = {
         r["config"]["variant"]["_target_"].rsplit(".", 1)[-1]: r for r in read_records(tmp_path / "records")
