@@ -52,11 +52,17 @@ def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
     state = None
     for impl in args.impls:
         # from_config writes attn_implementation into the config it is given: copy it
-        m = AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+        try:
+            m = AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+        except (ImportError, ValueError) as exc:  # transformers' own: a kernel not installed here
+            print(f"# {impl} left out: {one_line(exc)}")
+            continue
         if state is None:
             state = m.state_dict()
         else:
             m.load_state_dict(state)
+        if impl.startswith(hf.PREFIX) and variants.get(hf.name_of(impl)).has_params:
+            hf.attach(m, hf.name_of(impl))  # a learned variant: its own (random) weights in each layer
         models[impl] = m
     return models
 
@@ -89,6 +95,11 @@ def timed_call(
         return out.last_hidden_state
 
     return step
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, with its type."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -132,12 +143,17 @@ def main() -> None:
         if impl.startswith(hf.PREFIX) and hf.name_of(impl) not in variants.available():
             known = ", ".join(variants.available())
             ap.error(f"--impls {impl}: no variant '{hf.name_of(impl)}'; known: {known}")
+        if impl.startswith(hf.PREFIX) and impl != hf.implementation(hf.name_of(impl)):
+            spelled = hf.implementation(hf.name_of(impl))
+            ap.error(f"--impls {impl}: spell it {spelled} (transformers reads 'sdpa' or 'flash' as its own)")
         if not impl.startswith(hf.PREFIX) and impl not in theirs and "/" not in impl:  # "/": a Hub kernel
             ap.error(f"--impls {impl}: transformers knows {', '.join(theirs)}; ours are {hf.PREFIX}<variant>")
     if args.threads:
         torch.set_num_threads(args.threads)
     hf.register([hf.name_of(i) for i in args.impls if i.startswith(hf.PREFIX)])
     models = build_models(args)
+    if not models:
+        raise SystemExit("no implementation of --impls can be built here")
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "
         f"{torch.get_num_threads()}; LlamaModel fp32: {args.layers} layers, hidden {args.hidden}, "
@@ -154,13 +170,22 @@ def main() -> None:
         ids = torch.randint(0, 1024, (args.batch, n + 1), generator=g)  # (B, N + 1)
         mask = torch.ones(args.batch, n + 1, dtype=torch.long)  # (B, N + 1), 1 = real token
         mask[0, : args.pad] = 0
-        outs, times = {}, {impl: [] for impl in models}
+        outs = {}
         with torch.no_grad():  # as generate() runs
-            steps = {impl: timed_call(m, ids, mask, args.mode) for impl, m in models.items()}
-            for impl, step in steps.items():
-                outs[impl] = step()  # (B, N | 1, hidden)
+            steps = {}
+            for impl, m in models.items():
+                try:  # the first call says whether it can run here (device, dtype, learned weights)
+                    steps[impl] = timed_call(m, ids, mask, args.mode)
+                    outs[impl] = steps[impl]()  # (B, N | 1, hidden)
+                except Exception as exc:  # noqa: BLE001 - any failure leaves this one out, named
+                    print(f"# N={n}: {impl} left out: {one_line(exc)}")
+                    steps.pop(impl, None)
+                    continue
                 for _ in range(args.warmup - 1):
-                    step()
+                    steps[impl]()
+            if not steps:
+                raise SystemExit(f"N={n}: no implementation of --impls could run here")
+            times = {impl: [] for impl in steps}
             for _ in range(args.rounds):
                 for impl, step in steps.items():
                     t0 = time.perf_counter()

@@ -45,6 +45,11 @@ CASES = [
         "no variant 'nosuch'",
         id="hf-overhead-ours",
     ),
+    pytest.param(
+        ["scripts/hf_overhead.py", "--impls", "attnbench_sdpa"],
+        "spell it attnbench_SDPA",
+        id="hf-overhead-spelt",
+    ),
     pytest.param(["scripts/sinks_cost.py", "--lengths", "0", "--rounds", "1"], "--lengths", id="sinks-cost"),
     pytest.param(["scripts/gate_noise.py", "--runs", "0", "--out", "{tmp}/gn"], "--runs", id="gate-noise"),
     pytest.param(["scripts/ci_stress.py", "--runs", "0", "--out", "{tmp}/cs"], "--runs", id="ci-stress"),
@@ -122,6 +127,35 @@ def test_a_contender_that_cannot_run_is_left_out_and_the_others_are_timed(monkey
     assert "left out at N=128: RuntimeError: NYI: this kernel refuses the shape" in printed
     names = {row["name"] for row in json.loads(out.read_text())["rows"]}
     assert names == {"local_window", "sdpa (dense)"}
+
+
+def test_hf_overhead_leaves_out_what_cannot_run_and_times_the_rest():
+    """xFormers' CPU-less operator is left out with its one-line reason, a learned variant gets its own
+    weights per layer and is timed; when nothing can run, exit 1 with one line, not a traceback."""
+    tiny = [
+        "--lengths",
+        "8",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+    ]
+    p = run_script(
+        "scripts/hf_overhead.py", *tiny, "--impls", "sdpa", "attnbench_xformers", "attnbench_additive"
+    )
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert "attnbench_xformers left out: Unsupported: " in p.stdout
+    assert "| 8 | attnbench_additive |" in p.stdout and "| 8 | sdpa | " in p.stdout
+    assert "| 8 | attnbench_xformers |" not in p.stdout
+    p = run_script("scripts/hf_overhead.py", *tiny, "--kv-heads", "1", "--impls", "attnbench_xformers")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    assert p.stderr.strip().splitlines()[-1] == "N=8: no implementation of --impls could run here"
 
 
 def test_the_lent_gpu_s_checks_ask_only_for_what_exists(monkeypatch):
