@@ -100,6 +100,12 @@ def main() -> None:
     ap.add_argument("--out", type=output_file, help="write the Markdown tables here")
     ap.add_argument("--json", type=output_file, help="write every cell here")
     args = ap.parse_args()
+    for n in args.sizes:  # refused here, not by an assert inside fla
+        if n <= args.fla_max and n % 64:
+            ap.error(
+                f"--sizes {n}: fla's chunked references (run up to --fla-max {args.fla_max}) need N a "
+                "multiple of 64"
+            )
     run_under_job_allocator()
     torch.set_num_threads(1)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

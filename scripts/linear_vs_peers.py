@@ -523,6 +523,11 @@ def main() -> None:
     ap.add_argument("--out", type=output_file, help="write the Markdown tables here")
     ap.add_argument("--json", type=output_file, help="write every cell here")
     args = ap.parse_args()
+    for n in args.sizes if "causal" in args.parts else []:  # refused here, not by einops inside fla
+        if n % 64:
+            ap.error(
+                f"--sizes {n}: fla's naive_chunk_linear_attn cuts N into 64-token chunks: a multiple of 64"
+            )
     run_under_job_allocator()
     torch.set_num_threads(1)
     versions = {}
@@ -554,6 +559,8 @@ def main() -> None:
         performer_part(bench, args.peer_n, args.features, args.draws)
     if "lowrank" in args.parts:
         lowrank_part(bench, args.peer_n)
+    if not bench.rows:
+        raise SystemExit(f"nothing was measured (--parts {' '.join(args.parts)}): see the lines above")
     meta["load_end"] = os.getloadavg()[0]
     g = bench.gemm
     lo, hi = min(g) / 1e9, max(g) / 1e9

@@ -64,6 +64,13 @@ CASES = [
         id="gated-vs-peers",
     ),
     pytest.param(["scripts/linear_vs_peers.py", "--parts", "bogus", "--rounds", "1"], "--parts", id="linear"),
+    # fla's chunked references cut N into 64-token chunks (an einops or assert traceback inside fla)
+    pytest.param(
+        ["scripts/linear_vs_peers.py", "--sizes", "100", "--rounds", "1"], "--sizes 100", id="linear-64"
+    ),
+    pytest.param(
+        ["scripts/gated_vs_peers.py", "--sizes", "100", "--rounds", "1"], "--sizes 100", id="gated-64"
+    ),
     # --no-sweep: the unfixed script starts nothing (no orphaned sweep), it idles until the timeout
     pytest.param(["scripts/busy_machine.py", "--no-sweep", "--hogs", "-1"], "--hogs", id="busy-machine"),
     pytest.param(
@@ -156,6 +163,22 @@ def test_hf_overhead_leaves_out_what_cannot_run_and_times_the_rest():
     p = run_script("scripts/hf_overhead.py", *tiny, "--kv-heads", "1", "--impls", "attnbench_xformers")
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-1500:]
     assert p.stderr.strip().splitlines()[-1] == "N=8: no implementation of --impls could run here"
+
+
+def test_a_comparison_that_measured_nothing_exits_1():
+    """Only the performer part, without performer-pytorch: the part is skipped, so nothing was measured
+    (it ended in ``min() arg is an empty sequence``)."""
+    pytest.importorskip("einops")
+    try:
+        import performer_pytorch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("performer-pytorch is installed here: the part would run")
+    p = run_script("scripts/linear_vs_peers.py", "--parts", "performer", "--rounds", "1")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    assert "performer-pytorch not importable" in p.stdout
+    assert p.stderr.strip().splitlines()[-1].startswith("nothing was measured (--parts performer)")
 
 
 def test_the_lent_gpu_s_checks_ask_only_for_what_exists(monkeypatch):
