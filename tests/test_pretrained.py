@@ -300,6 +300,16 @@ def test_pretrained_config_errors_are_one_line(tmp_path):
         validate(BenchConfig.from_config({**base, "pretrained": {**CFG, "texts": 8, "batch": 100}}))
     with pytest.raises(ValueError, match="causal=True apply to kernel jobs only"):
         validate(BenchConfig.from_config({**base, "causal": True}))
+    # before the weights load, not an error record after them: the layer count is the package's config
+    with pytest.raises(ValueError, match=r"full_layers=\[9\] names a layer past the encoder's 6 \(0-5\)"):
+        validate(BenchConfig.from_config({**base, "pretrained": {**CFG, "full_layers": [9]}}))
+    with pytest.raises(
+        ValueError, match="package=nosuch_pkg: the pretrained encoder package 'nosuch_pkg' is not"
+    ):
+        validate(BenchConfig.from_config({**base, "pretrained": {**CFG, "package": "nosuch_pkg"}}))
+    for bad in ("abc", 0):
+        with pytest.raises(ValueError, match=f"trained_len must be a positive integer or null.*got {bad!r}"):
+            validate(BenchConfig.from_config({**base, "pretrained": {**CFG, "trained_len": bad}}))
     validate(BenchConfig.from_config(base))  # the committed settings pass
 
 

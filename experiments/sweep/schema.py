@@ -6,6 +6,7 @@ sweep runs it (isolation, resume, records folder, report)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -218,6 +219,7 @@ def _validate_task(conf: BenchConfig) -> None:
 def _validate_pretrained(conf: BenchConfig) -> None:
     """A pretrained job's settings: the retrieval task needs its 5 neighbours, a batch, a band and
     distinct full layers (the workload knobs it ignores: :func:`_refuse_kernel_knobs`)."""
+    from ..measure.pretrained.encoder import model_dir
     from ..measure.pretrained.job import DEFAULTS, TOP_K
 
     p = {**DEFAULTS, **dict(conf.pretrained)}
@@ -229,8 +231,21 @@ def _validate_pretrained(conf: BenchConfig) -> None:
         raise ValueError(f"pretrained.batch={p['batch']} is more than the {p['texts']} pretrained.texts")
     if not isinstance(p["band"], int) or p["band"] < 0:
         raise ValueError(f"pretrained.band must be an integer >= 0, got {p['band']!r}")
+    if p["trained_len"] is not None and (not isinstance(p["trained_len"], int) or p["trained_len"] < 1):
+        raise ValueError(
+            f"pretrained.trained_len must be a positive integer or null (the model card's), got "
+            f"{p['trained_len']!r}"
+        )
     full = list(p["full_layers"] or [])
     if not all(isinstance(i, int) and i >= 0 for i in full) or len(set(full)) != len(full):
         raise ValueError(
             f"pretrained.full_layers must be distinct layer indices >= 0 (e.g. [0,5]), got {full!r}"
+        )
+    try:  # the package and its layer count, read from its config.json (no weights loaded)
+        layers = json.loads((model_dir(p["package"]) / "config.json").read_text())["num_hidden_layers"]
+    except ImportError as exc:
+        raise ValueError(f"pretrained.package={p['package']}: {exc}") from None
+    if any(i >= layers for i in full):
+        raise ValueError(
+            f"pretrained.full_layers={full} names a layer past the encoder's {layers} (0-{layers - 1})"
         )

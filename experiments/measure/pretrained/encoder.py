@@ -66,9 +66,10 @@ def model_dir(package: str) -> Path:
     try:
         mod = importlib.import_module(package)
     except ImportError:
-        raise ImportError(
-            f"the pretrained encoder package {package!r} is not installed: pip install -e '.[pretrained]'"
-        ) from None
+        from .job import PretrainedSettings  # the default package is the project's extra
+
+        hint = ": pip install -e '.[pretrained]'" if package == PretrainedSettings.package else ""
+        raise ImportError(f"the pretrained encoder package {package!r} is not installed{hint}") from None
     path = Path(mod.__file__).resolve().parent / "model"
     if not (path / "config.json").is_file():
         raise ImportError(f"{package} has no model folder with a config.json at {path}")
