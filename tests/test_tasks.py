@@ -270,6 +270,17 @@ def test_task_settings_are_checked_before_any_job(task, msg):
         validate(BenchConfig.from_config({**cfg, "task": {"name": "recall", **task}}))
 
 
+def test_a_task_too_small_for_a_test_split_is_refused_before_any_job():
+    """Reversal of 2 tokens over 1 symbol has one example, which the hash puts in the train split: the
+    job drew, trained nothing and ended 'error'; now the sweep refuses it in one line."""
+    from experiments.sweep.schema import BenchConfig, validate
+
+    cfg = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "seq_len": 2}
+    with pytest.raises(ValueError, match=r"task 'reverse' at seq_len=2 .* yields too few test examples"):
+        validate(BenchConfig.from_config({**cfg, "task": {"name": "reverse", "num_symbols": 1}}))
+    validate(BenchConfig.from_config({**cfg, "task": {"name": "reverse", "num_symbols": 4}}))
+
+
 # ---------------------------------------------------------------------------------------------- model
 def test_position_encoding_is_the_papers():
     pe = sinusoidal_positions(50, 8, dtype=torch.float64)

@@ -204,16 +204,21 @@ def _validate_model(conf: BenchConfig) -> None:
 
 def _validate_task(conf: BenchConfig) -> None:
     """A task job's settings and knobs, checked before any job starts: its training settings in range,
-    its knobs the task's own, and the task possible at ``seq_len`` (building it draws no data)."""
+    its knobs the task's own, and the task possible at ``seq_len``: it has both splits (one example of
+    each is drawn: milliseconds)."""
+    import torch
+
     from variants.registry import check_knobs
 
-    from ..measure.tasks.data import TASKS, make_task, task_knobs
+    from ..measure.tasks.data import TASKS, draw, make_task, task_knobs
     from ..measure.tasks.train import Settings
 
     name, _, knobs = Settings.split(dict(conf.task))  # Settings checks its ranges and switches
     if name in TASKS:  # the types of the knobs it takes (make_task names an unknown task or knob)
         check_knobs(TASKS[name], {k: v for k, v in knobs.items() if k in task_knobs(name)}, f"task '{name}'")
-    make_task(name, conf.seq_len, **knobs)
+    task = make_task(name, conf.seq_len, **knobs)
+    for split in ("test", "train"):  # a tiny example space may hold none of a split (cheap: one each)
+        draw(task, 1, torch.Generator().manual_seed(0), split)
 
 
 def _validate_pretrained(conf: BenchConfig) -> None:

@@ -346,4 +346,7 @@ def draw(task: Task, n: int, g: torch.Generator, split: str) -> Batch:
         have += len(b)
         if have >= n:
             return Batch.cat(parts).rows(slice(0, n))
-    raise ValueError(f"task '{task.name}' at seq_len={task.seq_len} yields too few {split} examples")
+    raise ValueError(
+        f"task '{task.name}' at seq_len={task.seq_len} with {task.knobs()} yields too few {split} examples: "
+        "its example space is too small (a longer seq_len or more symbols)"
+    )
