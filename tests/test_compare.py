@@ -82,3 +82,25 @@ def test_the_comparison_names_a_change_of_cpu_instruction_set_on_one_cpu_model()
 
     assert "cpu_capability: AVX2 (this) vs AVX512 (baseline)" in env_diff(frame("AVX2"), frame("AVX512"))
     assert env_diff(frame("AVX2"), frame("AVX2")) == "The two sets report the same environment."
+
+
+def test_two_sides_measured_on_the_same_machines_are_compared_host_to_host():
+    """A code change measured on two hosts each side: each host's cell against its own baseline (the
+    newest of each side came from different hosts: 20 ms against 10 ms read as 2x slower)."""
+
+    def on(host: str, median_ms: float, hour: int) -> dict:
+        rec = record(256, median_ms, 0.1, hour=hour)
+        rec["env"] = {**rec["env"], "host": host}
+        return rec
+
+    base = store.to_frame([on("a", 10.0, 9), on("b", 20.0, 8)])
+    cur = store.to_frame([on("a", 10.0, 11), on("b", 20.0, 12)])
+    sec = baseline_table(cur, base)
+    data = sec.data.set_index("env_host")
+    assert data["speedup"].to_dict() == {"a": pytest.approx(1.0), "b": pytest.approx(1.0)}
+    assert (data["env_host_base"] == data.index).all()
+    assert "Matched host to host (on both sides: a, b)" in sec.note
+    # no machine on both sides: the comparison of two machines, newest (host a) against newest
+    other = store.to_frame([on("c", 5.0, 11)])
+    sec = baseline_table(other, base)
+    assert sec.data["speedup"].tolist() == [pytest.approx(10.0 / 5.0)] and "host to host" not in sec.note

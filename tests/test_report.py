@@ -559,6 +559,22 @@ def test_a_path_that_is_not_there_or_not_a_store_is_one_line(sweep, capsys):
     assert "not a saved store" in capsys.readouterr().out
 
 
+def test_a_json_with_a_hash_and_a_status_alone_is_no_record(sweep, tmp_path, capsys):
+    """Such a file counted as an ok job of variant '?' in the status table; now it is named as
+    unreadable, with what it lacks, and the store holds the real records only."""
+    tmp, _ = sweep
+    real = store.load([tmp / "records"], verbose=False)
+    (tmp_path / "bare.json").write_text(json.dumps({"config_hash": "x", "status": "ok"}))
+    (tmp_path / "odd.json").write_text(
+        json.dumps({"config_hash": "y", "status": "fine", "config": {}, "env": {}})
+    )
+    df = store.load([tmp / "records", tmp_path])
+    out = capsys.readouterr().out
+    assert len(df) == len(real) and "?" not in set(df["variant_name"])
+    assert f"{tmp_path / 'bare.json'}: a record's hash and status, but no config or env" in out
+    assert f"{tmp_path / 'odd.json'}: status 'fine' is none of ok, unsupported" in out
+
+
 def test_a_time_marked_in_the_tables_is_ringed_in_the_time_plot(sweep, tmp_path, monkeypatch):
     tmp, _ = sweep
     df = store.select(store.load([tmp / "records"], verbose=False))

@@ -416,7 +416,13 @@ def _record(tmp_path, status, **env_changes):
         "cpu_capability": "AVX2",
         "gpu_name": None,
     }
-    rec = {"config_hash": "abc", "status": status, "started_at": status, "env": {**env, **env_changes}}
+    rec = {
+        "config_hash": "abc",
+        "status": status,
+        "started_at": status,
+        "config": {},
+        "env": {**env, **env_changes},
+    }
     return write_record(rec, tmp_path), env
 
 

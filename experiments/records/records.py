@@ -88,6 +88,21 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+#: every status a job's record may have, in the order tables list them
+STATUSES = ("ok", "unsupported", "unavailable", "oom", "killed", "timeout", "nan", "error")
+
+
+def record_problem(rec: dict[str, Any]) -> str | None:
+    """Why ``rec``, a JSON object with a ``config_hash`` and a ``status``, is not a whole record (None
+    when it is): a record holds its config and environment, and a status of :data:`STATUSES`."""
+    missing = [k for k in ("config", "env") if not isinstance(rec.get(k), dict)]
+    if missing:
+        return f"a record's hash and status, but no {' or '.join(missing)}"
+    if rec["status"] not in STATUSES:
+        return f"status {rec['status']!r} is none of {', '.join(STATUSES)}"
+    return None
+
+
 def read_records(directory: str | Path) -> list[dict[str, Any]]:
     """All records under ``directory`` (recursively); unreadable files are reported, not dropped silently."""
     out = []
@@ -99,9 +114,14 @@ def read_records(directory: str | Path) -> list[dict[str, Any]]:
         except (OSError, ValueError) as exc:  # ValueError: bad JSON or bytes that are not UTF-8
             print(f"warning: skipping unreadable record {path}: {exc}")
             continue
-        if isinstance(rec, dict) and "config_hash" in rec and "status" in rec:
-            rec["_path"] = str(path)
-            out.append(rec)
+        if not (isinstance(rec, dict) and "config_hash" in rec and "status" in rec):
+            continue  # another JSON (a script's output, a roofline file): not a record
+        why = record_problem(rec)
+        if why is not None:
+            print(f"warning: skipping {path}: {why}")
+            continue
+        rec["_path"] = str(path)
+        out.append(rec)
     return out
 
 

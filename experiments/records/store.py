@@ -24,7 +24,7 @@ import pandas as pd
 
 from ..measure.canary import slowdown
 from ..measure.spec import KIND_GROUPS, Kind, kind_of
-from .records import MANIFEST
+from .records import MANIFEST, STATUSES, record_problem
 from .rounds import shown_rows
 
 # folders a recursive search never enters: our own output and Hydra's config copies
@@ -53,7 +53,6 @@ WORKLOAD = [
 # min_run_time, accuracy_rows and the code version are left out on purpose: re-measuring with other
 # run settings or newer code replaces the older row in tables.
 CELL_KEYS = ["env_host", *WORKLOAD, "seed", "threads", "extra", "variant_key", "seq_len"]
-STATUSES = ("ok", "unsupported", "unavailable", "oom", "killed", "timeout", "nan", "error")
 # config keys that do not describe the variant's structure (shape hints follow the workload)
 _NOT_KNOBS = {"_target_", "heads", "head_dim"}
 _NULLABLE_INT = [
@@ -146,7 +145,11 @@ def load_records(inputs: Iterable[str | Path]) -> tuple[list[dict[str, Any]], Lo
             if not path.name.startswith(SWEEP_FILES):  # the sweep's own ceilings and canary: expected
                 rep.not_records.append(str(path))
             continue
-        env = rec.get("env") or {}
+        why = record_problem(rec)
+        if why is not None:  # hash and status alone would be a row of nothing but its status
+            rep.unreadable.append(f"{path}: {why}")
+            continue
+        env = rec["env"]
         ident = (
             rec["config_hash"],
             env.get("host"),

@@ -14,7 +14,7 @@ from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask, o
 from .format import Section
 from .grouping import group_keys, groups, mode_times, pivot_cells, status_cell, usable
 
-#: what a baseline row is matched on: not the host (comparing machines is the point) and not the
+#: what a baseline row is matched on (and the host, where both sides have it): not the
 #: free-form ``extra`` tags (``+extra.run=before`` and ``after`` label the two sides of a comparison)
 MATCH_KEYS = [k for k in CELL_KEYS if k not in ("env_host", "extra")]
 
@@ -83,8 +83,9 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     """Speedup (baseline time / this time) and memory ratio (this / baseline) per variant x N, each
     speedup with its :func:`noise_verdict`, and a count of the verdicts in the note.
 
-    Rows are matched on the workload, the variant and N (not on the host: comparing machines is the
-    point); each side uses its newest measurement. ``>1x`` speedup means this set is faster.
+    Rows are matched on the workload, the variant and N, and on the host where both sides hold one
+    (else across machines: comparing them is the point); each side uses its newest measurement.
+    ``>1x`` speedup means this set is faster.
     """
     sec = Section(
         "baseline",
@@ -95,10 +96,14 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
         "compared. " + env_diff(cur, base),
     )
     # each side's shown rows (a sweep run in rounds: its median round's), then the newest of them per
-    # workload, variant and N, whatever machine measured it
+    # workload, variant and N: host to host where the two sides share a machine (a code change
+    # measured on each of them: a cell of one host against another's would mix the machines into
+    # it), else across machines (the comparison of two machines); every host of this set keeps its rows
     cur = cur[cur["newest"]] if "newest" in cur else cur
     base = base[base["newest"]] if "newest" in base else base
-    cur, base = cur[newest_mask(cur, MATCH_KEYS)], base[newest_mask(base, MATCH_KEYS)]
+    shared = sorted(set(cur["env_host"].astype(str)) & set(base["env_host"].astype(str)))
+    match = [*MATCH_KEYS, "env_host"] if shared else MATCH_KEYS
+    cur, base = cur[newest_mask(cur, [*MATCH_KEYS, "env_host"])], base[newest_mask(base, match)]
     cols = [
         "status",
         "valid",
@@ -124,7 +129,7 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     cur, base = with_times(cur), with_times(base)
     # matched as text (_token): records and a store read back from CSV hold the same values in
     # different types (1 and 1.0, None and NaN), which a merge on the columns themselves refuses
-    tok = {f"_match_{k}": k for k in MATCH_KEYS}
+    tok = {f"_match_{k}": k for k in match}
 
     def keyed(df: pd.DataFrame) -> pd.DataFrame:
         return df.assign(**{t: df[k].map(_token) for t, k in tok.items()})
@@ -178,6 +183,8 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
             f" No baseline record of the same workload, variant (with its knobs) and N for: "
             f"{'; '.join(unmatched)} (the baseline's variants: {labels})."
         )
+    if shared:
+        sec.note += f" Matched host to host (on both sides: {', '.join(shared)})."
     sec.note = f"{verdict_summary(m['verdict'])}. " + sec.note
     sec.data = m.drop(columns=["_merge", "started_at"])
     return sec
