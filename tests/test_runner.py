@@ -748,6 +748,33 @@ def test_a_sweep_that_matches_no_job_fails_in_one_line(tmp_path):
     assert "records listed" not in p.stdout and not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize(
+    "glob,says",
+    [
+        # Hydra reads a second argument as an exclude: this ran local_window alone, without a word
+        ("glob(local*,sparse)", "glob's second argument excludes, and sparse takes away nothing local* "
+         "matched; for several patterns give one "
+         "list: 'variant=glob([local*,sparse])'"),
+        ("glob(*,exclude=[spars])", "exclude spars takes away nothing * matched"),
+        ("glob([zzz*,yyy])", "matches no variant"),
+        ("glob([local*,sparse])", None),
+        ("glob(*,exclude=[spars*])", None),
+    ],
+)  # fmt: skip
+def test_a_variant_glob_that_cannot_mean_what_it_says_is_refused_before_launch(glob, says, capsys):
+    from experiments.sweep.preflight import preflight
+
+    argv = ["run.py", "-m", f"variant={glob}", "seq_len=64"]
+    if says is None:
+        assert preflight(argv) == argv
+        return
+    with pytest.raises(SystemExit):
+        preflight(argv)
+    assert capsys.readouterr().err.strip() == f"error: 'variant={glob}'" + (
+        f": {says}" if "matches" not in says else f" {says}; known variants: " + ", ".join(variants.builtin())
+    )
+
+
 def test_a_job_refused_inside_a_sweep_says_so_once_and_leaves_no_empty_folder(tmp_path):
     # glob(...) is expanded by Hydra, so this job is checked in the job, not before launch
     p = run_sweep(tmp_path, "variant=glob(local*)", "variant.window=-5")

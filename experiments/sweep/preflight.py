@@ -36,7 +36,6 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 #: jobs of the command line's own comma lists checked before launch (beyond: each job checks itself)
 MAX_CHECKED = 64
 _PLAIN = re.compile(r"^[^()\[\]{}'\"$]*$")  # a plain value or comma list, no sweep functions
-_GLOB = re.compile(r"^glob\(([^,()\[\]=]+)\)$")  # glob(pattern) with one pattern and no exclude
 
 
 def known_variants() -> list[str]:
@@ -115,6 +114,32 @@ def _swept_by(experiment: str) -> list[str]:
     return list(params or [])
 
 
+def _check_variant_glob(arg: str) -> None:
+    """Exit with one line when ``variant=glob(...)`` matches no variant, or one of its exclude
+    patterns takes away nothing it matched: ``glob(local*,sparse)`` reads ``sparse`` as an exclude
+    (Hydra's second argument), so it ran local_window alone without a word."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        glob = OverridesParser.create().parse_overrides([arg.lstrip("+")])[0].value()
+    except Exception:  # noqa: BLE001 - a malformed glob: Hydra's own message, at launch
+        return
+    names = known_variants()
+    matched = sorted({n for pat in glob.include for n in fnmatch.filter(names, pat)})
+    if not matched:
+        _fail(f"'{arg}' matches no variant; known variants: {', '.join(variants_only())}")
+    idle = [pat for pat in glob.exclude if not fnmatch.filter(matched, pat)]
+    if idle and "exclude=" in arg:
+        _fail(f"'{arg}': exclude {', '.join(idle)} takes away nothing {', '.join(glob.include)} matched")
+    if idle:
+        together = ",".join([*glob.include, *idle])
+        _fail(
+            f"'{arg}': glob's second argument excludes, and {', '.join(idle)} takes away nothing "
+            f"{', '.join(glob.include)} matched; for several patterns give one list: "
+            f"'variant=glob([{together}])'"
+        )
+
+
 def preflight(argv: list[str]) -> list[str]:
     """``argv`` with variant knobs made force-add overrides; exits with one line on a bad value."""
     out = [argv[0]]
@@ -158,9 +183,8 @@ def preflight(argv: list[str]) -> list[str]:
                         f"unknown variant '{name}'; known variants: {names}"
                         + (f"; knob presets: {presets}" if presets else "")
                     )
-        elif bare == "variant" and (m := _GLOB.match(value)):
-            if not fnmatch.filter(known_variants(), m.group(1)):
-                _fail(f"'{arg}' matches no variant; known variants: {', '.join(variants_only())}")
+        elif bare == "variant" and value.startswith("glob("):
+            _check_variant_glob(arg)
         elif bare in _GROUPS and _PLAIN.match(value):
             known = group_options(bare)
             for name in value.split(","):
