@@ -682,6 +682,12 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         ),
         (["+task=nosuch"], "error: unknown task 'nosuch'; known: copy, recall, reverse (conf/task/)"),
         (["task=copy"], "error: task=...: nothing chose a task to override; add one with +task=<name>"),
+        # a key the chosen model, task or encoder does not have: the one it likely meant
+        (
+            ["-m", "experiment=llama", "model.hiden=64"],
+            "error: Could not override 'model.hiden'.: Key 'hiden' is not in struct; did you mean "
+            "model.hidden?",
+        ),
         # settings a task or model job would ignore, or that would label its record wrongly
         (["+task=recall", "task.steps=0"], "error: task.steps must be an integer >= 1, got 0"),
         (

@@ -28,7 +28,9 @@ import fnmatch
 import itertools
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..measure.spec import CHOICES
 
@@ -240,7 +242,7 @@ def check_jobs(args: list[str]) -> None:
             try:
                 composed = compose("config", overrides=job, return_hydra_config=True)
             except HydraException as exc:
-                _fail(composition_error(exc))
+                _fail(composition_error(exc) + _close_keys(exc, job, compose))
             with open_dict(composed):
                 del composed["hydra"]  # checked by composing; the job's checks read the rest
             cfg = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
@@ -248,6 +250,28 @@ def check_jobs(args: list[str]) -> None:
                 check_job(cfg)
             except Exception as exc:
                 _fail(one_line(exc))
+
+
+def _close_keys(exc: Exception, job: list[str], compose: Callable[..., Any]) -> str:
+    """For ``model.hiden=64`` (a key the chosen group option does not have): ``; did you mean
+    model.hidden?`` and the keys it has, read from the job composed without that override."""
+    from omegaconf import DictConfig, OmegaConf
+
+    m = re.search(r"Could not override '([\w.]+)'", str(exc))
+    if not m or "not in struct" not in str(exc.__cause__) or "." not in m.group(1):
+        return ""
+    parent, _, key = m.group(1).rpartition(".")
+    try:
+        rest = [o for o in job if o.lstrip("+~").partition("=")[0] != m.group(1)]
+        node = OmegaConf.select(compose("config", overrides=rest), parent)
+    except Exception:  # noqa: BLE001 - only a hint: Hydra's line stands alone
+        return ""
+    if not isinstance(node, DictConfig):
+        return ""
+    keys = sorted(str(k) for k in node)
+    close = [f"{parent}.{k}" for k in difflib.get_close_matches(key, keys, n=3)]
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"{hint} ({parent} has {', '.join(keys)})"
 
 
 def composition_error(exc: Exception) -> str:
