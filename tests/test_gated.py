@@ -173,3 +173,27 @@ def test_a_long_context_taken_a_segment_at_a_time_is_the_same_state(name, monkey
         step, _ = attn.step(q[:, :, 39:], k[:, :, 39:], v[:, :, 39:], state)
     assert _rel(last, ref) < 1e-5
     assert _rel(step, ref[:, :, -1:]) < 1e-5
+
+
+@pytest.mark.parametrize("name", GATED)
+@pytest.mark.parametrize("nq,nk", [(1, 9000), (40, 300), (100, 100), (5, 70)])
+def test_flops_are_the_matmuls_the_forward_runs(name, nq, nk):
+    """flops() against torch's count of the forward's matmuls, plus the delta rule's triangular
+    solves (which the counter does not see: ``n c (Dk + Dv)`` per chunked pass, as written here).
+    With fewer queries than keys the keys before them only leave a state (no scores, no reads): the
+    record counted them as queries, 2.3-4x the work at a decoding step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b, h, d = 1, 2, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(b, h, nq, d, generator=g), *(torch.randn(b, h, nk, d, generator=g) for _ in "kv")
+    attn = variants.build(name, heads=h, head_dim=d)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        attn(q, k, v, causal=True)
+    solves = 0
+    if attn.delta:  # the queries' pass, then the context's passes of at most 8192 positions
+        for n in [nq, *(min(8192, nk - nq - a) for a in range(0, nk - nq, 8192))]:
+            c = min(attn.chunk, n)
+            solves += -(-n // c) * c * c * 2 * d * b * h
+    w = variants.Workload(batch=b, heads=h, nq=nq, nk=nk, head_dim=d, v_head_dim=d, causal=True)
+    assert 1.0 <= attn.flops(w) / (counter.get_total_flops() + solves) <= 1.08  # + gates, norms, decays

@@ -212,13 +212,18 @@ def _decayed(state: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return state * (a[..., None] if a.dim() == 3 else a[..., None, None])
 
 
-def recurrence_flops(n: int, dk: int, dv: int, chunk: int, delta: bool) -> int:
+def recurrence_flops(n: int, dk: int, dv: int, chunk: int, delta: bool, queries: bool = True) -> int:
     """FLOPs of :func:`chunked_recurrence` over ``n`` positions of one batch element and head, as it
-    computes them: the intra-chunk scores ``2 N c Dk`` and their product with the values ``2 N c Dv``,
-    the reading of the state ``2 N Dk Dv``, the chunks' writes ``2 N Dk Dv``; the delta rule adds ``K
-    K^T`` (``2 N c Dk``), the triangular solve (``N c (Dv + Dk)``) and ``W S_0`` (``2 N Dk Dv``)."""
+    computes them: the chunks' writes ``2 N Dk Dv``; with ``queries``, the intra-chunk scores ``2 N c
+    Dk``, their product with the values ``2 N c Dv`` and the reading of the state ``2 N Dk Dv`` (a
+    prefill, ``queries=False``, has none of these); the delta rule adds ``K K^T`` (``2 N c Dk``), the
+    triangular solve (``N c (Dv + Dk)``) and ``W S_0`` (``2 N Dk Dv``). ``c = min(chunk, N)``, and ``N``
+    rounded up to whole chunks, as computed (the last chunk is padded)."""
     c = max(1, min(chunk, n))
-    flops = 2 * n * c * (dk + dv) + 4 * n * dk * dv
+    n = -(-n // c) * c
+    flops = 2 * n * dk * dv
+    if queries:
+        flops += 2 * n * c * (dk + dv) + 2 * n * dk * dv
     if delta:
         flops += 2 * n * c * dk + n * c * (dv + dk) + 2 * n * dk * dv
     return flops
@@ -366,10 +371,15 @@ class GatedRecurrence(AttentionVariant):
         return w.heads * w.head_dim * w.v_head_dim * elem
 
     def flops(self, w: Workload, mode: str = "fwd") -> int:
-        """The gates, the keys' normalisation (delta rule) and the chunked recurrence over the ``Nk``
-        positions (:func:`recurrence_flops`), for every batch element and head; not pairs. Backward
-        counts 2.5x forward as elsewhere."""
-        core = recurrence_flops(w.nk, w.head_dim, w.v_head_dim, self.chunk, self.delta)
+        """The gates, the keys' normalisation (delta rule) and the chunked recurrence
+        (:func:`recurrence_flops`): over the ``Nq`` query positions, and the ``Nk - Nq`` keys before
+        them as the state they leave (no scores, no reads: :meth:`_context_state`, in segments of
+        :data:`SEGMENT`), for every batch element and head; not pairs. Backward counts 2.5x forward as
+        elsewhere."""
+        core = recurrence_flops(w.nq, w.head_dim, w.v_head_dim, self.chunk, self.delta)
+        for a in range(0, w.nk - w.nq, SEGMENT):  # each segment's chunks: c = min(chunk, its length)
+            seg = min(SEGMENT, w.nk - w.nq - a)
+            core += recurrence_flops(seg, w.head_dim, w.v_head_dim, self.chunk, self.delta, queries=False)
         norm = 3 * w.nk * w.head_dim if self.delta else 0
         fwd = w.batch * w.heads * (core + norm + w.nq * w.head_dim) + self._gate_flops(w)
         return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode])
