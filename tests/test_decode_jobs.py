@@ -163,6 +163,37 @@ def test_cuda_decode_bandwidth_is_also_shown_from_the_cuda_graph_replay():
     assert len(plain.parts) == 2 and "graph_gbytes_per_s" not in plain.data and "CUDA graph" not in plain.note
 
 
+def test_a_cpu_decode_whose_bytes_fit_in_the_last_level_cache_says_so():
+    """Its repeated calls read the cache, not memory: 43 GB/s was 123% of the read ceiling, unmarked.
+    Here Nk scales the bytes (5 MB at 4096 keys) against a 4 MiB cache: only Nk=1024 fits."""
+    df = _decode_frame().assign(cache_bytes=4 * 2**20)
+    df["min_bytes"] = 5e6 * df["kv_len"] / 4096
+    sec = bandwidth_table(df)
+    tab = sec.parts[0][1]
+    assert tab.loc["sdpa", "Nk=1024"].endswith(" in cache")
+    assert not tab.loc["sdpa", "Nk=4096"].endswith("in cache")
+    assert sec.data.set_index(["seq_len", "kv_len"])["in_cache"].to_dict() == {
+        (nq, nk): nk == 1024 for nq in (1, 16) for nk in (1024, 4096, 16384)
+    }
+    assert "`in cache`: the bytes fit in the CPU's last-level cache (4 MiB)" in sec.note
+    # a record without the figure (CUDA, or measured before it): no mark, no sentence
+    plain = bandwidth_table(_decode_frame())
+    assert not plain.data["in_cache"].any() and "in cache" not in plain.note
+
+
+def test_the_last_level_cache_is_the_one_lscpu_names():
+    import shutil
+    import subprocess
+
+    from experiments.measure.roofline import last_level_cache_bytes
+
+    size = last_level_cache_bytes()
+    if size is None or shutil.which("lscpu") is None:
+        pytest.skip("this machine does not say its cache sizes (/sys/devices/system/cpu, lscpu)")
+    out = subprocess.run(["lscpu", "-B", "--caches=ONE-SIZE"], capture_output=True, text=True, check=True)
+    assert size == max(int(line) for line in out.stdout.split()[1:])  # one instance's bytes, per level
+
+
 def test_self_attention_sweeps_keep_the_query_length_axis():
     df = _decode_frame().assign(kv_len=None)
     df = df[df["kv_len"].isna()].drop_duplicates("seq_len")

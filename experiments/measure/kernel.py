@@ -26,6 +26,7 @@ from .inputs import Inputs, make_inputs
 from .kinds import rules
 from .machine_load import LOADED_CORES, load_average, others_cores, snapshot
 from .memory import peak_bytes
+from .roofline import last_level_cache_bytes
 from .spec import Device, JobSpec
 from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_graph
 
@@ -283,6 +284,9 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
     # the bytes a forward call cannot avoid moving: decoding is bound by them, not by FLOPs
     fig["min_bytes"] = min_bytes(w, inp)
     fig["bytes_per_s"] = fig["min_bytes"] / fig["fwd_median_s"]
+    if device == "cpu":  # calls repeat back to back: bytes that fit in it come from the cache (CUDA's
+        # timer empties its L2 before each call instead)
+        fig["cache_bytes"] = last_level_cache_bytes()
     # what one decoding sequence keeps per layer: the K/V cache, or a fixed-size state
     fig["state_bytes"] = variant.state_bytes(w)
     if _decodes_with_state(variant, w, spec):

@@ -77,6 +77,23 @@ def read_bytes_per_s(device: str, mib: int, min_run_time: float = 0.5) -> float:
     return src.numel() * 4 / t.median_s
 
 
+def last_level_cache_bytes(cpu: int = 0) -> int | None:
+    """The size of the largest cache CPU ``cpu`` sees (its last level, shared), from Linux's
+    ``/sys/devices/system/cpu/cpu<cpu>/cache``; None where that is not there. Bytes that fit in it are
+    read from the cache when a call repeats, not from memory."""
+    from pathlib import Path
+
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for index in Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()  # e.g. "32768K"
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(sizes) if sizes else None
+
+
 def cpu_half_gemm(dtype: torch.dtype, min_run_time: float = 0.5) -> tuple[float, int, str]:
     """The CPU ceiling for half-precision inputs, ``(FLOP/s, n, the GEMM's dtype)``: the fastest of
     the dtype's GEMM at 512, at 2048 where the 512 rate says a call takes at most a second (bf16 on a
