@@ -96,7 +96,7 @@ model without sliding layers of its own (a local/global mix imposed on a BERT en
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -358,12 +358,23 @@ def _check_sinks_kept(
     name: str, module: nn.Module, variant: AttentionVariant, mask: object, key: torch.Tensor
 ) -> None:
     """One-line :class:`Unsupported` when ``variant`` reads the sequence's first keys (its
-    :meth:`~variants.base.AttentionVariant.sink_keys`) but the layer's cache starts past position 0
-    and did not keep them (transformers' sliding cache): the first keys it hands over are others,
-    and the output would be silently wrong. The suite's rolling cache keeps them
+    :meth:`~variants.base.AttentionVariant.sink_keys`) but a row begins with padding (left padding:
+    the sinks would be pads, which the mask hides), or the layer's cache starts past position 0 and
+    did not keep them (transformers' sliding cache): the first keys it hands over are others, and
+    the output would be silently wrong. The suite's rolling cache keeps them
     (:func:`integrations.streaming_cache.sinks_kept`)."""
     need = variant.sink_keys()
-    if not need or not isinstance(mask, MaskSpec) or mask.kv_offset <= 0:
+    if not need or not isinstance(mask, MaskSpec):
+        return
+    pad = mask.key_padding_mask
+    if pad is not None and not bool(pad[:, :need].all()):  # left padding: the first keys are pads
+        rows = [int(b) for b in (~pad[:, :need]).any(-1).nonzero().flatten()]
+        raise Unsupported(
+            f"{_where(name, module)}: {variant.name} reads the sequence's first {need} keys (its sink "
+            f"tokens), but rows {rows} begin with padding (left padding), which the mask hides: their "
+            "sinks would be no keys at all; pad on the right, or run without sink tokens"
+        )
+    if mask.kv_offset <= 0:
         return
     from integrations.streaming_cache import sinks_kept  # imports transformers: installed here
 
@@ -479,7 +490,8 @@ def _where(name: str, module: nn.Module) -> str:
 #: keywords transformers may pass an attention function that need nothing from the variant: what
 #: they say reached it another way (the mask function turns packed sequences, given by position_ids
 #: and the cu_seq_lens / max_length pair, and sliding windows into the mask it builds; the cache is
-#: already in key and value), or they ask for something this backend does not return (weights)
+#: already in key and value), or ask for what the model collects elsewhere (its hidden states);
+#: ``output_attentions=True`` is refused: these variants return no weights
 HARMLESS_KEYWORDS = frozenset(
     {
         "position_ids",
@@ -489,7 +501,6 @@ HARMLESS_KEYWORDS = frozenset(
         "max_length_k",
         "seq_idx",
         "sliding_window",
-        "output_attentions",
         "output_hidden_states",
         "output_router_logits",
         "num_items_in_batch",
@@ -541,6 +552,11 @@ def _only_indexed(attention_mask: object, indices: torch.Tensor, nk: int) -> tor
     return chosen if attention_mask is None else attention_mask & chosen
 
 
+def _longest_run(ids: torch.Tensor) -> int:
+    """The longest document of packed ``ids (B, N)`` (each document one run of one id). ``O(B N)``."""
+    return max(int(torch.unique_consecutive(row, return_counts=True)[1].max()) for row in ids)
+
+
 def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The sink logits a model passes: gpt-oss's ``s_aux`` ``(H,)``, Inkling2's ``sinks`` ``(B, H,
     Nq, 1)`` -> ``(B, H, Nq)``; None without."""
@@ -571,20 +587,28 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
             raise Unsupported(
                 f"{_where(name, module)}: attnbench variants have no attention dropout ({dropout=})"
             )
-        _refuse_unknown_keywords(_where(name, module), kwargs)
+        if kwargs.get("output_attentions"):  # the caller would read an empty tuple as the weights
+            raise Unsupported(
+                f"{_where(name, module)}: output_attentions=True, but attnbench variants return no "
+                "attention weights (attn_implementation='eager' does)"
+            )
+        _refuse_unknown_keywords(_where(name, module), {**kwargs, "output_attentions": None})
         window = kwargs.get("sliding_window")
-        spec_window = attention_mask.window if isinstance(attention_mask, MaskSpec) else None
-        if (
-            window
-            and isinstance(attention_mask, MaskSpec)
-            and attention_mask.attn_mask is None
-            and spec_window is None
-        ):
-            if key.shape[2] > window:  # the window must have reached the mask function as its predicate
+        spec = attention_mask if isinstance(attention_mask, MaskSpec) else None
+        if window and spec is not None and spec.attn_mask is None and spec.window is None:
+            # a sliding layer whose mask shows no window: fine where the window cuts nothing (every
+            # key, or every packed document, within it); then it runs as a window, so a layer mix
+            # sends it to its sliding variant (packed documents shorter than W went to the full one)
+            cuts_nothing = key.shape[2] <= window or (
+                spec.documents is not None and spec.causal and _longest_run(spec.documents) <= window
+            )
+            if not cuts_nothing:  # the window must have reached the mask function as its predicate
                 raise Unsupported(
                     f"{_where(name, module)}: the layer has sliding_window={window} but its mask is plain "
-                    f"{'causal' if attention_mask.causal else 'bidirectional'} over {key.shape[2]} keys"
+                    f"{'causal' if spec.causal else 'bidirectional'} over {key.shape[2]} keys"
                 )
+            if spec.causal:
+                attention_mask = replace(spec, window=window - 1)  # key j seen from p iff p - j < W
         if kwargs.get("indices") is not None:  # an indexer's top-k keys per query (DeepSeek-V3.2)
             attention_mask = _only_indexed(attention_mask, kwargs["indices"], key.shape[2])
         kw = _mask_args(module, attention_mask, query.shape[2], key.shape[2], kwargs.get("is_causal"))

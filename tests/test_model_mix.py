@@ -95,6 +95,46 @@ def test_the_mix_runs_each_variant_on_its_layers_and_matches_eager():
             assert (wrong(ids).logits - ref).abs().max() > 100 * TOL
 
 
+@pytest.mark.parametrize("lengths", [[[3, 5], [4, 4]], [[5, 6, 5], [8, 8]]], ids=["row=W", "row=2W"])
+def test_packed_documents_shorter_than_the_window_run_each_layer_on_its_variant(lengths):
+    """Packed sequences (position_ids restarting) whose every document fits in the window W=8: the
+    sliding layers' mask shows no window. They went to the full layers' variant (2.5 off each
+    sequence run alone), or, with rows longer than W, were refused as 'plain causal'."""
+    cfg = _config(sliding_window=8, full_every=2)  # layers 0 and 2 sliding, 1 and 3 full
+    impl = hf.implementation_for_roles(("local_window", {"window": 64}), "sdpa")  # wider: the model's W
+    eager, model = _models(cfg, impl)
+    calls = {"sliding": 0, "full": 0}
+    for role, inst in hf.layer_roles(impl).items():
+        inst.register_forward_hook(lambda *_, role=role: calls.__setitem__(role, calls[role] + 1))
+    n = sum(lengths[0])
+    ids = _ids(n, seed=3)
+    pos = torch.stack([torch.cat([torch.arange(k) for k in row]) for row in lengths])  # (B, n)
+    with torch.inference_mode():
+        got = model(ids, position_ids=pos, use_cache=False).logits
+        assert calls == {"sliding": 2, "full": 2}
+        for b, row in enumerate(lengths):  # each document alone through the eager model
+            starts = [sum(row[:i]) for i in range(len(row))]
+            for a, k in zip(starts, row, strict=True):
+                alone = eager(ids[b : b + 1, a : a + k], use_cache=False).logits
+                assert (got[b : b + 1, a : a + k] - alone).abs().max() < TOL
+
+
+def test_sinks_on_a_left_padded_row_are_refused_not_silently_pads():
+    """A left-padded row's first keys are pads, which the mask hides: its sinks were no keys at all
+    (the padded row's logits 2.9 off the same row alone); now refused by row."""
+    cfg = _config()
+    _, model = _models(cfg, hf.implementation_for("local_window", {"window": 3, "sink_tokens": 2}))
+    ids = _ids(12)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 left-padded by 5
+    with torch.inference_mode(), pytest.raises(hf.Unsupported, match=r"rows \[1\] begin with padding"):
+        model(ids, attention_mask=mask)
+    mask[1, :5], mask[1, -5:] = 1, 0  # padded on the right instead: its sinks are its first tokens
+    with torch.inference_mode():
+        padded = model(ids, attention_mask=mask).logits
+        assert (padded[1:, :7] - model(ids[1:, :7]).logits).abs().max() < TOL
+
+
 def test_the_mix_model_without_sliding_layers_is_the_llama():
     # MinistralForCausalLM with every layer full is the Llama of the same seed, weights and logits
     llama, mix = _config(), _config(sliding_window=8, full_every=1)

@@ -235,6 +235,16 @@ def test_grouped_kv_reach_the_variant_from_the_cache_without_a_copy():
 # ---------------------------------------------------------------- exact variants = eager
 
 
+def test_output_attentions_is_refused_not_answered_with_no_weights():
+    """The weights were an empty tuple, without a word: a caller plotting them got nothing."""
+    model = _attnbench_model("sdpa")
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), pytest.raises(variants.Unsupported, match="return no attention weights"):
+        model(ids, output_attentions=True)
+    with torch.inference_mode():
+        assert model(ids, output_attentions=False)[0].shape[:2] == (1, 8)
+
+
 def _attnbench_model(name, knobs=None, key=None):
     """eager's Llama weights on ``attnbench_<name>`` (computed once per ``key``): shared instance
     registered with the CPU knobs when ``knobs`` is None (the from_config path), else this model's own
