@@ -21,11 +21,12 @@ is lucidrains' layout (it pads the front of the sequence with masked tokens up t
 without its segments made only of that padding; the official code requires ``landmarks`` to divide
 ``N``. The landmark count is then at most ``landmarks`` (``N`` when ``landmarks >= N``).
 
-Key padding: padded positions are left out of the landmark means (a segment's landmark is the mean of
-its real tokens; a segment with none has no landmark) and of every softmax (landmarks without real
-tokens as columns of ``F`` and rows and columns of ``A``, padded keys as columns of ``B``), so padding
-reaches no output. ``A`` is then block-diagonal with a zero block, which the iteration keeps zero:
-the result is that of the real landmarks alone. A sequence with no real key outputs zeros.
+Key padding: each row lays its segments out over its own real tokens, as that row alone would (so a
+sequence's output does not depend on how far a batch pads it), padded positions are left out of
+the landmark means and of every softmax (unused landmark slots as columns of ``F`` and rows and
+columns of ``A``, padded keys as columns of ``B``), so padding reaches no output. ``A`` is then
+block-diagonal with a zero block, which the iteration keeps zero: the result is that of the real
+landmarks alone. A sequence with no real key outputs zeros.
 
 Self-attention only: ``Nq = Nk``, no causal form (a landmark averages keys from the whole sequence),
 no decoding (the query landmarks need every query), no ``attn_mask`` (no query-key score matrix is
@@ -55,22 +56,39 @@ def segment_layout(n: int, landmarks: int) -> tuple[int, int]:
     return seg, math.ceil(n / seg)
 
 
-def segment_means(
-    x: torch.Tensor, real: torch.Tensor | None, seg: int, segs: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Means of ``x (B, H, N, E)`` over the segments of ``seg`` tokens (the first one short), counting
-    only the ``real (B, N)`` positions (None: all). Returns the means ``(B, H, s, E)`` (zero where a
-    segment has no real token) and the real-token counts ``(B, s)``. ``O(B H N E)``."""
+def segment_means(x: torch.Tensor, seg: int, segs: int) -> torch.Tensor:
+    """Means of ``x (B, H, N, E)`` over the segments of ``seg`` tokens (the first one short by ``seg *
+    segs - N``): ``(B, H, s, E)``. ``O(B H N E)``."""
     b, h, n, e = x.shape
-    pad = seg * segs - n  # masked positions in front of the sequence: the first segment is short
-    if real is None:
-        real = torch.ones(b, n, dtype=torch.bool, device=x.device)
-    else:
-        x = x.masked_fill(~real[:, None, :, None], 0)  # padded tokens add nothing to the sums
-    x = torch.nn.functional.pad(x, (0, 0, pad, 0))  # (B, H, s*l, E)
-    sums = x.view(b, h, segs, seg, e).sum(3)  # (B, H, s, l, E) -> (B, H, s, E)
-    counts = torch.nn.functional.pad(real, (pad, 0)).view(b, segs, seg).sum(-1)  # (B, s)
-    # a segment with no real token: any divisor leaves its zero sum zero
+    pad = seg * segs - n  # positions in front of the sequence: the first segment is short
+    sums = torch.nn.functional.pad(x, (0, 0, pad, 0)).view(b, h, segs, seg, e).sum(3)  # (B, H, s, E)
+    counts = torch.full((segs,), seg, dtype=x.dtype, device=x.device)
+    counts[0] -= pad
+    return sums / counts[:, None]
+
+
+def real_segments(real: torch.Tensor, landmarks: int) -> torch.Tensor:
+    """Each token's segment when each row lays its segments out over its own real tokens, as it would
+    alone: the ``r``-th real token of a row with ``L`` of them is in segment ``(r + s l - L) // l``
+    with :func:`segment_layout` ``(l, s)`` of ``L``; a padded token gets ``min(landmarks, N)`` (no
+    segment). ``real (B, N)`` bool -> ``(B, N)`` int64, segments below ``min(landmarks, N)``."""
+    n = real.shape[1]
+    length = real.sum(-1).clamp_min(1)  # (B,); a row with no real token has no segment anyway
+    seg = -(-length // landmarks)  # (B,): ceil
+    segs = -(-length // seg)  # (B,)
+    rank = real.long().cumsum(-1) - 1  # (B, N): how many real tokens come before, for a real one
+    ids = (rank + (segs * seg - length)[:, None]) // seg[:, None]  # (B, N)
+    return torch.where(real, ids, min(landmarks, n))
+
+
+def masked_segment_means(x: torch.Tensor, ids: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Means of ``x (B, H, N, E)`` over the tokens of each of ``slots`` segments, by ``ids (B, N)`` from
+    :func:`real_segments` (``slots``: padding, dropped): the means ``(B, H, slots, E)`` (zero for a
+    segment with no token) and the counts ``(B, slots)``. ``O(B H N E)``."""
+    b, h, n, e = x.shape
+    index = ids[:, None, :, None].expand(b, h, n, e)  # (B, H, N, E)
+    sums = x.new_zeros(b, h, slots + 1, e).scatter_add_(2, index, x)[:, :, :slots]  # (B, H, slots, E)
+    counts = ids.new_zeros(b, slots + 1).scatter_add_(1, ids, torch.ones_like(ids))[:, :slots]  # (B, slots)
     return sums / counts.clamp_min(1)[:, None, :, None].to(x.dtype), counts
 
 
@@ -158,12 +176,16 @@ class NystromAttention(AttentionVariant):
         work = torch.promote_types(q.dtype, torch.float32)  # fp16/bf16 -> float32; float64 stays
         s = d**-0.5 if scale is None else scale
         qw, kw, vw = (q.to(work) * s), k.to(work), v.to(work)  # scaling q scales its landmarks too
-        seg, segs = segment_layout(n, self.landmarks)
         kpm = key_padding_mask
-        ql, counts = segment_means(qw, kpm, seg, segs)  # (B, H, m, D), (B, m)
-        kl, _ = segment_means(kw, kpm, seg, segs)  # (B, Hkv, m, D)
         f_allowed = a_allowed = b_allowed = None  # no padding: every segment has real tokens
-        if kpm is not None:
+        if kpm is None:
+            seg, segs = segment_layout(n, self.landmarks)
+            ql, kl = segment_means(qw, seg, segs), segment_means(kw, seg, segs)  # (B, H|Hkv, m, D)
+        else:  # each row's segments over its own real tokens: a padded row is the row alone
+            segs = min(self.landmarks, n)  # every row's count fits (a row may use fewer)
+            ids = real_segments(kpm, self.landmarks)  # (B, N)
+            ql, counts = masked_segment_means(qw, ids, segs)  # (B, H, m, D), (B, m)
+            kl, _ = masked_segment_means(kw, ids, segs)  # (B, Hkv, m, D)
             has = counts > 0  # (B, m): landmarks with a real token
             f_allowed = has[:, None, None, None, :]  # (B, 1, 1, 1, m)
             a_allowed = has[:, None, None, :, None] & f_allowed  # (B, 1, 1, m, m)

@@ -209,21 +209,25 @@ def nystrom_reference(
     """Float64 Nystromformer (Xiong et al. 2021, eq. 15), written densely for the ``nystrom`` tests.
 
     ``softmax(Q K~^T) Z softmax(Q~ K^T) V`` with ``Q`` scaled by ``scale`` (default ``1/sqrt(D)``);
-    ``Q~``, ``K~`` are the means of the real tokens of each segment (``l = ceil(N / landmarks)``
-    tokens, counted from the end of the sequence, so the first segment is the short one), taken as an
-    averaging matrix; ``Z`` is the paper's iterative pseudo-inverse of ``A = softmax(Q~ K~^T)``
-    (``pinv_iters`` steps from ``A^T / (||A||_1 ||A||_inf)`` per batch element and head). Landmarks with
-    no real token and padded keys are left out of the softmaxes. ``q (B, H, N, D)``, ``k``/``v`` with
-    ``H`` or fewer heads; returns ``(B, H, N, Dv)`` float64. Memory ``O(B H N (N + m))``.
+    ``Q~``, ``K~`` are the means of each segment of a row's real tokens (``l = ceil(L / landmarks)``
+    of its ``L`` real tokens each, counted from its last, so the first segment is the short one: the
+    row's layout alone, whatever the padding), taken as an averaging matrix; ``Z`` is the paper's
+    iterative pseudo-inverse of ``A = softmax(Q~ K~^T)`` (``pinv_iters`` steps from ``A^T / (||A||_1
+    ||A||_inf)`` per batch element and head). Landmarks with no real token and padded keys are left out of
+    the softmaxes. ``q (B, H, N, D)``, ``k``/``v`` with ``H`` or fewer heads; returns ``(B, H, N, Dv)``
+    float64. Memory ``O(B H N (N + m))``.
     """
     b, h, n, d = q.shape
     k, v = repeat_kv(k, h).double(), repeat_kv(v, h).double()  # (B, H, N, D|Dv)
     qs = q.double() * (d**-0.5 if scale is None else scale)
     real = torch.ones(b, n, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.cpu()
-    seg = -(-n // landmarks)  # ceil
-    m = -(-n // seg)
-    segment_of = (torch.arange(n) + m * seg - n) // seg  # (N,): the first m*seg - n slots are empty
-    member = (segment_of[None, :] == torch.arange(m)[:, None])[None] & real[:, None, :]  # (B, m, N)
+    member = torch.zeros(b, min(landmarks, n), n, dtype=torch.bool)  # (B, m, N): token j in landmark i
+    for row in range(b):  # each row's segments over its own real tokens, counted from its last one
+        where = real[row].nonzero().flatten().tolist()
+        seg = -(-len(where) // landmarks)  # ceil
+        short = -(-len(where) // seg) * seg - len(where) if where else 0  # the first segment's gap
+        for rank, j in enumerate(where):
+            member[row, (rank + short) // seg, j] = True
     counts = member.sum(-1)  # (B, m)
     average = (member.double() / counts.clamp_min(1)[:, :, None]).to(q.device)  # (B, m, N)
     has = (counts > 0).to(q.device)  # (B, m)
@@ -235,7 +239,7 @@ def nystrom_reference(
     bm = safe_softmax(q_land @ k.mT, has[:, None, :, None] & real[:, None, None, :])  # (B, H, m, N)
     norm = a.sum(-2).max(-1).values * a.sum(-1).max(-1).values  # (B, H)
     z = a.mT / torch.where(norm > 0, norm, 1.0)[..., None, None]
-    eye = torch.eye(m, dtype=torch.float64, device=q.device)
+    eye = torch.eye(member.shape[1], dtype=torch.float64, device=q.device)
     for _ in range(pinv_iters):
         az = a @ z
         z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
