@@ -219,6 +219,17 @@ def test_a_task_run_on_another_device_is_its_own_row_with_its_own_kernel_speed()
     assert table.loc["sdpa · device=cuda", "fwd_ms"] == pytest.approx(1.0)
 
 
+def test_the_kernel_speed_beside_a_task_is_one_call_shape_s_and_survives_an_unset_thread_count():
+    """Kernel records of two shapes at the task's N were one median (4.24 ms, no call's time); records
+    of an unset thread count (the default) left the columns blank."""
+    recs = [task("sdpa", "cpu", 1.0, threads=None), kernel(128, 4.0, variant="sdpa", threads=None)]
+    table = task_table(store.to_frame(recs))
+    assert table["fwd_ms"].tolist() == [pytest.approx(4.0)]
+    recs.append(kernel(128, 40.0, variant="sdpa", threads=None, heads=16))  # another call's time
+    table = task_table(store.to_frame(recs))
+    assert table["fwd_ms"].isna().all() and table["peak_mib"].isna().all()
+
+
 def test_the_training_cost_table_compares_with_sdpa_run_at_the_same_thread_count():
     recs = [task("sdpa", "cpu", 1.0, step_ms=500.0), task("linear", "cpu", 1.0, step_ms=250.0)]
     recs += [

@@ -29,7 +29,7 @@ import pandas as pd
 
 from ..measure.spec import Kind
 from ..measure.tasks.train import Settings
-from ..records.store import newest_mask, of_kind
+from ..records.store import WORKLOAD, newest_mask, of_kind
 from .format import markdown as markdown_table
 from .format import obj
 from .grouping import varying_text
@@ -46,6 +46,15 @@ _RETIRED_KEYS = {"budget_knob"}
 #: where a task ran: the same task on another host, device, dtype or thread count is another
 #: measurement, never a re-run that replaces it
 PLACE = ["env_host", "device", "dtype", "threads"]
+#: what a kernel record's call is, beside the variant, N and place: one median per (variant, N,
+#: place) is only a figure when the store timed one such call there
+SHAPE = [c for c in WORKLOAD if c not in ("device", "dtype", "mode", "causal")]
+
+
+def _text(values: pd.Series) -> pd.Series:
+    """``values`` as text with one spelling for a missing value (pandas writes a missing Int64 as
+    NaN, ``str`` as ``<NA>``: the two sides of a merge would not meet, and groupby drops NaN keys)."""
+    return values.astype(object).map(lambda v: "nan" if pd.isna(v) else str(v))
 
 
 def newest_runs(sub: pd.DataFrame) -> pd.Series:
@@ -125,11 +134,16 @@ def _speed_beside(df: pd.DataFrame) -> pd.DataFrame:
     # a causal kernel record times the call of a causal model's rows (see task_rows)
     causal = timing["causal"].astype(bool) if "causal" in timing else pd.Series(False, index=timing.index)
     timing["variant_label"] = _variant_col(timing).where(~causal, _variant_col(timing) + " (causal)")
-    timing = timing.assign(**{f"_{c}": timing[c].astype(str) if c in timing else "nan" for c in PLACE})
+    timing = timing.assign(**{f"_{c}": _text(timing[c]) if c in timing else "nan" for c in PLACE})
+    shape = [c for c in SHAPE if c in timing]
+    timing["_shape"] = timing[shape].apply(lambda r: "|".join(_text(r)), axis=1) if shape else ""
     out = []
     places = [f"_{c}" for c in PLACE]
     for (v, n, *where), g in timing.groupby(["variant_label", "seq_len", *places]):
         row = {"variant_label": v, "seq_len": n, **dict(zip(places, where, strict=True))}
+        if g["_shape"].nunique() > 1:  # a median over calls of several shapes is no call's figure
+            out.append({**row, "fwd_ms": math.nan, "fwd_bwd_ms": math.nan, "peak_mib": math.nan})
+            continue
         fwd = g[g.get("mode", pd.Series("fwd", index=g.index)) == "fwd"]
         bwd = g[g.get("mode", pd.Series("", index=g.index)) == "fwd_bwd"]
         row["fwd_ms"] = 1e3 * fwd["fwd_median_s"].median() if "fwd_median_s" in fwd and len(fwd) else math.nan
@@ -190,7 +204,7 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
         row: dict[str, Any] = {"variant_label": v, "task_label": t, "seq_len": n, "seeds": len(ok)}
         # the kernel figures beside it are the same variant's where it ran (one place: see task_rows)
         row["_variant_base"] = g["_variant_base"].iloc[0]
-        row.update({f"_{c}": str(g[c].iloc[0]) if c in g else "nan" for c in PLACE})
+        row.update({f"_{c}": _text(g[c]).iloc[0] if c in g else "nan" for c in PLACE})
 
         def stat(col: str, how: str = "mean", ok: pd.DataFrame = ok) -> float:
             if col not in ok or not len(ok):
@@ -463,7 +477,8 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
     note = (
         "Test accuracy: exact match per answer token on the held-out split, mean ± std over seeds "
         "(std needs 2+ seeds). fwd/fwd+bwd ms and peak MiB: the same variant's kernel timing records "
-        "at that N, when the store has any."
+        "at that N, where the task ran, when the store has them for one call shape (batch, heads, head "
+        "size...; of several, the Speed table shows each)."
     )
     combined = (
         "## Cost and quality\n\nTest accuracy per task (mean ± std over seeds, %; the mean steps "
