@@ -111,6 +111,22 @@ def test_the_kernel_reads_a_strided_cache_and_a_given_scale():
     assert _rel(out, _expected(q, k, v, True, 0.3)) <= 1e-5
 
 
+@needs_kernel
+@pytest.mark.parametrize("b,hkv", [(3, 1), (3, 2), (1, 2)])
+def test_the_kernel_reads_a_cache_laid_out_token_major(b, hkv):
+    """Hugging Face's layout, ``(B, N, Hkv, D)`` seen as ``(B, Hkv, N, D)``: with one K/V head torch
+    calls the view contiguous with a head stride of D, and the kernel read batch row 1 at row 0's
+    second token (0.85 off)."""
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(b, 40, hkv, 8, generator=g).transpose(1, 2) for _ in "kv")  # (B, Hkv, N, D)
+    q = torch.randn(b, 4, 2, 8, generator=g)
+    attn = variants.build("chunked")
+    with torch.no_grad():
+        out = attn(q, k, v, causal=True)
+    assert attn.describe()["decode_ran"] == "kernel"
+    assert _rel(out, _expected(q, k, v, True)) <= 1e-5
+
+
 def test_what_the_kernel_cannot_take_runs_in_pytorch_and_says_why():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 4, 2, 8, generator=g, requires_grad=True)

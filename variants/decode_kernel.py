@@ -85,6 +85,21 @@ def unusable(w: Workload) -> str | None:
     return _KERNEL.unusable(refusal(w))
 
 
+def _pair_step(t: torch.Tensor) -> int | None:
+    """The elements from one (batch, K/V head) pair of ``t (B, Hkv, N, E)`` to the next, where one
+    stride walks them all (rows of E contiguous), else None. With one K/V head the pairs are the batch
+    rows: the step is the batch stride, whatever the head's (torch calls a ``(B, 1, N, E)`` view of a
+    ``(B, N, 1, E)`` cache contiguous, with a head stride of ``E``: stepping by it read row ``b`` at
+    ``b E``, inside row 0)."""
+    if t.stride(-1) != 1:
+        return None
+    if t.shape[1] == 1:
+        return t.stride(0)
+    if t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1):
+        return t.stride(1)
+    return None
+
+
 def decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,8 +122,9 @@ def decode(
     qr = q.reshape(b * hkv, g * nq, d).contiguous()  # (B*Hkv, G*Nq, D): row r is query r % Nq
     # the kernel steps from one (batch, K/V head) pair to the next by one stride: true of a contiguous
     # cache and of a view of one along N; anything else is copied once
-    k = k if k.stride(-1) == 1 and k.stride(0) == hkv * k.stride(1) else k.contiguous()
-    v = v if v.stride(-1) == 1 and v.stride(0) == hkv * v.stride(1) else v.contiguous()
+    k = k if _pair_step(k) is not None else k.contiguous()
+    v = v if _pair_step(v) is not None else v.contiguous()
+    kstep, vstep = _pair_step(k), _pair_step(v)
     out = torch.empty(b * hkv, g * nq, dv, dtype=torch.float32)  # (B*Hkv, G*Nq, Dv)
     if sinks is not None:  # (B, H, Nq) -> (B*Hkv, G*Nq): row g*Nq + i of a pair is query i of head hkv*G + g
         sinks = sinks.to(torch.float32).expand(b, h, nq).reshape(b * hkv, g * nq).contiguous()
@@ -125,9 +141,9 @@ def decode(
         nk,
         d,
         dv,
-        k.stride(1),
+        kstep,
         k.stride(2),
-        v.stride(1),
+        vstep,
         v.stride(2),
         scale,
         int(causal),
