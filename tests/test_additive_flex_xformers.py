@@ -270,7 +270,7 @@ def test_flex_block_masks_are_cached_and_follow_in_place_edits():
 def test_flex_sparse_blocks_inside_larger_tiles_keep_their_exact_pattern(monkeypatch, causal, padding):
     # on CUDA a sparse layout of 64-blocks runs in 128-wide tiles; the same arrangement at CPU sizes
     # (8-blocks in 32-wide tiles) must compute exactly the 8-block pattern, partial tiles included
-    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128: 32)
+    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128, n=None: 32)
     case = Case("tiles", b=2, h=2, nq=100, nk=100, d=8, dv=8, causal=causal, padding=padding)
     attn = _eager("sparse", block=8, impl="flex")
     q, k, v, kw = make_inputs(case)
@@ -285,7 +285,7 @@ def test_flex_sparse_blocks_inside_larger_tiles_keep_their_exact_pattern(monkeyp
 def test_flex_sparse_leaves_its_global_rows_to_one_dense_call(monkeypatch, causal, nq):
     # in the block mask the global rows' tile row would walk every key tile: apart, the kernel's walks
     # none, those rows come from a dense call, and the output is still the layout's (the oracle)
-    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128: 8)
+    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128, n=None: 8)
     n, block = 96, 8
     layout = dict(block=block, window_blocks=1, global_blocks=1, random_blocks=1, impl="flex")
     attn = _eager("sparse", **layout)
@@ -358,6 +358,10 @@ def test_flex_tiles_on_cuda_and_block_sizes_the_gpu_kernel_cannot_take():
     assert flex_kernel.tile_size(64, "cuda") == 128
     assert flex_kernel.tile_size(256, "cuda") == 256
     assert flex_kernel.tile_size(64, "cpu") == 64
+    # the CPU tiles compiled flex gets wrong: under 16, and past a short call's length
+    assert flex_kernel.tile_size(8, "cpu") == 16
+    assert flex_kernel.tile_size(128, "cpu", n=40) == 32 and flex_kernel.tile_size(128, "cpu", n=100) == 64
+    assert flex_kernel.tile_size(64, "cpu", n=8) == 16 and flex_kernel.tile_size(64, "cpu", n=4096) == 64
     variants.build("sparse", block=64, impl="flex").check(w)
     variants.build("local_window", block=96, impl="flex").check(w)  # the band does not depend on the tile
     variants.build("flex", block=96).check(w)  # nor does full attention
@@ -419,7 +423,7 @@ def test_sparse_routes_a_call_by_its_tail_tile_and_rows(monkeypatch, excess, kno
     }
     attn = _eager("sparse", **layout)
     monkeypatch.setattr(attn, "_tail_excess", lambda q, k, causal: excess)
-    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128: block)
+    monkeypatch.setattr(flex_kernel, "tile_size", lambda block, device, cuda_tile=128, n=None: block)
     n = 6 * layout["block"]
     q, k, v, kw = make_inputs(Case("tail", b=1, h=2, nq=n, nk=n, d=8, dv=8, padding=True))
     with torch.no_grad():
@@ -499,6 +503,18 @@ def test_flex_kernel_compiled_matches_the_oracle():
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
     again = attn(q, k, v, **kw)  # cached block mask and kernel
     assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("block,tile", [(8, 16), (128, 32)])
+def test_compiled_flex_on_the_cpu_runs_only_tiles_it_computes_right(block, tile):
+    """Asked for a tile of 8, or for one past a 40-token call, compiled flex (torch 2.13) gave NaN or
+    errors of 2-4 against the oracle; it now runs 16 and 32 there, and says so."""
+    case = Case("compiled", b=2, h=2, nq=40, nk=40, d=16, dv=16, causal=False)
+    attn = variants.build("local_window", window=4, block=block, impl="flex")
+    q, k, v, kw = make_inputs(case)
+    out = attn(q, k, v, **kw)
+    assert attn.describe()["impl_ran"] == "flex" and attn.describe()["tile"] == tile
+    assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------- multihead
