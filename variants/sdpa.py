@@ -161,7 +161,12 @@ class SDPAAttention(AttentionVariant):
         if causal and nq == 1:
             causal = False  # the last position sees every key
         mask = None
-        if key_padding_mask is not None or attn_mask is not None or (causal and nq != nk):
+        # a bias becomes the float mask, which SDPA takes only without is_causal: causality joins it
+        if (
+            key_padding_mask is not None
+            or attn_mask is not None
+            or (causal and (nq != nk or bias is not None))
+        ):
             mask = combined_mask(
                 b,
                 nq,
