@@ -12,6 +12,7 @@ child process, and copied into every record of that sweep (``record["roofline"]`
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,8 +82,6 @@ def last_level_cache_bytes(cpu: int = 0) -> int | None:
     """The size of the largest cache CPU ``cpu`` sees (its last level, shared), from Linux's
     ``/sys/devices/system/cpu/cpu<cpu>/cache``; None where that is not there. Bytes that fit in it are
     read from the cache when a call repeats, not from memory."""
-    from pathlib import Path
-
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     sizes = []
     for index in Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*"):
