@@ -592,7 +592,7 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
                 f"{_where(name, module)}: output_attentions=True, but attnbench variants return no "
                 "attention weights (attn_implementation='eager' does)"
             )
-        _refuse_unknown_keywords(_where(name, module), {**kwargs, "output_attentions": None})
+        _refuse_unknown_keywords(_where(name, module), kwargs)  # output_attentions=False passes
         window = kwargs.get("sliding_window")
         spec = attention_mask if isinstance(attention_mask, MaskSpec) else None
         if window and spec is not None and spec.attn_mask is None and spec.window is None:
