@@ -179,24 +179,27 @@ def _band_expected(q, k, v, window, sinks, causal, kpm) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "h, hkv, nq, nk, window, sinks, causal, padded",
+    "h, hkv, nq, nk, window, sinks, causal, padded, block",
     [
-        (4, 4, 600, 600, 128, 0, False, False),  # the benchmark's band, smaller
-        (4, 2, 600, 600, 100, 4, True, True),  # StreamingLLM: sinks, causal, GQA, padding
-        (2, 1, 3, 700, 64, 4, True, False),  # three queries onto a cache: the band and the sinks
-        (2, 2, 130, 500, 7, 70, False, True),  # more sinks than the band, a prefill onto a cache
-        (2, 2, 40, 40, 3, 100, True, False),  # more sinks than keys: full causal attention
+        (4, 4, 600, 600, 128, 0, False, False, None),  # the benchmark's band, smaller
+        (4, 2, 600, 600, 100, 4, True, True, None),  # StreamingLLM: sinks, causal, GQA, padding
+        (2, 1, 3, 700, 64, 4, True, False, None),  # three queries onto a cache: the band and the sinks
+        (2, 2, 130, 500, 7, 70, False, True, None),  # more sinks than the band, a prefill onto a cache
+        (2, 2, 40, 40, 3, 100, True, False, None),  # more sinks than keys: full causal attention
+        (2, 1, 301, 301, 20, 3, True, True, 16),  # the block knob: blocks of 16, a ragged last one
+        (2, 2, 97, 250, 9, 0, False, False, 5),  # blocks of 5, narrower than the band, onto a cache
     ],
 )
-def test_local_window_runs_its_band_on_the_kernel(h, hkv, nq, nk, window, sinks, causal, padded):
+def test_local_window_runs_its_band_on_the_kernel(h, hkv, nq, nk, window, sinks, causal, padded, block):
     g = torch.Generator().manual_seed(nk + window)
     q = torch.randn(2, h, nq, 32, generator=g)
     k, v = (torch.randn(2, hkv, nk, 32, generator=g) for _ in range(2))
     kpm = torch.rand(2, nk, generator=g) > 0.2 if padded else None
-    attn = variants.build("local_window", window=window, sink_tokens=sinks)
+    attn = variants.build("local_window", window=window, sink_tokens=sinks, block=block)
     with torch.no_grad():
         out = attn(q, k, v, causal=causal, key_padding_mask=kpm)
     assert attn.describe()["impl_ran"] == "kernel"
+    assert attn.describe()["tile"] == (block or 64)  # the block knob reaches the kernel
     assert _rel(out, _band_expected(q, k, v, window, sinks, causal, kpm)) <= 1e-5
     with torch.no_grad():  # one decoded query: auto takes one fused SDPA call, and says why
         step = attn(q[:, :, -1:], k, v, causal=causal, key_padding_mask=kpm)

@@ -26,7 +26,7 @@ where the key is padding.
 Four implementations of the same pattern, chosen by the ``impl`` knob (``impl_ran`` in the record):
 
 - ``kernel``: the suite's C kernel (:mod:`variants.sparse_kernel`, built on first use with the system
-  compiler) on blocks of :data:`KERNEL_BLOCK` queries, each against the key blocks its band (and the
+  compiler) on blocks of ``block`` queries (:data:`KERNEL_BLOCK` when not given), each against the key blocks its band (and the
   sinks) touch, the band masked at token level, K/V and grouped heads read in place, forward and
   backward (recomputed from the saved log-sum-exp); float32 on the CPU.
 - ``sdpa``: the spans are copied out (``(block + 2 window) / block`` times the size of K and V) and
@@ -82,7 +82,7 @@ from .patterns import MaskMod, band_mask_mod, band_pairs, band_pattern
 from .registry import register
 
 IMPLS = ("auto", "kernel", "sdpa", "blocked", "flex")
-KERNEL_BLOCK = 64  # query and key blocks of the C kernel's layout (its tasks are 64 queries)
+KERNEL_BLOCK = 64  # the C kernel's query and key blocks when no block is given (its tasks are 64 queries)
 
 
 @register("local_window")
@@ -146,7 +146,8 @@ class LocalWindowAttention(AttentionVariant):
         d = super().describe()
         d["impl_ran"] = self.impl_ran
         d["impl_note"] = self.impl_note
-        d["tile"] = self._flex.tile_ran if self.impl_ran == "flex" else None
+        tiles = {"flex": self._flex.tile_ran, "kernel": self._kernel_block()}
+        d["tile"] = tiles.get(self.impl_ran)  # the block mask's tile, or the C kernel's block
         return d
 
     def choose_impl(self, w: Workload) -> str:
@@ -239,7 +240,7 @@ class LocalWindowAttention(AttentionVariant):
                 k,
                 v,
                 self._kernel_rows(nq, k.shape[2], causal),
-                KERNEL_BLOCK,
+                self._kernel_block(),
                 causal=causal,
                 key_padding_mask=key_padding_mask,
                 scale=q.shape[-1] ** -0.5,
@@ -260,19 +261,25 @@ class LocalWindowAttention(AttentionVariant):
     def _kernel_rows(self, nq: int, nk: int, causal: bool) -> sparse_kernel.Layout:
         """The C kernel's layout: each query block holding a query with the key blocks its band
         touches (causal: none after its own) and those holding the sinks. Cached per
-        ``(Nq, Nk, causal)``; ``O(Nk / KERNEL_BLOCK)`` rows of ``O(window / KERNEL_BLOCK)`` blocks."""
+        ``(Nq, Nk, causal)``; ``O(Nk / b)`` rows of ``O(window / b)`` blocks of ``b`` tokens
+        (:meth:`_kernel_block`)."""
         if (nq, nk, causal) not in self._rows:
             if len(self._rows) >= 64:  # a growing cache (prefill chunks): keep the memory bounded
                 self._rows.clear()
-            b, nb = KERNEL_BLOCK, -(-nk // KERNEL_BLOCK)
+            b = self._kernel_block()
+            nb = -(-nk // b)
             sink_blocks = range(min(nb, -(-self.sink_tokens // b)))
             rows = []
             for r in range((nk - nq) // b, nb):
                 lo = max(0, (r * b - self.window) // b)
                 hi = r if causal else min(nb - 1, (r * b + b - 1 + self.window) // b)
                 rows.append((r, sorted({*sink_blocks, *range(lo, hi + 1)})))
-            self._rows[nq, nk, causal] = sparse_kernel.layout(rows, -(-nk // KERNEL_BLOCK))
+            self._rows[nq, nk, causal] = sparse_kernel.layout(rows, nb)
         return self._rows[nq, nk, causal]
+
+    def _kernel_block(self) -> int:
+        """The C kernel's query and key block: ``block`` where given, else :data:`KERNEL_BLOCK`."""
+        return self.block or KERNEL_BLOCK
 
     def _few_queries_attend(self, q, k, v, *, causal, key_padding_mask, documents=None):
         """Fewer queries than keys, all within one query block (decoding, a short prefill onto a cache):
