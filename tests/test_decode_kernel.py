@@ -149,6 +149,27 @@ def test_what_the_kernel_cannot_take_runs_in_pytorch_and_says_why():
     assert variants.build("chunked", decode="torch").describe()["decode_ran"] is None
 
 
+@needs_kernel
+def test_chunks_set_by_hand_size_the_decodes_of_decode_auto():
+    """query_chunk / key_chunk size the PyTorch path; with decode=auto a decode then runs there, and
+    the note says why, rather than the chunks being ignored by the kernel. decode=kernel keeps the
+    kernel for decodes."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 2, 8, generator=g)
+    k, v = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    attn = variants.build("chunked", query_chunk=1, key_chunk=7)
+    with torch.no_grad():
+        out = attn(q, k, v, causal=True)
+    assert attn.describe()["decode_ran"] == "torch"
+    assert attn.describe()["decode_note"] == "query_chunk/key_chunk were set: they size the PyTorch path, which ran"
+    assert _rel(out, _expected(q, k, v, True)) <= 1e-5
+    attn = variants.build("chunked", query_chunk=1, key_chunk=7, decode="kernel")
+    with torch.no_grad():
+        out = attn(q, k, v, causal=True)
+    assert attn.describe()["decode_ran"] == "kernel"
+    assert _rel(out, _expected(q, k, v, True)) <= 1e-5
+
+
 def test_decode_kernel_refuses_in_one_line_what_it_cannot_take():
     attn = variants.build("chunked", decode="kernel")
     w = variants.Workload(1, 4, 1, 40, 8, 8, causal=True, kv_heads=2, backward=True)

@@ -37,7 +37,9 @@ finds one that takes the call:
 
 The record's ``decode_ran`` says which ran (``kernel``, ``torch`` for the general path; None when the
 call is not a decode), ``decode_note`` why the kernel did not. ``decode=torch`` never runs a decode
-kernel; ``decode=kernel`` refuses what the kernel cannot take instead of falling back.
+kernel; ``decode=kernel`` refuses what the kernel cannot take instead of falling back. ``query_chunk``
+and ``key_chunk`` size the PyTorch path: set by hand, they send ``decode=auto``'s decodes there too
+(as ``impl=auto`` on CUDA); with ``decode=kernel`` they size only the calls that are not decodes.
 """
 
 from __future__ import annotations
@@ -300,7 +302,15 @@ class ChunkedAttention(AttentionVariant):
         copy the whole cache); the PyTorch path adds them as one more key."""
         if self._path(w) == "triton":
             return True
-        return self.decode != "torch" and w.nq < w.nk and decode_kernel.unusable(w) is None
+        return self.decode != "torch" and w.nq < w.nk and self._decode_kernel_refusal(w) is None
+
+    def _decode_kernel_refusal(self, w: Workload) -> str | None:
+        """Why a decode call ``w`` off the Triton path does not run the CPU decode kernel, or None:
+        ``decode=auto`` leaves it to the PyTorch path when the chunks were set by hand (they size that
+        path; the kernel splits the keys by its own ranges)."""
+        if self.decode == "auto" and (self.query_chunk, self.key_chunk) != (CHUNK, CHUNK):
+            return "query_chunk/key_chunk were set: they size the PyTorch path, which ran"
+        return decode_kernel.unusable(w)
 
     def native_documents(self, w: Workload) -> bool:
         """On the CPU the PyTorch path reads the documents itself: each block masked by the ids, the
@@ -362,7 +372,7 @@ class ChunkedAttention(AttentionVariant):
                 self.impl_ran, self.impl_note = "reference", why
                 self.decode_ran = self.decode_note = None
         if decoding:
-            why = decode_kernel.unusable(w)
+            why = self._decode_kernel_refusal(w)
             if why is None:  # sinks as they are: one more range of its merge
                 self.decode_ran, self.impl_ran = "kernel", None
                 return decode_kernel.decode(
