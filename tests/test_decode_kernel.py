@@ -161,7 +161,7 @@ def test_chunks_set_by_hand_size_the_decodes_of_decode_auto():
     with torch.no_grad():
         out = attn(q, k, v, causal=True)
     assert attn.describe()["decode_ran"] == "torch"
-    assert attn.describe()["decode_note"] == "query_chunk/key_chunk were set: they size the PyTorch path, which ran"
+    assert attn.describe()["decode_note"].startswith("query_chunk/key_chunk were set: they size the PyTorch")
     assert _rel(out, _expected(q, k, v, True)) <= 1e-5
     attn = variants.build("chunked", query_chunk=1, key_chunk=7, decode="kernel")
     with torch.no_grad():

@@ -26,9 +26,9 @@ where the key is padding.
 Four implementations of the same pattern, chosen by the ``impl`` knob (``impl_ran`` in the record):
 
 - ``kernel``: the suite's C kernel (:mod:`variants.sparse_kernel`, built on first use with the system
-  compiler) on blocks of ``block`` queries (:data:`KERNEL_BLOCK` when not given), each against the key blocks its band (and the
-  sinks) touch, the band masked at token level, K/V and grouped heads read in place, forward and
-  backward (recomputed from the saved log-sum-exp); float32 on the CPU.
+  compiler) on blocks of ``block`` queries (:data:`KERNEL_BLOCK` when not given), each against the
+  key blocks its band (and the sinks) touch, the band masked at token level, K/V and grouped heads
+  read in place, forward and backward (recomputed from the saved log-sum-exp); float32 on the CPU.
 - ``sdpa``: the spans are copied out (``(block + 2 window) / block`` times the size of K and V) and
   every block is one "head" of PyTorch's fused ``scaled_dot_product_attention`` with an additive band
   mask of shape ``(1, nb, block, sink_tokens + span)`` shared by all batch elements and heads (4-D,
