@@ -143,6 +143,10 @@ def test_decode_bandwidth_is_shown_against_the_read_ceiling_and_the_tighter_roof
     small = bandwidth_table(df.assign(flops=1e3)).data
     assert set(small["bound"]) == {"memory"}
     assert small["roofline_ms"].tolist() == pytest.approx([5e6 / 40e9 * 1e3] * 6)
+    # the read ceiling's note names what it was: a sum in older records, the faster of two reads since
+    assert "(a sum over a large tensor:" in sec.note
+    newer = bandwidth_table(df.assign(roofline_read_op="gemv")).note
+    assert "(the faster of a sum and a matrix-vector product" in newer and "a sum over" not in newer
 
 
 def test_cuda_decode_bandwidth_is_also_shown_from_the_cuda_graph_replay():

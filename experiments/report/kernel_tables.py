@@ -222,6 +222,12 @@ def bandwidth_table(df: pd.DataFrame) -> Section:
     dec = df[(nk > pd.to_numeric(df["seq_len"], errors="coerce")) & (df["mode"] == "fwd")]
     if "min_bytes" not in dec or dec.empty:
         return sec
+    if dec.get("roofline_read_op", pd.Series(dtype=object)).notna().any():  # recorded since 2026-11-27
+        sec.note = sec.note.replace(
+            "(a sum over a large tensor:",
+            "(the faster of a sum and a matrix-vector product over a large tensor, `roofline_read_op` in the "
+            "data:",
+        )
     # on CUDA a decode step's eager time is mostly the host's launches; the CUDA-graph replay (taken in
     # fwd mode) is what a serving loop that captures its step sees, so its GB/s is shown beside
     graph_bps = _col(dec, "min_bytes") / _col(dec, "fwd_graph_median_s")
