@@ -79,3 +79,22 @@ def test_a_ceiling_below_the_jobs_own_rate_is_implausible():
     assert not roofline.implausible(40.0, roof, threads=1)
     assert not roofline.implausible(60.0, roof, threads=2)  # another thread count: not comparable
     assert not roofline.implausible(None, roof, threads=1) and not roofline.implausible(60.0, None, 1)
+
+
+def test_the_report_names_each_ceiling_and_which_read_was_the_faster():
+    import pandas as pd
+
+    from experiments.report.report import _ceilings
+
+    row = {
+        "env_host": "h",
+        "roofline_device": "cpu",
+        "roofline_dtype": "float32",
+        "roofline_gemm_n": 2048,
+        "roofline_gemm_flops_per_s": 90e9,
+        "roofline_copy_bytes_per_s": 20e9,
+        "roofline_read_bytes_per_s": 22e9,
+    }
+    older = _ceilings(pd.DataFrame([row]))  # records from before read_op
+    assert older == ["- h cpu float32: GEMM 90 GFLOP/s (n=2048), copy 20 GB/s, read 22 GB/s"]
+    assert _ceilings(pd.DataFrame([{**row, "roofline_read_op": "gemv"}])) == [older[0] + " (gemv)"]

@@ -74,6 +74,8 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
         copy = pd.to_numeric(sub.get("roofline_copy_bytes_per_s"), errors="coerce")
         read = pd.to_numeric(sub.get("roofline_read_bytes_per_s", pd.Series(dtype=float)), errors="coerce")
         read_text = f", read {read.median() / 1e9:.3g} GB/s" if read.notna().any() else ""
+        ops = sorted(sub.get("roofline_read_op", pd.Series(dtype=object)).dropna().unique())
+        read_text += f" ({', '.join(ops)})" if read_text and ops else ""  # which read was the faster
         n = sub["roofline_gemm_n"].iloc[0] if "roofline_gemm_n" in sub else "?"
         gemm_dtype = sub["roofline_gemm_dtype"].dropna() if "roofline_gemm_dtype" in sub else []
         if len(gemm_dtype) and gemm_dtype.iloc[0] != dtype:  # a CPU's half precision: float32's GEMM
