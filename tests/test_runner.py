@@ -398,8 +398,13 @@ def test_real_sweep_survives_failures_fails_on_error_and_resumes(tmp_path):
     assert p.returncode == 1, p.stderr[-2000:]
     assert p.stdout.count("skipped: already measured") == 2
     assert len(read_records(tmp_path / "records")) == 10
+    # the sweep folder is the same: this sweep lists, counts and reports its own 6 jobs, the earlier
+    # sweep's list set aside (it counted 6 and ended 1 for its own errors)
     manifest = (tmp_path / "sweep" / "manifest.jsonl").read_text().splitlines()
-    assert len(manifest) == 12 and all(json.loads(line)["record"] for line in manifest)
+    assert len(manifest) == 6 and all(json.loads(line)["record"] for line in manifest)
+    assert "note: hydra.sweep.dir held an earlier sweep; its manifest and ceilings moved to" in p.stdout
+    assert len((tmp_path / "sweep" / "earlier-1" / "manifest.jsonl").read_text().splitlines()) == 6
+    assert "sweep finished: 6 job(s): 0 measured" in p.stdout and "2 reused" in p.stdout
     # nan is a finding about the variant, not a failure of the sweep
     nan_only = "variant._target_=variants.naive.NaiveAttention,tests.faulty.NaNAttention"
     p = run_sweep(tmp_path / "b", "variant=naive", nan_only, *small, "seq_len=32")
@@ -1097,7 +1102,10 @@ def test_the_last_line_of_a_sweep_counts_what_it_did():
     assert finished_line([e("ok"), e("ok")]) == "sweep finished: 2 job(s): 2 measured"
     line = finished_line([e("ok"), e("skipped"), e("unavailable"), e("unsupported"), e("unavailable")])
     assert line.startswith("sweep finished: 5 job(s): 1 measured, 2 unavailable, 1 unsupported (see the")
-    assert "1 reused from earlier records" in line and "resume=false measures them again" in line
+    assert "1 reused from earlier records in records_dir (same" in line and "resume=false measures" in line
+    # a reused record that holds no result says so: it is not one of the results
+    line = finished_line([e("skipped", reused="ok"), e("skipped", reused="unsupported"), e("skipped")])
+    assert "3 reused from earlier records in records_dir (2 ok, 1 unsupported) (same config" in line
     assert failures([e("ok"), e("unsupported")]) == []  # findings about a variant, not failures
     assert failures([e("skipped", reused="ok"), e("oom")]) == []
     assert failures([e("skipped")]) == []  # a manifest from before the reused status: taken as measured

@@ -112,6 +112,10 @@ class SweepCallback(Callback):
         except RecordsDirError as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+        if earlier := set_aside_earlier_sweep(Path(config.hydra.sweep.dir)):
+            print(
+                f"note: hydra.sweep.dir held an earlier sweep; its manifest and ceilings moved to {earlier}"
+            )
         warn_parallel_timing(config)
         # tqdm draws only on a terminal: no bar in logs or CI
         self.bar = tqdm(total=count_jobs(config), desc="sweep", unit="job", disable=not sys.stderr.isatty())
@@ -191,6 +195,28 @@ class SweepCallback(Callback):
             raise SystemExit(1)
 
 
+#: what a sweep leaves in its folder that the next sweep there would take as its own: the list of its
+#: jobs (counted in the last line and the exit code, reported) and the ceilings and canary it measured
+EARLIER_SWEEP = (MANIFEST, "roofline-*.json", "canary-cpu-*.json", "report")
+
+
+def set_aside_earlier_sweep(sweep_dir: Path) -> Path | None:
+    """Move what an earlier sweep into the same ``sweep_dir`` (a fixed ``hydra.sweep.dir``) left
+    there (:data:`EARLIER_SWEEP`) into ``sweep_dir/earlier-<n>``, so that this sweep counts, reports and
+    compares with its own; the folder it moved them to, or None when there was no earlier sweep."""
+    if not (sweep_dir / MANIFEST).exists():
+        return None
+    n = 1
+    while (sweep_dir / f"earlier-{n}").exists():
+        n += 1
+    dest = sweep_dir / f"earlier-{n}"
+    dest.mkdir()
+    for pattern in EARLIER_SWEEP:
+        for path in sweep_dir.glob(pattern):
+            path.rename(dest / path.name)
+    return dest
+
+
 def remove_unmeasured_sweep(sweep_dir: Path) -> bool:
     """Remove a sweep folder that holds only what Hydra and the sweep wrote for jobs that measured
     nothing (``multirun.yaml``, the manifest, per-job ``run.log`` and ``.hydra/``); anything else in
@@ -225,16 +251,24 @@ def finished_line(entries: list[dict[str, Any]]) -> str:
     """``sweep finished: 5 job(s): 2 measured, 1 unsupported (...), 2 reused ...``: what the sweep did,
     from its manifest; "measured" counts the jobs that ended ``ok``."""
     records = [e for e in entries if e["record"] is not None]
-    reused = sum(e.get("status") == "skipped" for e in records)
+    reused = [e for e in records if e.get("status") == "skipped"]
     ok = sum(e.get("status") == "ok" for e in records)
     line = f"sweep finished: {len(records)} job(s): {ok} measured"
     other = Counter(e["status"] for e in records if e.get("status") not in ("ok", "skipped"))
     if other:  # a job that measured nothing says so here, not only in a table further up
         line += ", " + ", ".join(f"{n} {s}" for s, n in sorted(other.items())) + " (see the status table)"
     if reused:
+        # what the reused records hold (older manifests do not say: taken as ok), so that an
+        # unsupported job found again is not counted among the results
+        kinds = Counter(e.get("reused") or "ok" for e in reused)
+        held = (
+            ""
+            if set(kinds) == {"ok"}
+            else " (" + ", ".join(f"{n} {s}" for s, n in sorted(kinds.items())) + ")"
+        )
         line += (
-            f", {reused} reused from earlier records in records_dir (same config, code and machine; "
-            "resume=false measures them again)"
+            f", {len(reused)} reused from earlier records in records_dir{held} (same config, code and "
+            "machine; resume=false measures them again)"
         )
     return line
 
