@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -445,11 +446,79 @@ def test_resume_measures_again_after_a_status_a_rerun_may_change(tmp_path, statu
 
 
 @pytest.mark.parametrize(
-    "field", ["code_version", "variant_code", "torch", "host", "cpu_model", "cpu_capability", "gpu_name"]
-)
+    "field",
+    [
+        "code_version", "variant_code", "torch", "cuda", "host", "cpu_model", "cpu_capability", "gpu_name",
+        "job_threads", "malloc", "c_compiler", "xformers", "triton", "transformers",
+    ],
+)  # fmt: skip
 def test_resume_measures_again_when_code_torch_or_machine_changed(tmp_path, field):
     _, env = _record(tmp_path, "ok", **{field: "something else"})
     assert find_existing(tmp_path, "abc", env) is None
+
+
+def test_the_code_version_follows_the_c_kernels_and_not_the_report(tmp_path, monkeypatch):
+    """A change to a C kernel was hidden behind records of the old one; a report-only change sent
+    every record to be measured again."""
+    from experiments.records import environment
+
+    for rel in ("variants/a.py", "variants/k.c", "experiments/measure/m.py", "experiments/report/r.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("1")
+    monkeypatch.setattr(environment, "ROOT", tmp_path)
+
+    def version_after(rel: str, text: str) -> str:
+        (tmp_path / rel).write_text(text)
+        environment.code_version.cache_clear()
+        return environment.code_version()
+
+    try:
+        first = version_after("variants/a.py", "1")
+        assert version_after("experiments/report/r.py", "2") == first
+        assert version_after("variants/k.c", "2") != first
+        assert version_after("experiments/measure/m.py", "2") != version_after(
+            "experiments/measure/m.py", "1"
+        )
+    finally:
+        environment.code_version.cache_clear()
+
+
+def test_the_environment_names_the_c_compiler_or_none(monkeypatch, tmp_path):
+    from experiments.records.environment import c_compiler
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert c_compiler() is None
+    monkeypatch.setenv("CC", sys.executable)  # anything that answers --version
+    assert (
+        c_compiler()
+        == subprocess.run([sys.executable, "--version"], capture_output=True, text=True).stdout.strip()
+    )
+
+
+@pytest.mark.skipif(
+    shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2, reason="needs taskset, 2 CPUs"
+)
+def test_threads_null_does_not_reuse_a_record_made_on_more_cpus(tmp_path):
+    """threads=null takes every CPU the job may use: a job pinned to one CPU reused a 2-thread time."""
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    p = run_sweep(tmp_path, "variant=sdpa", "threads=null", *small)
+    assert p.returncode == 0, p.stderr[-2000:]
+    cmd = [
+        "taskset",
+        "-c",
+        "0",
+        sys.executable,
+        "run.py",
+        "-m",
+        *sweep_overrides("variant=sdpa", "threads=null", *small),
+    ]
+    cmd += [f"records_dir={tmp_path / 'records'}", f"hydra.sweep.dir={tmp_path / 'one'}", "report=false"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "skipped: already measured" not in p.stdout
+    threads = sorted(r["env"]["job_threads"] for r in read_records(tmp_path / "records"))
+    assert threads[0] == 1 and threads[1] > 1 and len(threads) == 2
 
 
 def test_resume_survives_junk_named_like_a_record(tmp_path, capsys):

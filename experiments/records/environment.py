@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import socket
 import subprocess
@@ -48,18 +49,41 @@ def _git(*args: str) -> str | None:
         return None
 
 
+#: the sources of the measured and measuring code: the variants (their C kernels included), the
+#: integrations and the harness; the report's code reads records and makes none, so it is left out
+#: (a report-only change does not send every record to be measured again)
+CODE_SOURCES = ("*.py", "*.c", "*.h")
+NOT_MEASURING = ("experiments/report",)
+
+
 @functools.cache
 def code_version() -> str:
-    """Hash of the measuring and measured code (variants/, integrations/ and experiments/ sources).
+    """Hash of the measuring and measured code (:data:`CODE_SOURCES` under variants/, integrations/ and
+    experiments/, but not :data:`NOT_MEASURING`).
 
     A record is reused on resume only if it was made by the same code, whether or not git is there.
     """
     h = hashlib.sha256()
     for pkg in ("variants", "integrations", "experiments"):
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            h.update(f.relative_to(ROOT).as_posix().encode())
+        files = {f for pattern in CODE_SOURCES for f in (ROOT / pkg).rglob(pattern)}
+        for f in sorted(files):
+            rel = f.relative_to(ROOT).as_posix()
+            if rel.startswith(NOT_MEASURING):
+                continue
+            h.update(rel.encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:12]
+
+
+def c_compiler() -> str | None:
+    """The first line of ``$CC --version`` (``cc`` when unset), the compiler that builds the suite's C
+    kernels; None when there is none (the variants then run their PyTorch paths)."""
+    cc = os.environ.get("CC", "cc")
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip().splitlines() or [cc])[0]
 
 
 def variant_code_version(cls: type) -> str:
@@ -122,7 +146,10 @@ def _static_environment() -> dict[str, object]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "xformers": _version("xformers"),
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
         "hydra": _version("hydra-core"),
+        "c_compiler": c_compiler(),
         "git_commit": _git("rev-parse", "--short=12", "HEAD"),
         "git_dirty": None if dirty is None else bool(dirty),
         "code_version": code_version(),

@@ -129,10 +129,14 @@ def read_records(directory: str | Path) -> list[dict[str, Any]]:
 #: and unavailable may come out otherwise after a fix, a longer timeout or an install)
 REUSABLE = frozenset({"ok", "unsupported", "oom"})
 #: what must match between a record's ``env`` and this run's for the record to be reused: the
-#: measuring code, the variant's own source (third-party plugins included), torch, Python (the
-#: pretrained experiment's corpus is its standard library's docstrings), and the machine
+#: measuring code (the C kernels' sources included), the variant's own source (third-party plugins
+#: included), torch and CUDA, Python (the pretrained experiment's corpus is its standard library's
+#: docstrings), the machine, the threads the job runs on (``threads=null`` takes every CPU it may
+#: use), the C allocator's settings, the compiler that builds the C kernels (none: the PyTorch paths
+#: run), and the libraries some variants and jobs run on
 FINGERPRINT = (
-    "code_version", "variant_code", "torch", "python", "host", "cpu_model", "cpu_capability", "gpu_name",
+    "code_version", "variant_code", "torch", "cuda", "python", "host", "cpu_model", "cpu_capability",
+    "gpu_name", "job_threads", "malloc", "c_compiler", "xformers", "triton", "transformers",
 )  # fmt: skip
 
 

@@ -139,6 +139,9 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     if conf.isolate:
         set_job_allocator_env()  # what the job's process will start with (isolation.context_for sets it too)
     env["malloc"] = malloc_settings(conf.isolate)
+    spec = JobSpec.from_config(cfg)  # what the job's process gets: the measurement's half of conf
+    # the threads the job will run on (threads=null: every CPU it may use, which differs by allocation)
+    env["job_threads"] = job_threads(spec) if spec.device.value == "cpu" else None
 
     existing = find_existing(records_dir, chash, env, not_reusable) if conf.resume else None
     if existing is not None:
@@ -160,7 +163,6 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
 
     from ..measure.kernel import precheck
 
-    spec = JobSpec.from_config(cfg)  # what the job's process gets: the measurement's half of conf
     # the device's ceilings, once per sweep, (device, dtype) and on a CPU thread count (a GEMM on two
     # threads runs about twice one's): the first job that runs measures them
     threads = f"-{job_threads(spec)}t" if spec.device.value == "cpu" else ""
