@@ -855,6 +855,20 @@ def test_a_variant_glob_that_cannot_mean_what_it_says_is_refused_before_launch(g
     )
 
 
+def test_a_sweep_over_records_dir_is_refused_before_launch(capsys):
+    """The sweep locked and checked ./outputs/records while its jobs wrote unlocked into a and b."""
+    from experiments.sweep.preflight import preflight
+
+    with pytest.raises(SystemExit):
+        preflight(["run.py", "-m", "records_dir=/tmp/a,/tmp/b", "seq_len=64"])
+    assert capsys.readouterr().err.strip() == (
+        "error: records_dir=/tmp/a,/tmp/b: a sweep writes one records_dir, which it locks; run one sweep "
+        "per folder"
+    )
+    argv = ["run.py", "-m", "records_dir=/tmp/a", "variant=sdpa", "seq_len=64"]
+    assert preflight(argv) == argv
+
+
 def test_a_job_refused_inside_a_sweep_says_so_once_and_leaves_no_empty_folder(tmp_path):
     # glob(...) is expanded by Hydra, so this job is checked in the job, not before launch
     p = run_sweep(tmp_path, "variant=glob(local*)", "variant.window=-5")

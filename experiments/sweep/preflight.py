@@ -169,6 +169,9 @@ def preflight(argv: list[str]) -> list[str]:
             continue
         bare = key.lstrip("+")
         root = bare.split(".", 1)[0]
+        if multirun and bare == "records_dir" and ("," in value or value.startswith(("choice(", "glob("))):
+            # the sweep checks and locks its records_dir before the first job, against a second writer
+            _fail(f"{arg}: a sweep writes one records_dir, which it locks; run one sweep per folder")
         if root not in known_keys:
             close = difflib.get_close_matches(root, known_keys, n=3)
             if root in _variant_knobs():
