@@ -571,6 +571,14 @@ def test_an_approximate_variant_s_cross_attention_job_measures_its_deviation_fro
     assert math.isfinite(res["figures"]["dev_full_rel_err"]) and res["figures"]["dev_full_rel_err"] > 0
 
 
+def test_additive_attention_is_another_operator_and_its_deviation_from_full_attention_is_measured():
+    """It was marked exact, so its records held only its error against its own oracle (7e-7), and the
+    report's deviation tables left it out: it is about 1 away from softmax attention."""
+    res = measure(job_spec(variant="additive", **SMALL))
+    assert res["status"] == "ok" and res["variant"]["exact"] is False
+    assert res["figures"]["out_rel_err"] < 1e-4 and res["figures"]["dev_full_rel_err"] > 0.3
+
+
 def test_the_terminal_line_says_when_a_time_is_unstable_or_was_measured_beside_other_work():
     from experiments.measure.kernel import kernel_summary
 

@@ -204,6 +204,7 @@ class _AdditiveFunction(torch.autograd.Function):
 class AdditiveAttention(AttentionVariant):
     """Bahdanau attention ``w^T tanh(W_q q + W_k k)`` per head, chunked over queries."""
 
+    exact = False  # another operator than softmax(q k^T) v: the record also holds its deviation from it
     has_params = True
     size_knob = "hidden"
     supports_scale = False  # the score w^T tanh(...) has no 1/sqrt(D) to replace
