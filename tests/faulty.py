@@ -39,6 +39,26 @@ class WrongAttention(NaiveAttention):
         )
 
 
+class _ScaledGrad(torch.autograd.Function):
+    """The identity forward; its backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+class WrongGradAttention(NaiveAttention):
+    """A right output with dV 20% off: fwd_bwd figures must be marked invalid, in half precision too."""
+
+    def _attend(self, q, k, v, **kw):
+        return super()._attend(q, k, _ScaledGrad.apply(v, 1.2), **kw)
+
+
 class CrashingAttention(NaiveAttention):
     """Raises an ordinary exception: the job must end as 'error' with the message."""
 

@@ -178,6 +178,18 @@ def test_wrong_result_marks_figures_invalid():
     assert "invalid" in res["reason"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_wrong_gradient_marks_figures_invalid(dtype):
+    """The gradient gate was 10x the output's tolerance: a bf16 dV 45% off passed as valid."""
+    res = measure(
+        job_spec("tests.faulty.WrongGradAttention", variant="naive", mode="fwd_bwd", dtype=dtype, **SMALL)
+    )
+    assert res["status"] == "ok" and res["figures"]["valid"] is False, res["figures"].get("grad_rel_err")
+    assert res["figures"]["out_rel_err"] <= 1e-2 and 0.1 < res["figures"]["grad_v_rel_err"] < 0.3
+    right = measure(job_spec(variant="naive", mode="fwd_bwd", dtype=dtype, **SMALL))
+    assert right["figures"]["valid"] is True
+
+
 @pytest.mark.parametrize(
     "target,status",
     [("tests.faulty.NaNAttention", "nan"), ("tests.faulty.CrashingAttention", "error")],

@@ -19,7 +19,7 @@ import torch
 
 from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
-from .accuracy import gradient_accuracy, output_accuracy, tolerance
+from .accuracy import grad_tolerance, gradient_accuracy, output_accuracy, tolerance
 from .canary import canary_ms
 from .common import build_variant, check_device, check_threads, forget_compiled_code, job_threads
 from .inputs import Inputs, make_inputs
@@ -239,7 +239,7 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
             return
         if oracle_bytes <= GRAD_ORACLE_BYTES:
             fig.update(gradient_accuracy(variant, q, k, v, grads, grad_out, kw))
-            valid = valid and fig["grad_rel_err"] <= 10 * tolerance(dtype)
+            valid = valid and fig["grad_rel_err"] <= grad_tolerance(dtype)
         else:  # said in the record: a gradient not checked is not a gradient found right
             fig["grad_check_skipped"] = (
                 f"float64 oracle {oracle_bytes / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB"
