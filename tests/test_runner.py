@@ -281,6 +281,42 @@ def test_isolated_job_records_its_process_high_water_mark():
     assert f["peak_mib"] < f["process_max_rss_mib"] < f["peak_mib"] + 4096
 
 
+_ORACLE_HEAP_SCRIPT = """
+import json, torch
+import experiments.measure.kernel as kernel
+from experiments.measure.memory import _status_kib
+from tests.test_runner import job_spec, SMALL
+real, seen = kernel.output_accuracy, {}
+def heavy_oracle(*args, **kw):  # a float64 check that holds 512 MiB, then frees it
+    seen["rss_mib"] = _status_kib("VmRSS") / 1024
+    buf = torch.ones(2**26, dtype=torch.float64)
+    del buf
+    return real(*args, **kw)
+kernel.output_accuracy = heavy_oracle
+res = kernel.measure(job_spec(variant="sdpa", **SMALL), roofline=True)
+print(json.dumps({"before": seen["rss_mib"], "max": res["figures"]["process_max_rss_mib"]}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_the_process_high_water_mark_is_the_timed_calls_not_the_oracle_s_or_the_ceilings():
+    """With glibc keeping freed memory (as jobs run), the oracle's freed buffers and the ceilings'
+    1.5 GiB made the figure: 1368 MiB for calls whose own peak was under 8 MiB."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="1073741824")
+    env["MALLOC_TRIM_THRESHOLD_"] = "1099511627776"
+    p = subprocess.run(
+        [sys.executable, "-c", _ORACLE_HEAP_SCRIPT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["max"] < got["before"] + 128  # not the oracle's 512 MiB, nor the ceilings' buffers
+
+
 def test_a_long_job_shows_it_is_alive(monkeypatch):
     import experiments.sweep.isolation as iso
 
