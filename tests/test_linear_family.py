@@ -277,3 +277,18 @@ def test_the_segmented_sum_over_chunks_restarts_where_a_document_begins(path):
     torch.testing.assert_close(run(x), want)
     assert torch.autograd.gradcheck(run, (x,))
     assert (want - x.detach().cumsum(1).roll(1, 1)).abs().max() > 0.1  # the restarts matter
+
+
+def test_the_cumsum_form_keeps_a_late_short_document_to_float32_rounding():
+    """The cumsum form took a short document late in a long packed row as the difference of two large
+    float32 sums: 1000x further from the document alone than the CPU's loop at 128k tokens."""
+    from variants.linear_core import _segmented_sum_by_cumsum
+
+    g, n = 2, 4096  # chunk states of a long packed row; the last document is its last 3 chunks
+    x = torch.rand(g, n, 8, generator=torch.Generator().manual_seed(1)) + 1.0  # (G, n, F), all positive
+    keep = torch.ones(g, n)
+    keep[:, n - 4] = 0  # a document begins inside chunk n - 4: the sums after it start there
+    got = _segmented_sum_by_cumsum(x, keep)[:, -1]  # x[n - 4] + x[n - 3] + x[n - 2]
+    want = x[:, n - 4 : n - 1].double().sum(1)
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6

@@ -335,14 +335,17 @@ def _exclusive_sum(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.T
 def _segmented_sum_by_cumsum(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """:class:`_SegmentedExclusiveSum` in a few launches, not one per chunk (for GPUs): ``out[:, t] =
     C[t - 1] - C[u - 1]`` for the last ``u < t`` with ``keep[:, u] = 0`` (else ``u = 0``; ``C`` the
-    inclusive sum, ``C[-1] = 0``), the sum of ``x`` over ``u .. t - 1``; autograd differentiates it."""
+    inclusive sum, ``C[-1] = 0``), the sum of ``x`` over ``u .. t - 1``; autograd differentiates it.
+    ``C`` is summed in float64: a short document late in a long packed row is the difference of two
+    large, nearly equal sums, which in float32 was 1000x off that document run alone at 128k tokens."""
     n = x.shape[1]
     idx = torch.arange(n, device=x.device).expand_as(keep)  # (G, n)
     reset = torch.where(keep == 0, idx, -1).cummax(1).values  # (G, n): the last u <= t with keep 0
     lo = fn.pad(reset, (1, 0), value=-1)[:, :n].clamp(min=0)  # (G, n): u for out[t] (0 if none)
-    csum = fn.pad(x.cumsum(1), (0,) * (2 * (x.dim() - 2)) + (1, 0))  # (G, n + 1, ...): C[t - 1] at t
+    wide = x.double().cumsum(1)  # (G, n, ...)
+    csum = fn.pad(wide, (0,) * (2 * (x.dim() - 2)) + (1, 0))  # (G, n + 1, ...): C[t - 1] at t
     at = lo.view(*lo.shape, *(1,) * (x.dim() - 2)).expand(-1, -1, *x.shape[2:])  # (G, n, ...)
-    return csum[:, :n] - csum.gather(1, at)
+    return (csum[:, :n] - csum.gather(1, at)).to(x.dtype)
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
