@@ -104,3 +104,72 @@ def test_two_sides_measured_on_the_same_machines_are_compared_host_to_host():
     other = store.to_frame([on("c", 5.0, 11)])
     sec = baseline_table(other, base)
     assert sec.data["speedup"].tolist() == [pytest.approx(10.0 / 5.0)] and "host to host" not in sec.note
+
+
+def on_host(host: str, n: int, median_ms: float, hour: int, spread_ms: float = 0.1) -> dict:
+    """:func:`record` measured on ``host``."""
+    rec = record(n, median_ms, spread_ms, hour=hour)
+    rec["env"] = {**rec["env"], "host": host}
+    return rec
+
+
+def test_a_comparison_of_machines_takes_one_baseline_machine_per_row_and_names_it():
+    """A baseline of a fast machine at every N and a slower one re-run later at one N, against a third
+    machine: the newest per cell took the slow one at that N (10 ms against 30 ms read as 3x faster
+    between two cells that were 1x), and nothing said which machine a cell was compared against."""
+    base = store.to_frame(
+        [
+            *(on_host("fastbox", n, 10.0, hour=9) for n in (1024, 2048, 4096)),
+            on_host("slowbox", 2048, 30.0, 10),
+        ]
+    )
+    cur = store.to_frame([on_host("newbox", n, 10.0, hour=11) for n in (1024, 2048, 4096)])
+    sec = baseline_table(cur, base)
+    data = sec.data.set_index("seq_len")
+    assert data["speedup"].tolist() == [pytest.approx(1.0)] * 3
+    assert set(data["env_host_base"]) == {"fastbox"}
+    assert sec.note.startswith("0 faster, 0 slower, 3 within noise (of 3 compared)")
+    assert (
+        "each row against one baseline host" in sec.note
+        and "fastbox (not compared against: slowbox)" in sec.note
+    )
+
+
+def test_a_time_either_side_marks_is_not_counted_as_a_change():
+    """A time the speed table marks (`*` measured beside other work, `unstable`, on either side) read
+    as plain faster or slower, and was counted so, though the difference may be the other work's."""
+    recs = {n: (record(n, 10.0, 0.1, hour=9), record(n, 20.0, 0.1, hour=11)) for n in (256, 512, 1024, 2048)}
+    recs[256][1]["figures"]["concurrent_jobs"] = 1  # this run: another job measured beside it
+    recs[512][1]["figures"]["fwd_unstable"] = True
+    recs[1024][0]["figures"]["others_cpu_cores"] = 1.8  # the baseline: other processes kept 1.8 cores busy
+    sec = baseline_table(
+        store.to_frame([c for _, c in recs.values()]), store.to_frame([b for b, _ in recs.values()])
+    )
+    verdicts = sec.data.set_index("seq_len")["verdict"].to_dict()
+    assert verdicts == {256: "beside other work", 512: "unstable", 1024: "beside other work", 2048: "slower"}
+    assert sec.note.startswith(
+        "0 faster, 1 slower, 0 within noise, 2 beside other work, 1 unstable (of 4 compared)"
+    )
+    (speedup,) = [tab for heading, tab in sec.parts if "speedup" in heading]
+    assert speedup.loc["naive"].tolist() == ["0.50x *", "0.50x unstable", "0.50x *", "0.50x"]
+
+
+def test_the_summary_counts_and_names_what_now_fails_and_what_only_the_baseline_has():
+    """A configuration that now ends in ``error`` (ok in the baseline) and one only the baseline
+    measured were left out of the count; the latter showed `–`, which says no job was run there."""
+    base = store.to_frame([record(n, 10.0, 0.1, hour=9) for n in (256, 512, 1024)])
+    failed = record(512, 10.0, 0.1, hour=11)
+    failed["status"], failed["figures"] = "error", {}
+    cur = store.to_frame([record(256, 10.0, 0.1, hour=11), failed])
+    sec = baseline_table(cur, base)
+    assert sec.note.startswith(
+        "0 faster, 0 slower, 1 within noise (of 1 compared); "
+        "1 now failing (ok in the baseline: naive N=512); 1 baseline only (no record now: naive N=1024)."
+    ), sec.note
+    (speedup,) = [tab for heading, tab in sec.parts if "speedup" in heading]
+    assert speedup.loc["naive"].tolist() == ["1.00x ≈", "error (was ok)", "baseline only"]
+    assert sec.data.set_index("seq_len")["verdict"].to_dict() == {
+        256: "within noise",
+        512: "now failing",
+        1024: "baseline only",
+    }
