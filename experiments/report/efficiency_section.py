@@ -1,11 +1,12 @@
 """Training cost in the manner of Long Range Arena's Table 2 (``experiment=lra_efficiency``).
 
 From task records that measured a training step's peak memory (``step_peak_mib``, set by the task
-setting ``peak_memory``): per variant and N, training steps per second (from the median step after
-the first, ``step_ms_median``) and the peak memory of one step, each also as a ratio to exact
-attention (``sdpa``) of the same model at the same N (a causal model's rows against causal sdpa's),
-as LRA reports its models against the vanilla Transformer. LRA's own published rows follow in a
-table of their own, marked as theirs: they come from other hardware, another model and batch.
+setting ``peak_memory``): per variant, task and N, training steps per second (from the median step
+after the first, ``step_ms_median``) and the peak memory of one step, each also as a ratio to exact
+attention (``sdpa``) of the same model (the same task config: ``task_label``) at the same N (a causal
+model's rows against causal sdpa's), as LRA reports its models against the vanilla Transformer.
+LRA's own published rows follow in a table of their own, marked as theirs: they come from other
+hardware, another model and batch.
 
 ``O(records)``.
 """
@@ -38,12 +39,13 @@ LRA_TABLE2: tuple[tuple[str, str, tuple[float, ...], tuple[float, ...], tuple[fl
 )
 LRA_NS = (1024, 2048, 3072, 4096)
 
-COLS = ["variant", "N", "runs", "steps_per_s", "speedup", "peak_mib", "memory_ratio", "status"]
+COLS = ["variant", "task", "N", "runs", "steps_per_s", "speedup", "peak_mib", "memory_ratio", "status"]
 
 
 def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (variant, N) of the task records with ``step_peak_mib`` (failed ones included
-    when they are all a cell has): steps per second, peak MiB and both against sdpa's."""
+    """One row per (variant, task, N) of the task records with ``step_peak_mib`` (failed ones
+    included when they are all a cell has): steps per second, peak MiB and both against those of sdpa
+    on the same task (``task_label``: a model of another width is another task) at the same N."""
     sub = task_rows(df)
     if not len(sub) or "step_peak_mib" not in sub:
         return pd.DataFrame(columns=COLS)
@@ -54,7 +56,8 @@ def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
     if "knobs" in sub and "variant_target" in sub:
         sub["variant_label"] = _labels_without_length(sub)
     rows = []
-    for (v, n), g in sub.groupby(["variant_label", "seq_len"], sort=True):
+    # a task of other settings (d_model, layers, ...) is another model: its figures are never pooled
+    for (v, t, n), g in sub.groupby(["variant_label", "task_label", "seq_len"], sort=True):
         ok = g[g["status"] == "ok"]
         step = pd.to_numeric(ok.get("step_ms_median"), errors="coerce").median() if len(ok) else math.nan
         peak = pd.to_numeric(ok.get("step_peak_mib"), errors="coerce").median() if len(ok) else math.nan
@@ -66,6 +69,7 @@ def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
         rows.append(
             {
                 "variant": v,
+                "task": t,
                 "N": int(n),
                 "runs": len(ok),
                 "steps_per_s": 1e3 / step if step and math.isfinite(step) else math.nan,
@@ -74,13 +78,13 @@ def efficiency_table(df: pd.DataFrame) -> pd.DataFrame:
             }
         )
     out = pd.DataFrame(rows, columns=[c for c in COLS if c not in ("speedup", "memory_ratio")])
-    # the reference of a row: sdpa in the same model (two-way, or causal: "sdpa (causal)"), run in the
-    # same place ("sdpa · threads=2", task_rows)
+    # the reference of a row: sdpa in the same model (the same task, two-way or causal: "sdpa
+    # (causal)"), run in the same place ("sdpa · threads=2", task_rows)
     where = out["variant"].map(dict(zip(sub["variant_label"], sub["_where"], strict=True)))
     causal = out["variant"].str.endswith(" (causal)")
     ref_label = REFERENCE + where + causal.map({True: " (causal)", False: ""})
-    ref = out.set_index(["variant", "N"])
-    pick = list(zip(ref_label, out["N"], strict=True))
+    ref = out.set_index(["variant", "task", "N"])
+    pick = list(zip(ref_label, out["task"], out["N"], strict=True))
     ref_speed = [ref["steps_per_s"].get(k, math.nan) for k in pick]
     ref_peak = [ref["peak_mib"].get(k, math.nan) for k in pick]
     out["speedup"] = out["steps_per_s"] / pd.Series(ref_speed, index=out.index)
@@ -103,14 +107,15 @@ def _labels_without_length(sub: pd.DataFrame) -> pd.Series:
 
 
 def efficiency_markdown(table: pd.DataFrame) -> str:
-    """Steps per second (speed-up over sdpa) and peak MiB (ratio to sdpa's) per N, a row per variant;
-    a cell without a run says why."""
+    """Steps per second (speed-up over sdpa) and peak MiB (ratio to sdpa's) per N, a row per variant
+    and task (the task named where the table has several); a cell without a run says why."""
     if not len(table):
         return ""
     ns = sorted(table["N"].unique())
+    index = ["variant", "task"] if table["task"].nunique() > 1 else ["variant"]
     out = []
-    for v, g in table.groupby("variant", sort=False):
-        row = {"variant": v}
+    for (v, t), g in table.groupby(["variant", "task"], sort=False):
+        row = {"variant": v, "task": t}
         for n in ns:
             r = g[g["N"] == n]
             if not len(r):
@@ -126,8 +131,8 @@ def efficiency_markdown(table: pd.DataFrame) -> str:
             row[f"steps/s {n}"] = f"{r['steps_per_s']:.3g}{sp}"
             row[f"MiB {n}"] = f"{r['peak_mib']:.3g}{mr}"
         out.append(row)
-    cols = ["variant"] + [f"steps/s {n}" for n in ns] + [f"MiB {n}" for n in ns]
-    return markdown_table(pd.DataFrame(out)[cols].set_index("variant"))
+    cols = index + [f"steps/s {n}" for n in ns] + [f"MiB {n}" for n in ns]
+    return markdown_table(pd.DataFrame(out)[cols].set_index(index))
 
 
 def reference_markdown() -> str:

@@ -4,13 +4,15 @@ against what the model recalls, after Zoology (Arora et al. 2023) and Based (202
 Every recall task record carries ``state_bytes``, the bytes one sequence keeps per attention layer
 to decode after ``N`` tokens (exact attention's K/V cache, a window's cache, a recurrence's fixed
 state; :func:`experiments.measure.tasks.train.layer_state_bytes`). One point of the frontier is a
-model configuration (variant and its knobs, width and heads) at one number of key-value pairs:
+model configuration (variant and its knobs, width and heads) at one sequence length N and one number
+of key-value pairs (a cache grows with N and the task changes with it: lengths are never pooled):
 
-- :func:`frontier_table`: one row per configuration and number of pairs: state, test accuracy (mean
-  and std over seeds), training step time and inference time per token (medians over seeds).
-- :func:`frontier_markdown`: the same with the pair counts side by side.
-- :func:`plot_frontier`: accuracy against state, one panel per number of pairs, one line per variant
-  through its configurations in order of state, error bars one std over seeds, each seed a faint dot.
+- :func:`frontier_table`: one row per configuration, N and number of pairs: state, test accuracy
+  (mean and std over seeds), training step time and inference time per token (medians over seeds).
+- :func:`frontier_markdown`: the same with the pair counts side by side, a row per configuration and N.
+- :func:`plot_frontier`: accuracy against state, one panel per N and number of pairs, one line per
+  variant through its configurations in order of state, error bars one std over seeds, each seed a
+  faint dot.
 
 Drawn when the store's recall records with ``state_bytes`` cover at least two variants.
 ``O(records)``.
@@ -32,6 +34,7 @@ from .task_section import _TRAINING_KEYS, _plt, newest_runs, save_figure, task_r
 COLS = [
     "variant",
     "variant_name",
+    "N",
     "pairs",
     "d_model",
     "heads",
@@ -73,7 +76,7 @@ def frontier_table(df: pd.DataFrame) -> pd.DataFrame:
     if not len(sub) or sub["variant_name"].nunique() < 2:
         return pd.DataFrame(columns=COLS)
     rows = []
-    for (v, p, d, h, _), g in sub.groupby(["variant_label", "pairs", "d_model", "heads", "seq_len"]):
+    for (v, p, d, h, n), g in sub.groupby(["variant_label", "pairs", "d_model", "heads", "seq_len"]):
         ok = g[g["status"] == "ok"]
 
         def num(col: str, ok: pd.DataFrame = ok) -> pd.Series:
@@ -84,6 +87,7 @@ def frontier_table(df: pd.DataFrame) -> pd.DataFrame:
             {
                 "variant": v,
                 "variant_name": g["variant_name"].iloc[0],
+                "N": int(n),
                 "pairs": int(p),
                 "d_model": int(d),
                 "heads": int(h),
@@ -100,19 +104,21 @@ def frontier_table(df: pd.DataFrame) -> pd.DataFrame:
             }
         )
     out = pd.DataFrame(rows, columns=COLS)
-    return out.sort_values(["variant", "state_bytes", "d_model", "heads", "pairs"]).reset_index(drop=True)
+    order = ["variant", "N", "state_bytes", "d_model", "heads", "pairs"]
+    return out.sort_values(order).reset_index(drop=True)
 
 
 def frontier_markdown(table: pd.DataFrame) -> str:
-    """``table`` as Markdown: one row per configuration, test accuracy per number of pairs side by
-    side (mean ± std over seeds, %), the state per layer, and the times (medians over every run of
-    the configuration)."""
+    """``table`` as Markdown: one row per configuration and N, test accuracy per number of pairs side
+    by side (mean ± std over seeds, %), the state per layer, and the times (medians over every run of
+    the configuration at that N)."""
     if not len(table):
         return ""
     pairs = sorted(table["pairs"].unique())
     out = []
-    for (v, d, h), g in table.groupby(["variant", "d_model", "heads"], sort=False):
-        row: dict[str, Any] = {"variant": v, "model": f"{d} = {h} x {d // h}"}
+    # a row per N too: the state after N tokens and the accuracy at N are one length's
+    for (v, d, h, n), g in table.groupby(["variant", "d_model", "heads", "N"], sort=False):
+        row: dict[str, Any] = {"variant": v, "model": f"{d} = {h} x {d // h}", "N": n}
         row["state KiB / layer"] = f"{g['state_bytes'].median() / 1024:.3g}"
         for p in pairs:
             r = g[g["pairs"] == p]
@@ -132,23 +138,35 @@ def frontier_markdown(table: pd.DataFrame) -> str:
 
 
 def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
-    """Test accuracy against state bytes per layer (log scale), a panel per number of pairs, a line
-    per variant (its configurations in order of state, error bars one std over seeds); None when the
-    table is empty."""
+    """Test accuracy against state bytes per layer (log scale), a panel per N (rows) and number of
+    pairs (columns), a line per variant (its configurations in order of state, error bars one std over
+    seeds); None when the table is empty."""
     table = table[table["seeds"] > 0]
     if not len(table):
         return None
     plt = _plt()
     pairs = sorted(table["pairs"].unique())
-    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 4.0), sharey=True, squeeze=False)
+    ns = sorted(table["N"].unique())
+    fig, axes = plt.subplots(
+        len(ns),
+        len(pairs),
+        figsize=(4.2 * len(pairs), 4.0 * len(ns)),
+        sharey=True,
+        squeeze=False,
+        layout="constrained",  # a row's axis labels clear the next row's titles
+    )
     colours = plt.get_cmap("tab10").colors
     markers = "osD^v<>pPX*h"
     names = sorted(table["variant_name"].unique())
-    for ax, p in zip(axes[0], pairs, strict=True):
+    # a line joins one length's configurations: a point at another N is another state and task
+    for ax, (n, p) in zip(axes.flat, [(n, p) for n in ns for p in pairs], strict=True):
+        here = table[(table["N"] == n) & (table["pairs"] == p)]
+        if not len(here):
+            ax.set_title(f"{p} key-value pairs, N={n}: no run")
+            ax.axis("off")
+            continue
         for i, name in enumerate(names):
-            g = table[(table["pairs"] == p) & (table["variant_name"] == name)].sort_values(
-                ["state_bytes", "acc_mean"]
-            )
+            g = here[here["variant_name"] == name].sort_values(["state_bytes", "acc_mean"])
             if not len(g):
                 continue
             ax.errorbar(
@@ -174,20 +192,21 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
                 linewidths=0,
             )
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{p} key-value pairs")
+        ax.set_title(f"{p} key-value pairs, N={n}")
         ax.set_xlabel("state per layer (KiB, log scale)")
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy (%)")
-    n = int(table["seeds"].max())
+    for row in axes:
+        row[0].set_ylabel("test accuracy (%)")
+    most = int(table["seeds"].max())
     seq = ", ".join(str(x) for x in sorted({int(d) for d in table["d_model"]}))
     fig.suptitle(
-        f"Associative recall against decoding state (width {seq}; mean ± std over up to {n} seeds)",
+        f"Associative recall against decoding state (width {seq}; mean ± std over up to {most} seeds)",
         fontsize=10,
     )
     # one legend for the figure: a variant missing from one panel is still named
     handles = {}
-    for ax in axes[0]:
+    for ax in axes.flat:
         for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, h)
     axes[0][-1].legend(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
 
+from ..measure.model_job import MODEL_FIELDS, ModelSettings
 from ..records.store import newest_mask
 from .format import Section, num, obj
 from .grouping import status_cell, varying_text
@@ -48,6 +50,21 @@ def _model_title(row: pd.Series) -> str:
 
 #: what else tells model jobs of one model apart: the host, the threads, the seed, a run's tags
 _WHERE = ["env_host", "threads", "seed", "extra"]
+#: the model settings a table's title (:func:`_model_title`) or a row's label (:func:`_mix_label`)
+#: names; any other (the vocabulary) is named in the title where the models differ in it
+_NAMED = {"layers", "hidden", "heads", "kv_heads", "batch", "prefill_len", "new_tokens"}
+_NAMED |= {"sliding_window", "full_every", "full_variant", "rolling_cache"}
+#: a setting a record lacks had its default (it was written before the setting existed)
+_MODEL_DEFAULTS = asdict(ModelSettings())
+
+
+def _other_settings(rows: pd.DataFrame) -> pd.Series:
+    """Per row, `` · vocab=2048`` and the like: the model settings neither the title nor the row label
+    names that take more than one value among ``rows`` (empty text where none do)."""
+    models = pd.DataFrame(
+        [{**_MODEL_DEFAULTS, **json.loads(v)} for v in rows["model"]], index=rows.index, dtype=object
+    )
+    return varying_text(models, [f for f in MODEL_FIELDS if f not in _NAMED])
 
 
 def _row_label(row: pd.Series) -> str:
@@ -74,7 +91,8 @@ def model_table(rows: pd.DataFrame) -> Section:
     if rows.empty:
         return sec
     rows = rows.assign(
-        _title=rows.apply(_model_title, axis=1) + varying_text(rows, _WHERE),
+        # two models that differ in a setting the title does not name would share a row: it names it
+        _title=rows.apply(_model_title, axis=1) + _other_settings(rows) + varying_text(rows, _WHERE),
         _row=rows.apply(_row_label, axis=1),
         _len=rows["model"].map(lambda v: int(json.loads(v).get("prefill_len") or 0)),
         kv_mib_kept=pd.to_numeric(rows.get("kv_bytes_kept"), errors="coerce") / 2**20,

@@ -29,9 +29,11 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from ..measure.pretrained.job import DEFAULTS as ENCODER_DEFAULTS  # noqa: E402
 from ..measure.spec import Kind  # noqa: E402
 from ..records.store import newest_mask, of_kind  # noqa: E402
 from .format import markdown, num, obj  # noqa: E402
+from .grouping import varying_text  # noqa: E402
 from .plots import palette  # noqa: E402
 
 DPI = 110
@@ -63,17 +65,34 @@ def _mix_suffix(v: object) -> str:
     return f" + sdpa on layers {','.join(str(i) for i in full)}" if full else ""
 
 
+def _encoder_text(rows: pd.DataFrame) -> pd.Series:
+    """Per row, the encoder's name and the encoder settings that take more than one value among
+    ``rows`` (``minilm · batch=32``), ``full_layers`` left to the row labels. ``O(rows)``."""
+    # a setting a record lacks had its default (it was written before the setting existed)
+    enc = pd.DataFrame(
+        [{**ENCODER_DEFAULTS, **(obj(v) or {})} for v in rows["pretrained"]], index=rows.index, dtype=object
+    )
+    settings = [c for c in enc if c not in ("name", "full_layers")]
+    return enc["name"].astype(str) + varying_text(enc.map(_hashable), settings)
+
+
+def _hashable(v: object) -> object:
+    """A setting's value as a table cell can hold and compare it (a list as its JSON text)."""
+    return json.dumps(v) if isinstance(v, (list, tuple, dict)) else v
+
+
 def pretrained_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The pretrained records, the newest measurement of each (host, device, dtype, encoder settings,
     variant and knobs, N), with every figure column present (NaN where a job did not get that far),
     the label ``variant`` naming a layer mix's full layers, and the grouping columns ``_encoder`` (the
-    encoder's name) and ``_corpus`` (the corpus hash, short)."""
+    encoder's name, and its settings where the records differ in them: two settings are two tables)
+    and ``_corpus`` (the corpus hash, short)."""
     rows = of_kind(df, Kind.pretrained)
     rows = rows[newest_mask(rows, _IDENT)] if len(rows) else rows
     rows = rows.reindex(columns=[*rows.columns, *(c for c in _FIGURES if c not in rows.columns)])
     return rows.assign(
         variant=rows["variant"].astype(str) + rows["pretrained"].map(_mix_suffix),
-        _encoder=rows["pretrained"].map(lambda v: str((obj(v) or {}).get("name", "?"))),
+        _encoder=_encoder_text(rows) if len(rows) else "",
         # a job that did not run has no hash: it joins the table of the corpus its length was run on
         _corpus=rows["corpus_sha256"]
         .map(lambda h: str(h)[:12] if isinstance(h, str) else "")
