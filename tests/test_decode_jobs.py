@@ -326,3 +326,109 @@ def test_a_gradient_oracle_too_large_for_the_budget_is_skipped_and_said(monkeypa
     f_small, f_big = measure(small)["figures"], measure(big)["figures"]
     assert "grad_rel_err" in f_small and "grad_check_skipped" not in f_small
     assert "grad_rel_err" not in f_big and f_big["grad_check_skipped"] == "float64 oracle 4 MiB > 1 MiB"
+
+
+def _self_attention_rows(ns: tuple[int, ...]) -> pd.DataFrame:
+    """sdpa of the same shape as :func:`_decode_frame`'s at each N of ``ns`` (kv_len null: self-
+    attention), its time quadratic and its memory linear in N."""
+    return pd.DataFrame(
+        [
+            {
+                **_decode_frame().iloc[0].to_dict(),
+                "seq_len": n,
+                "kv_len": None,
+                "fwd_median_s": 1e-3 * (n / 1024) ** 2,
+                "fwd_q1_s": 0.9e-3 * (n / 1024) ** 2,
+                "fwd_q3_s": 1.1e-3 * (n / 1024) ** 2,
+                "peak_mib": n / 64,
+                "gflops_per_s": 10.0,
+            }
+            for n in ns
+        ]
+    )
+
+
+@pytest.mark.parametrize("ns", [(16, 1024), (1024, 2048, 4096)])
+def test_a_store_of_decode_and_self_attention_sweeps_keeps_each_sweep_on_its_own_length_axis(ns, tmp_path):
+    """The default records folder collects both. One axis for the whole store: the key length (as many
+    values as the query length's, with N = 16 and 1024) left the self-attention rows without a length
+    (`n/a (0 lengths)` in the scaling table, the plots failing on int(NA)) and split their tables one
+    per N; the query length (outnumbered by 1024, 2048, 4096) put Nq on the decode sweep's axis."""
+    from experiments.report import plots
+    from experiments.report.kernel_tables import scaling_fits, scaling_table, speed_table
+
+    dec = _decode_frame().assign(
+        fwd_q1_s=0.9e-3, fwd_q3_s=1.1e-3, peak_mib=lambda d: d["kv_len"] / 1024, gflops_per_s=10.0
+    )
+    df = pd.concat([dec, _self_attention_rows(ns)], ignore_index=True)
+    fits = scaling_fits(df)
+    own = fits[fits["seq_len"].isna()].iloc[0]  # the self-attention sweep: N is its axis, not a key
+    assert own["time_exponent"] == pytest.approx(2.0) and own["memory_exponent"] == pytest.approx(1.0)
+    assert own["time_points"] == len(ns) and (own["time_n_min"], own["time_n_max"]) == (ns[0], ns[-1])
+    assert sorted(fits["seq_len"].dropna()) == [1, 16]  # the decode sweeps: one fit per query length
+    assert set(fits.loc[fits["seq_len"].notna(), "time_points"]) == {3}
+    speed = {title.split(": ")[0]: tab for title, tab in speed_table(df).parts if "median time" in title}
+    assert list(speed) == [
+        "cpu · float32 · fwd · seq_len=1",
+        "cpu · float32 · fwd · seq_len=16",
+        "cpu · float32 · fwd",  # one table across its lengths
+    ]
+    assert list(speed["cpu · float32 · fwd"].columns) == [f"N={n}" for n in ns]
+    assert list(speed["cpu · float32 · fwd · seq_len=1"].columns) == ["Nk=1024", "Nk=4096", "Nk=16384"]
+    assert [title.split(": ")[0] for title, _ in scaling_table(df).parts] == list(speed)
+    for plot in (plots.plot_time, plots.plot_memory, plots.plot_gflops, plots.plot_scaling):
+        assert plot(df, tmp_path).is_file(), plot.__name__
+
+
+def _stepped_frame() -> pd.DataFrame:
+    """:func:`_decode_frame` as a decode sweep of sdpa (through its forward) and linear (through its
+    step), causal, with the state each keeps; every figure stable and on its 2 threads' cores."""
+    sdpa = _decode_frame().assign(fwd_cpu_per_wall=2.0, fwd_unstable=False)
+    linear = sdpa.assign(variant="linear", step_median_s=2e-4, step_cpu_per_wall=2.0, step_unstable=False)
+    df = pd.concat([sdpa, linear], ignore_index=True)
+    return df.assign(causal=True, state_bytes=2**20, threads=2, machine_slowdown=1.0, fwd_iqr_s=1e-5)
+
+
+def test_decode_and_bandwidth_cells_carry_the_marks_of_the_figure_they_show(monkeypatch, tmp_path):
+    """The speed table marked `~`, `*` and `unstable`; the decoding and bandwidth tables showed the same
+    records plain, and a step's own flags (its core share, its stability) were never read."""
+    from experiments.report import plots
+    from experiments.report.kernel_tables import decode_table, speed_table
+
+    df = _stepped_frame()
+    at = {
+        (v, nq, nk): i
+        for i, (v, nq, nk) in enumerate(zip(df["variant"], df["seq_len"], df["kv_len"], strict=True))
+    }
+    df.loc[at["sdpa", 1, 1024], "machine_slowdown"] = 1.5  # its canary ran slow: ~
+    df.loc[at["sdpa", 1, 4096], "fwd_unstable"] = True
+    df.loc[at["sdpa", 1, 16384], "fwd_cpu_per_wall"] = 1.5  # off its cores: *
+    df.loc[at["linear", 1, 1024], "step_cpu_per_wall"] = 1.72  # the step off its cores: *
+    df.loc[at["linear", 1, 4096], "step_unstable"] = True
+    df.loc[at["linear", 1, 16384], ["fwd_cpu_per_wall", "fwd_unstable"]] = [1.0, True]  # the forward only
+    dec = {title.split(": ")[0]: tab for title, tab in decode_table(df).parts}[
+        "cpu · float32 · fwd · seq_len=1"
+    ]
+    assert dec.loc["sdpa"].tolist() == [
+        "1.00 ms ~ (1.00 MiB)",
+        "1.00 ms unstable (1.00 MiB)",
+        "1.00 ms * (1.00 MiB)",
+    ]
+    assert dec.loc["linear"].tolist() == [
+        "0.2 ms * (1.00 MiB)",
+        "0.2 ms unstable (1.00 MiB)",
+        "0.2 ms (1.00 MiB)",  # timed through its step: the forward's flags are not its
+    ]
+    speed = speed_table(df).parts[0][1]
+    assert speed.loc["sdpa"].str.endswith(("~", "unstable", "*")).all()  # the same marks
+    bw = {title.split(": ")[0]: tab for title, tab in bandwidth_table(df).parts}
+    row = bw["cpu · float32 · fwd · seq_len=1"].loc["sdpa"].tolist()
+    assert row == ["5.00 (25%) ~", "5.00 (25%) unstable", "5.00 (25%) *"]
+    assert bw["cpu · float32 · fwd · seq_len=1"].loc["linear", "Nk=16384"] == "5.00 (25%) * unstable"
+    # the decode plot rings a step's time where the step was * or ~, not where the forward was
+    drawn = {}
+    monkeypatch.setattr(plots, "_plot_vs_n", lambda data, y, *args, **kw: drawn.setdefault(y, data))
+    plots.plot_decode(df, tmp_path)
+    flagged = drawn["ms_per_token"].set_index(["variant", "seq_len", "kv_len"])["flagged"]
+    assert flagged["linear", 1, 1024] and not flagged["linear", 1, 16384]
+    assert flagged["sdpa", 1, 1024] and flagged["sdpa", 1, 16384] and not flagged["sdpa", 1, 4096]

@@ -393,10 +393,13 @@ def test_baseline_ratios(sweep, tmp_path):
     base = store.load([tmp_path], verbose=False)
     # the machine as the comparison sees it, made known: no slow canary, no spread (how busy the
     # machine was when the fixture's sweeps ran must not decide this test; tests/test_compare.py
-    # checks the noise verdicts on stores of known spread)
+    # checks the noise verdicts on stores of known spread), nor beside other work or unstable (marked
+    # times are not compared)
     for df in (cur, base):
         df["machine_slowdown"] = 1.0
         df["fwd_q1_s"] = df["fwd_q3_s"] = df["fwd_median_s"]
+        df["concurrent_jobs"] = df["others_cpu_cores"] = 0
+        df["fwd_cpu_per_wall"], df["fwd_unstable"] = df["threads"].astype(float), False
     sec = baseline_table(cur, base)
     assert cell(sec, "speedup", "naive", 64) == "2.00x"
     assert cell(sec, "speedup", "WrongAttention", 128) == "invalid"
@@ -688,3 +691,25 @@ def test_a_store_with_no_usable_record_has_no_scaling_row():
     assert scaling_fits(df).empty
     sec = scaling_table(df)
     assert sec.parts == [] and "nothing to fit" in sec.note
+
+
+def test_with_every_measurement_each_run_gets_its_own_scaling_fit():
+    """``--all-measurements`` shows a row per run in the speed table; the fit pooled the runs (an
+    exponent of 1.50 with R² 0.79 where one run grew as N² and the other as N)."""
+    rows = [
+        {"variant": "sdpa", "run": run, "seq_len": n, "fwd_median_s": 1e-3 * (n / 1024) ** k,
+         "peak_mib": n / 64, "status": "ok", "valid": True, "device": "cpu", "dtype": "float32",
+         "mode": "fwd", "started_at": "t", "config_hash": f"{run}{n}", "path": "p", "reason": None}
+        for run, k in (("run2", 1), ("sweep", 2))
+        for n in (1024, 2048, 4096)
+    ]  # fmt: skip
+    df = pd.DataFrame(rows)
+    fits = T.scaling_fits(df).set_index("run")
+    assert fits.loc["sweep", "time_exponent"] == pytest.approx(2.0)
+    assert fits.loc["run2", "time_exponent"] == pytest.approx(1.0)
+    assert fits["time_r2"].tolist() == pytest.approx([1.0, 1.0])
+    (_, tab), *_ = T.scaling_table(df).parts
+    assert tab.loc[("sdpa", "sweep"), "time exponent"] == "2.00"
+    assert tab.loc[("sdpa", "run2"), "time exponent"] == "1.00"
+    # the newest measurement alone (no run column): one fit per variant, as before
+    assert len(T.scaling_fits(df[df["run"] == "sweep"].drop(columns="run"))) == 1

@@ -98,3 +98,35 @@ def test_the_report_names_each_ceiling_and_which_read_was_the_faster():
     older = _ceilings(pd.DataFrame([row]))  # records from before read_op
     assert older == ["- h cpu float32: GEMM 90 GFLOP/s (n=2048), copy 20 GB/s, read 22 GB/s"]
     assert _ceilings(pd.DataFrame([{**row, "roofline_read_op": "gemv"}])) == [older[0] + " (gemv)"]
+
+
+def test_the_report_gives_each_thread_count_its_own_ceilings():
+    """A 1-thread and a 2-thread sweep in one store: one line each, as the canaries have (the GEMM rate
+    was one median with "sweeps ranged 107-203" over both)."""
+    import pandas as pd
+
+    from experiments.report.report import _ceilings
+
+    row = {
+        "env_host": "h",
+        "roofline_device": "cpu",
+        "roofline_dtype": "float32",
+        "roofline_gemm_n": 2048,
+        "roofline_copy_bytes_per_s": 20e9,
+    }
+    df = pd.DataFrame(
+        [
+            {**row, "roofline_threads": 1, "roofline_gemm_flops_per_s": 107e9},
+            {**row, "roofline_threads": 1, "roofline_gemm_flops_per_s": 111e9},
+            {**row, "roofline_threads": 2, "roofline_gemm_flops_per_s": 203e9},
+        ]
+    )
+    assert _ceilings(df) == [
+        "- h cpu float32, 1 thread(s): GEMM 109 GFLOP/s (n=2048) (sweeps ranged 107-111), copy 20 GB/s",
+        "- h cpu float32, 2 thread(s): GEMM 203 GFLOP/s (n=2048), copy 20 GB/s",
+    ]
+    # a GPU's ceilings do not depend on the host's threads: not named
+    gpu = df.assign(roofline_device="cuda")
+    assert _ceilings(gpu) == [
+        "- h cuda float32: GEMM 111 GFLOP/s (n=2048) (sweeps ranged 107-203), copy 20 GB/s"
+    ]

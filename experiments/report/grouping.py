@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pandas as pd
 
 from ..measure.canary import SLOW_RATIO
@@ -57,11 +58,25 @@ def mode_times(df: pd.DataFrame) -> pd.DataFrame:
 
 def length_axis(df: pd.DataFrame) -> str:
     """The tables' column axis: ``seq_len`` (N), or ``kv_len`` (Nk) where the key length takes more
-    values than the query length (decode sweeps: Nq = 1 or 16 against Nk = 1k to 128k)."""
+    values than the query length among the rows that have one (decode sweeps: Nq = 1 or 16 against
+    Nk = 1k to 128k); rows with a null kv_len (self-attention) take N either way (:func:`lengths`)."""
     if "kv_len" not in df:
         return "seq_len"
-    nk = df["kv_len"].dropna().nunique()
-    return "kv_len" if nk > 1 and nk >= df["seq_len"].nunique() else "seq_len"
+    # only rows with a key length vote: a self-attention sweep's lengths beside a decode sweep's
+    # outnumbered its Nk and turned the decode sweep's tables into one per Nk
+    keyed = df[df["kv_len"].notna()]
+    nk = keyed["kv_len"].nunique()
+    return "kv_len" if nk > 1 and nk >= keyed["seq_len"].nunique() else "seq_len"
+
+
+def lengths(df: pd.DataFrame) -> pd.Series:
+    """Each row's length on ``df``'s axis (:func:`length_axis`): N, or the key length Nk, and N for a
+    row without a key length of its own (null kv_len: a self-attention sweep in a store that also holds
+    decode sweeps, which the default records folder collects); ``O(rows)``."""
+    n = pd.to_numeric(df["seq_len"], errors="coerce")
+    if length_axis(df) == "seq_len":
+        return n
+    return pd.to_numeric(df["kv_len"], errors="coerce").fillna(n)
 
 
 def group_keys(df: pd.DataFrame) -> list[str]:
@@ -79,7 +94,11 @@ def group_keys(df: pd.DataFrame) -> list[str]:
 def key_frame(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """``df`` as :func:`group_keys`' ``keys`` see it: where a token budget set the batch
     (``tokens``), the batch follows the length and is no key (null), so those rows share a group
-    apart from those of a given batch. ``O(rows)``."""
+    apart from those of a given batch; where the query length is a key (decode sweeps), a row without a
+    key length of its own (null kv_len) has its N on the axis, not in a key (null), so a self-attention
+    sweep in the same store keeps one table across its lengths. ``O(rows)``."""
+    if "seq_len" in keys and "kv_len" in df and df["kv_len"].isna().any():
+        df = df.assign(seq_len=df["seq_len"].where(df["kv_len"].notna()))
     if "batch" not in keys or "tokens" not in df or df["tokens"].isna().all():
         return df
     return df.assign(batch=df["batch"].where(df["tokens"].isna()))
@@ -92,10 +111,20 @@ def groups(df: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
         sub = df.loc[keyed.index]
         vals = vals if isinstance(vals, tuple) else (vals,)
         parts = [str(v) for v in vals[: len(GROUP_BASE)]]
-        named = zip(keys[len(GROUP_BASE) :], vals[len(GROUP_BASE) :], strict=True)
-        parts += [f"{k.removeprefix('env_')}={value_text(k, v)}" for k, v in named]
+        parts += key_texts(keys[len(GROUP_BASE) :], vals[len(GROUP_BASE) :])
         out.append((" · ".join(parts), sub))
     return out
+
+
+def key_texts(keys: list[str], vals: tuple | list) -> list[str]:
+    """``key=value`` of each of a group's ``keys`` past :data:`GROUP_BASE`, for a title or a facet; a
+    null seq_len is left out: it is that of rows whose N is the axis (:func:`key_frame`). A whole number
+    shows as one (a key column with nulls, e.g. in the scaling fits, holds ``threads=1.0``)."""
+    return [
+        f"{k.removeprefix('env_')}={value_text(k, int(v) if isinstance(v, float) and v.is_integer() else v)}"
+        for k, v in zip(keys, vals, strict=True)
+        if not (k == "seq_len" and pd.isna(v))
+    ]
 
 
 def value_text(key: str, v: object) -> object:
@@ -145,7 +174,7 @@ def pivot_cells(df: pd.DataFrame, cell: Callable[[pd.Series], str]) -> pd.DataFr
     if df.empty:
         return pd.DataFrame()
     axis = length_axis(df)
-    long = df.assign(_cell=df.apply(cell, axis=1), _n=df[axis].astype("Int64"))
+    long = df.assign(_cell=df.apply(cell, axis=1), _n=lengths(df).astype("Int64"))
     long = long.sort_values("started_at", na_position="first")
     table = long.pivot_table(index=_row_index(df), columns="_n", values="_cell", aggfunc="last")
     table = table.reindex(sorted(table.columns), axis=1).fillna(NO_RECORD)
@@ -172,6 +201,19 @@ def beside_work(row: pd.Series) -> bool:
     beside = pd.to_numeric(row.get("concurrent_jobs"), errors="coerce")
     loaded = (pd.notna(busy) and busy > LOADED_CORES) or (pd.notna(beside) and beside > 0)
     return bool(loaded or _off_cores(row))
+
+
+def marks(row: pd.Series) -> str:
+    """The marks a time carries, as the speed table writes them after it: `` *`` (:func:`beside_work`),
+    `` ~`` (:func:`slow_machine`), `` unstable`` (the row's ``unstable``); from the row's
+    ``cpu_per_wall`` and ``unstable``, which must be those of the figure the time is (:func:`mode_times`,
+    or a decoding step's), and its job's load and canary."""
+    mark = " *" if beside_work(row) else ""
+    if slow_machine(row):
+        mark += " ~"
+    if row.get("unstable") is True or row.get("unstable") is np.True_:  # a row of a bool column: numpy's
+        mark += " unstable"
+    return mark
 
 
 def slow_machine(row: pd.Series) -> bool:

@@ -24,15 +24,15 @@ from .grouping import (
     LOADED_CORES,
     NO_RECORD,
     ON_CORES,
-    beside_work,
     group_keys,
     groups,
     is_invalid,
     key_frame,
     length_axis,
+    lengths,
+    marks,
     mode_times,
     pivot_cells,
-    slow_machine,
     status_cell,
     usable,
 )
@@ -192,12 +192,7 @@ def _gflops_text(row: pd.Series) -> str:
 def _time_text(row: pd.Series) -> str:
     # one timed block (or one run) gives q1 == q3: printing 0 would read as "no noise at all"
     spread = "n/a" if row["iqr_ms"] == 0 else num(row["iqr_ms"])
-    mark = " *" if beside_work(row) else ""
-    if slow_machine(row):
-        mark += " ~"
-    if row.get("unstable") is True:
-        mark += " unstable"
-    return f"{num(row['time_ms'])} ({spread}){mark}"
+    return f"{num(row['time_ms'])} ({spread}){marks(row)}"
 
 
 def bandwidth_table(df: pd.DataFrame) -> Section:
@@ -222,6 +217,9 @@ def bandwidth_table(df: pd.DataFrame) -> Section:
     dec = df[(nk > pd.to_numeric(df["seq_len"], errors="coerce")) & (df["mode"] == "fwd")]
     if "min_bytes" not in dec or dec.empty:
         return sec
+    # a GB/s is a forward time's: it carries that time's marks, as the speed table shows them
+    fwd = mode_times(dec)
+    dec = dec.assign(cpu_per_wall=fwd["cpu_per_wall"], unstable=fwd["unstable"])
     if dec.get("roofline_read_op", pd.Series(dtype=object)).notna().any():  # recorded since 2026-11-27
         sec.note = sec.note.replace(
             "(a sum over a large tensor:",
@@ -246,7 +244,12 @@ def bandwidth_table(df: pd.DataFrame) -> Section:
             (f"{title}: GB/s (% of copy / % of read bandwidth)", pivot_cells(sub, _value_cell(_gbps_text)))
         )
         if graph_bps.loc[sub.index].notna().any():  # this group's device replayed its calls (CUDA)
-            graph = sub.assign(bytes_per_s=graph_bps.loc[sub.index])  # the replay's time, same cells
+            # the replay's time, same cells, with the replay's own flags
+            graph = sub.assign(
+                bytes_per_s=graph_bps.loc[sub.index],
+                cpu_per_wall=_col(sub, "fwd_graph_cpu_per_wall"),
+                unstable=_flag(sub, "fwd_graph_unstable"),
+            )
             sec.parts.append(
                 (
                     f"{title}: GB/s with the forward replayed as a CUDA graph (% of copy / % of read)",
@@ -319,9 +322,17 @@ def _gbps_text(row: pd.Series) -> str:
     pct = 100 * bps / pd.to_numeric(row.get("roofline_copy_bytes_per_s", np.nan), errors="coerce")
     cached = " in cache" if bool(in_cache(row.to_frame().T).iloc[0]) else ""
     if pd.isna(pct):
-        return text + cached
+        return text + marks(row) + cached
     read = 100 * bps / pd.to_numeric(row.get("roofline_read_bytes_per_s", np.nan), errors="coerce")
-    return (f"{text} ({pct:.0f}%)" if pd.isna(read) else f"{text} ({pct:.0f}% / {read:.0f}%)") + cached
+    text = f"{text} ({pct:.0f}%)" if pd.isna(read) else f"{text} ({pct:.0f}% / {read:.0f}%)"
+    return text + marks(row) + cached
+
+
+def _flag(df: pd.DataFrame, col: str) -> pd.Series:
+    """A figure's boolean flag (``<fig>_unstable``) per row: True only where recorded True."""
+    if col not in df:
+        return pd.Series(False, index=df.index)
+    return df[col].map(lambda v: v is True or v is np.True_).astype(bool)
 
 
 def decode_table(df: pd.DataFrame) -> Section:
@@ -346,7 +357,7 @@ def decode_table(df: pd.DataFrame) -> Section:
 
     def cell(row: pd.Series) -> str:
         graph = "" if pd.isna(row["graph_ms_per_token"]) else f", graph {num(row['graph_ms_per_token'])}"
-        return f"{num(row['ms_per_token'])} ms{graph} ({num(row['state_mib'])} MiB)"
+        return f"{num(row['ms_per_token'])} ms{marks(row)}{graph} ({num(row['state_mib'])} MiB)"
 
     for title, sub in groups(dec, keys):
         graphed = sub["graph_ms_per_token"].notna().any()  # this group's device replayed its calls (CUDA)
@@ -376,8 +387,9 @@ def decode_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The decoding rows (causal, fewer queries than keys, forward) of records that carry
     ``state_bytes``, with ``ms_per_token`` (the step where it was timed, else the forward over the
     cache, over the queries per call), ``graph_ms_per_token`` (that forward replayed as a CUDA graph,
-    where it was: NaN on the CPU and for a timed step) and ``state_mib``; empty for a sweep without
-    them."""
+    where it was: NaN on the CPU and for a timed step), ``state_mib``, and the ``cpu_per_wall`` and
+    ``unstable`` of the figure ``ms_per_token`` is (the step's where it was timed), for its marks;
+    empty for a sweep without them."""
     if "state_bytes" not in df or "kv_len" not in df:
         return df.iloc[:0]
     nk, nq = _col(df, "kv_len"), _col(df, "seq_len")
@@ -385,13 +397,18 @@ def decode_rows(df: pd.DataFrame) -> pd.DataFrame:
     dec = df[(nk > nq) & (df["mode"] == "fwd") & causal]
     dec = dec[_col(dec, "state_bytes").notna() | (dec["status"] != "ok")]
     call = _col(dec, "fwd_median_s")
-    graph = _col(dec, "fwd_graph_median_s").where(_col(dec, "step_median_s").isna())
+    stepped = _col(dec, "step_median_s").notna()
+    graph = _col(dec, "fwd_graph_median_s").where(~stepped)
     if "step_median_s" in dec:
         call = _col(dec, "step_median_s").fillna(call)
+    # a step's time carries the step's own flags (its core share, its stability), not the forward's
+    fwd = mode_times(dec)
     return dec.assign(
         ms_per_token=call * 1e3 / _col(dec, "seq_len"),
         graph_ms_per_token=graph * 1e3 / _col(dec, "seq_len"),
         state_mib=_col(dec, "state_bytes") / 2**20,
+        cpu_per_wall=_col(dec, "step_cpu_per_wall").where(stepped, fwd["cpu_per_wall"]),
+        unstable=_flag(dec, "step_unstable").where(stepped, fwd["unstable"].astype(bool)),
     )
 
 
@@ -483,17 +500,19 @@ MIN_R2_LENGTHS = 3
 
 
 def scaling_fits(df: pd.DataFrame) -> pd.DataFrame:
-    """Per group and variant: exponents of time and of peak memory against N (or Nk, see
-    :func:`length_axis`), R² (NaN below :data:`MIN_R2_LENGTHS` lengths), length range, points."""
+    """Per group and variant (and run, where ``df`` keeps runs apart, ``--all-measurements``): exponents
+    of time and of peak memory against N (or Nk, see :func:`lengths`), R² (NaN below
+    :data:`MIN_R2_LENGTHS` lengths), length range, points."""
     keys = group_keys(df)
-    axis = length_axis(df)
+    # the speed table shows each run in a row of its own: pooled, two runs made one fit of neither
+    by = [*keys, "variant", *(["run"] if "run" in df else [])]
     # the columns first, then the rows: assigning a Series to an empty frame takes the Series' index,
     # so a store with no usable record grew one row of NaN keys per record (a "nan · nan" table)
-    figures = {"time_s": mode_times(df)["time_s"], "peak": _col(df, "peak_mib"), "_n": _col(df, axis)}
+    figures = {"time_s": mode_times(df)["time_s"], "peak": _col(df, "peak_mib"), "_n": lengths(df)}
     ok = key_frame(df, keys).assign(**figures)[usable(df)]
     rows = []
-    for vals, sub in ok.groupby([*keys, "variant"], dropna=False, sort=True):
-        row = dict(zip([*keys, "variant"], vals, strict=True))
+    for vals, sub in ok.groupby(by, dropna=False, sort=True):
+        row = dict(zip(by, vals, strict=True))
         for what, col in (("time", "time_s"), ("memory", "peak")):
             pts = sub[sub[col] > 0]  # log needs positive values; a zero peak is "below resolution"
             try:
@@ -534,7 +553,9 @@ def scaling_table(df: pd.DataFrame) -> Section:
                 "memory R²": [_r2_text(r["memory_r2"]) for _, r in sub.iterrows()],
                 "fitted on N": [_range_text(r) for _, r in sub.iterrows()],
             },
-            index=pd.Index(sub["variant"], name="variant"),
+            index=pd.MultiIndex.from_frame(sub[["variant", "run"]])
+            if "run" in sub
+            else pd.Index(sub["variant"], name="variant"),
         )
         if sub[["time_r2", "memory_r2"]].isna().all(axis=None):  # no fit with an R² that says anything
             tab = tab.drop(columns=["time R²", "memory R²"])
@@ -574,6 +595,7 @@ def status_table(df_all: pd.DataFrame, shown: pd.DataFrame) -> Section:
         axis = length_axis(shown)  # the lengths listed: N, or Nk in a decode sweep
         agg = (
             key_frame(bad, keys)
+            .assign(**{axis: lengths(shown).loc[bad.index]})
             .groupby([*keys, "variant", "status", "reason"], dropna=False, sort=True)[axis]
             .agg(lambda s: ", ".join(str(int(n)) for n in sorted(set(s.dropna()))))
             .reset_index()

@@ -34,12 +34,13 @@ from .grouping import (  # noqa: E402
     group_keys,
     groups,
     key_frame,
+    key_texts,
     length_axis,
+    lengths,
     mode_times,
     pivot_cells,
     slow_machine,
     usable,
-    value_text,
 )
 from .kernel_tables import decode_rows, scaling_fits  # noqa: E402
 
@@ -56,8 +57,7 @@ def _facet_rows(df: pd.DataFrame, keys: list[str] | None = None) -> pd.Series:
     df = key_frame(df, keys)
 
     def label(row: pd.Series) -> str:
-        named = [f"{k.removeprefix('env_')}={value_text(k, row[k])}" for k in extra]
-        return " · ".join([str(row["device"]), str(row["dtype"]), *named])
+        return " · ".join([str(row["device"]), str(row["dtype"]), *key_texts(extra, [row[k] for k in extra])])
 
     return df.apply(label, axis=1).astype(str) if len(df) else pd.Series("", index=df.index)
 
@@ -119,8 +119,12 @@ def _plot_vs_n(
     data = data[data[y] > 0]
     if data.empty:
         return None
-    data = data.assign(_row=_facet_rows(data), _col=data["mode"].map(lambda m: MODE_TITLES.get(m, m)))
-    axis = length_axis(data)
+    # x: each row's length, N or Nk (a store's self-attention sweeps keep N beside its decode sweeps)
+    data = data.assign(
+        _row=_facet_rows(data), _col=data["mode"].map(lambda m: MODE_TITLES.get(m, m)), _x=lengths(data)
+    )
+    decoding = length_axis(data) == "kv_len"
+    mixed = decoding and data["kv_len"].isna().any()  # panels on N and on Nk: each names its axis
     names = sorted(data["variant"].unique())
     colors, markers = palette(names), _markers(names)
     rows, cols = _facet_order(data["_row"]), sorted(data["_col"].unique(), key=lambda c: c != "forward")
@@ -136,16 +140,18 @@ def _plot_vs_n(
         for j, c in enumerate(cols):
             ax = axes[i][j]
             sub = data[(data["_row"] == r) & (data["_col"] == c)]
-            # decode sweeps: x = cached keys Nk, one line per variant and query length
-            by = ["variant", "seq_len"] if axis == "kv_len" else ["variant"]
+            # decode sweeps: x = cached keys Nk, one line per variant and query length; a panel of rows
+            # without a key length of their own (a self-attention sweep beside them) keeps x = N
+            on_keys = decoding and sub["kv_len"].notna().any()
+            by = ["variant", "seq_len"] if on_keys else ["variant"]
             styles = dict(zip(sorted(sub["seq_len"].unique()), ["-", "--", ":", "-."] * 4, strict=False))
             for key, pts in sub.groupby(by):
                 name = key[0] if isinstance(key, tuple) else key
-                label = f"{name}, Nq={int(key[1])}" if axis == "kv_len" else name
-                ls = styles[key[1]] if axis == "kv_len" else "-"
-                pts = pts.sort_values(axis)
+                label = f"{name}, Nq={int(key[1])}" if on_keys else name
+                ls = styles[key[1]] if on_keys else "-"
+                pts = pts.sort_values("_x")
                 ax.plot(
-                    pts[axis],
+                    pts["_x"],
                     pts[y],
                     marker=markers[name],
                     color=colors[name],
@@ -156,12 +162,12 @@ def _plot_vs_n(
                 )
                 if band is not None:
                     ax.fill_between(
-                        pts[axis], pts[band[0]], pts[band[1]], color=colors[name], alpha=0.2, lw=0
+                        pts["_x"], pts[band[0]], pts[band[1]], color=colors[name], alpha=0.2, lw=0
                     )
                 if flag is not None and pts[flag].any():
                     hit = pts[pts[flag]]
                     ring = {"s": 110, "facecolors": "none", "edgecolors": "red", "lw": 1.4, "zorder": 5}
-                    ax.scatter(hit[axis], hit[y], **ring)
+                    ax.scatter(hit["_x"], hit[y], **ring)
             if ceiling is not None and ceiling in sub and sub[ceiling].notna().any():
                 top = float(sub[ceiling].median())
                 ax.axhline(top, ls="--", lw=1, color="0.4")
@@ -173,13 +179,15 @@ def _plot_vs_n(
                     fontsize=8,
                     color="0.3",
                 )
-            ns = sorted(int(n) for n in data[axis].unique())
+            # ticks at the lengths of every panel on the same axis (N, or Nk), measured here or not
+            same = data[data["kv_len"].notna() == on_keys] if decoding else data
+            ns = sorted(int(n) for n in (same if len(same) else data)["_x"].unique())
             _n_axis(ax, ns)
             if _spans_decades(data[y]):
                 ax.set_yscale("log")
             ax.set_title(f"{r} | {c}", fontsize=10)
-            xlabel = "cached keys Nk (tokens)" if axis == "kv_len" else "sequence length N (tokens)"
-            ax.set_xlabel(xlabel if i == len(rows) - 1 else "")
+            xlabel = "cached keys Nk (tokens)" if on_keys else "sequence length N (tokens)"
+            ax.set_xlabel(xlabel if i == len(rows) - 1 or mixed else "")
             ax.set_ylabel(ylabel if j == 0 else "")
             ax.grid(True, which="major", alpha=0.3)
             if sub.empty:
@@ -206,8 +214,13 @@ def _usable_rows(df: pd.DataFrame) -> pd.DataFrame:
         gemm_gflops=pd.to_numeric(df.get("roofline_gemm_flops_per_s"), errors="coerce") / 1e9,
     )
     out = out[usable(out)]
-    # a time the tables mark * or ~ is marked in the plots too
-    return out.assign(flagged=[beside_work(r) or slow_machine(r) for _, r in out.iterrows()])
+    return out.assign(flagged=_flagged(out))
+
+
+def _flagged(df: pd.DataFrame) -> list[bool]:
+    """Per row: whether the tables mark its time ``*`` or ``~`` (from its ``cpu_per_wall``, the time's
+    figure's), which the plots mark too."""
+    return [beside_work(r) or slow_machine(r) for _, r in df.iterrows()]
 
 
 def plot_time(df: pd.DataFrame, out_dir: Path) -> Path | None:
@@ -228,6 +241,8 @@ def plot_decode(df: pd.DataFrame, out_dir: Path) -> Path | None:
     of a variant with a fixed-size state, the forward over the K/V cache of the others (on CUDA that
     forward replayed as a CUDA graph where it was: eager, a decode call's time is the host's)."""
     dec = decode_rows(_usable_rows(df))
+    # a step's time is marked from the step's own core share, as the decoding table marks it
+    dec = dec.assign(flagged=_flagged(dec))
     graphed = not dec.empty and dec["graph_ms_per_token"].notna().any()
     if graphed:
         dec = dec.assign(ms_per_token=dec["graph_ms_per_token"].fillna(dec["ms_per_token"]))
@@ -372,7 +387,7 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
     if vmax - vmin < 1:
         vmin, vmax = vmin - 0.5, vmax + 0.5
     heights = [max(1.6, 0.45 * p[2]["variant"].nunique() + 0.9) for p in panels]
-    width = max(5.5, 1.15 * max(p[2][length_axis(p[2])].nunique() for p in panels) + 3.5)
+    width = max(5.5, 1.15 * max(lengths(p[2]).nunique() for p in panels) + 3.5)
     fig, axes = plt.subplots(
         len(panels),
         1,
@@ -385,8 +400,8 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
         annot = pivot_cells(sub, text(col))
         err = pd.to_numeric(sub[col], errors="coerce").where(sub["status"] == "ok")
         # an error of exactly 0 (a window that covers every key) is the best colour, not a gray "no figure"
-        vals = sub.assign(_v=np.log10(err.clip(lower=1e-16)))
-        vals = vals.pivot_table(index="variant", columns=length_axis(sub), values="_v", aggfunc="last")
+        vals = sub.assign(_v=np.log10(err.clip(lower=1e-16)), _n=lengths(sub).astype("Int64"))
+        vals = vals.pivot_table(index="variant", columns="_n", values="_v", aggfunc="last")
         vals = vals.reindex(index=annot.index, columns=[int(c.split("=")[1]) for c in annot.columns])
         ax.set_facecolor("#e6e6e6")  # cells without an error figure: gray, with the status written in
         shown = np.where(vals.notna().to_numpy(), annot.to_numpy(), "")
@@ -648,9 +663,9 @@ def _why_empty(fn: object, df: pd.DataFrame) -> str:
     """Why plot ``fn`` had nothing to draw from ``df``, in a few words."""
     usable = _usable_rows(df) if len(df) else df
     if fn is plot_scaling and len(usable):
-        lengths = sorted(int(n) for n in usable[length_axis(usable)].unique())
-        if len(lengths) < 2:
-            return f"scaling needs >= 2 lengths per variant (these records have only N={lengths[0]})"
+        ns = sorted(int(n) for n in lengths(usable).dropna().unique())
+        if len(ns) < 2:
+            return f"scaling needs >= 2 lengths per variant (these records have only N={ns[0]})"
     return "no usable records"
 
 

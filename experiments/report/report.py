@@ -63,13 +63,20 @@ def _machines(df: pd.DataFrame) -> list[str]:
 
 
 def _ceilings(df: pd.DataFrame) -> list[str]:
-    """One line per (host, device, dtype) roofline in the store: GEMM FLOP/s, copy bandwidth and (where
-    measured) read bandwidth."""
+    """One line per (host, device, dtype, threads) roofline in the store: GEMM FLOP/s, copy bandwidth and
+    (where measured) read bandwidth; a CPU's thread count is named where the records have it."""
     cols = ["env_host", "roofline_device", "roofline_dtype"]
     if not all(c in df for c in cols) or "roofline_gemm_flops_per_s" not in df:
         return []
+    # a CPU's ceilings scale with its threads: one line per count, as the canaries have (pooled, a
+    # 1-thread and a 2-thread sweep made one median with a range spanning both); NaN where not
+    # recorded, or a GPU's, whose ceilings do not depend on the host's threads
+    threads = pd.to_numeric(df.get("roofline_threads", pd.Series(index=df.index)), errors="coerce")
+    df = df.assign(_threads=threads.where(df["roofline_device"] == "cpu"))
     lines = []
-    for (host, device, dtype), sub in df.dropna(subset=cols[1:]).groupby(cols, dropna=False):
+    for (host, device, dtype, n_threads), sub in df.dropna(subset=cols[1:]).groupby(
+        [*cols, "_threads"], dropna=False
+    ):
         gemm = pd.to_numeric(sub["roofline_gemm_flops_per_s"], errors="coerce")
         copy = pd.to_numeric(sub.get("roofline_copy_bytes_per_s"), errors="coerce")
         read = pd.to_numeric(sub.get("roofline_read_bytes_per_s", pd.Series(dtype=float)), errors="coerce")
@@ -82,8 +89,9 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
             n = f"{n}, in {gemm_dtype.iloc[0]}"
         lo, hi = gemm.min() / 1e9, gemm.max() / 1e9
         spread = f" (sweeps ranged {lo:.3g}-{hi:.3g})" if gemm.nunique() > 1 else ""
+        where = f"{host} {device} {dtype}" + ("" if pd.isna(n_threads) else f", {int(n_threads)} thread(s)")
         lines.append(
-            f"- {host} {device} {dtype}: GEMM {gemm.median() / 1e9:.3g} GFLOP/s (n={n}){spread}, "
+            f"- {where}: GEMM {gemm.median() / 1e9:.3g} GFLOP/s (n={n}){spread}, "
             f"copy {copy.median() / 1e9:.3g} GB/s{read_text}"
         )
     return lines
