@@ -6,24 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import pandas as pd
 
 from ..measure.spec import Kind
 from ..records.rounds import numeric as _col
 from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask, of_kind
 from .format import Section
-from .grouping import (
-    beside_work,
-    group_keys,
-    groups,
-    length_axis,
-    mode_times,
-    pivot_cells,
-    slow_machine,
-    status_cell,
-    usable,
-)
+from .grouping import group_keys, groups, length_axis, marks, mode_times, pivot_cells, status_cell, usable
 
 #: what a baseline row is matched on (and the host, where both sides have it): not the
 #: free-form ``extra`` tags (``+extra.run=before`` and ``after`` label the two sides of a comparison)
@@ -61,16 +50,10 @@ def _side(row: pd.Series, suffix: str) -> pd.Series:
 
 
 def quality_marks(row: pd.Series) -> str:
-    """The marks the speed table gives either side's time (``kernel_tables._time_text``): `` *`` measured
+    """The marks the speed table gives either side's time (:func:`~.grouping.marks`): `` *`` measured
     beside other work, `` ~`` while its machine ran slow, `` unstable``; empty text for none."""
-    sides = [_side(row, ""), _side(row, "_base")]
-    mark = " *" if any(beside_work(s) for s in sides) else ""
-    if any(slow_machine(s) for s in sides):
-        mark += " ~"
-    # True, False, or NaN where the side has no record: only a real True counts
-    if any(isinstance(s["unstable"], (bool, np.bool_)) and s["unstable"] for s in sides):
-        mark += " unstable"
-    return mark
+    found = marks(_side(row, "")) + marks(_side(row, "_base"))
+    return "".join(m for m in (" *", " ~", " unstable") if m in found)
 
 
 def noise_verdict(row: pd.Series) -> str:
