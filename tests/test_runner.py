@@ -1357,3 +1357,24 @@ def test_a_sweep_interrupted_before_any_job_finished_is_not_called_empty(tmp_pat
     with pytest.raises(SystemExit):  # the same state at the end of a sweep that ran: it matched nothing
         SweepCallback()._finish(config)
     assert "the sweep launched no job: 'variant=glob(*)' matched nothing" in capsys.readouterr().err
+
+
+def test_the_gpu_in_the_environment_is_the_one_torch_calls_device_0(monkeypatch):
+    """nvidia-smi's GPU 0 was recorded (and compared on resume) whatever CUDA_VISIBLE_DEVICES chose."""
+    from experiments.records import environment
+
+    asked = []
+
+    def fake_run(cmd, **kw):
+        asked.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="NVIDIA H200, 143771, 570.1, 9.0\n", stderr="")
+
+    monkeypatch.setattr(environment.subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert environment.gpu_info()["gpu_name"] == "NVIDIA H200" and asked[-1][1:3] == ["-i", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert environment.gpu_info()["gpu_memory_gib"] == 140.4 and "-i" not in asked[-1]
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        calls = len(asked)
+        assert environment.gpu_info() == {} and len(asked) == calls

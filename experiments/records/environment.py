@@ -105,16 +105,23 @@ def variant_code_version(cls: type) -> str:
 
 
 def gpu_info() -> dict[str, object]:
-    """Name, memory and driver of GPU 0 as ``nvidia-smi`` reports them, or an empty dict.
+    """Name, memory and driver of the GPU torch calls device 0 as ``nvidia-smi`` reports them, or an
+    empty dict: the first of ``$CUDA_VISIBLE_DEVICES`` where it is set (none visible: empty), else
+    GPU 0.
 
     Asked of ``nvidia-smi``, not torch, on purpose: the sweep's own process must not create a CUDA
     context (it would hold GPU memory for the whole sweep). A CUDA job adds torch's own view of the
     device it ran on (:func:`experiments.measure.kernel.torch_gpu_info`, called in the job's process).
     """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = None if visible is None else visible.split(",")[0].strip()
+    if first is not None and (not first or first.startswith("-")):
+        return {}  # torch sees no GPU (an empty list or -1), so no job runs on one
     try:
         out = subprocess.run(
             [
                 "nvidia-smi",
+                *([] if first is None else ["-i", first]),  # an index or a UUID, as nvidia-smi takes them
                 "--query-gpu=name,memory.total,driver_version,compute_cap",
                 "--format=csv,noheader,nounits",
             ],
