@@ -925,6 +925,38 @@ def test_a_sweep_over_records_dir_is_refused_before_launch(capsys):
     assert preflight(argv) == argv
 
 
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["causal=yes"], "causal=yes: expected true or false"),
+        (["-m", "causal=false,2"], "causal=2: expected true or false"),
+        (["extra.tag=a"],
+         "extra.tag=a: extra holds tags of your own; add one with a +: +extra.<tag>=<value>"),
+        (["variant=sdpa,naive"],
+         "variant=sdpa,naive: a comma list is a sweep; run it with -m "
+         "(python run.py -m ... variant=sdpa,naive)"),
+        (["-m", "+experiment=quick"],
+         "+experiment=quick: experiment is a setting already; write experiment=quick"),
+    ],
+)  # fmt: skip
+def test_command_lines_hydra_answers_with_a_page_get_one_line(argv, says, capsys):
+    from experiments.sweep.preflight import preflight
+
+    with pytest.raises(SystemExit):
+        preflight(["run.py", *argv])
+    assert capsys.readouterr().err.strip() == f"error: {says}"
+
+
+def test_booleans_and_tags_as_meant_pass_the_preflight():
+    from experiments.sweep.preflight import preflight
+
+    for argv in (
+        ["run.py", "causal=True", "+extra.tag=a"],
+        ["run.py", "-m", "causal=true,false", "seq_len=64"],
+    ):
+        assert preflight(argv) == argv
+
+
 def test_a_job_refused_inside_a_sweep_says_so_once_and_leaves_no_empty_folder(tmp_path):
     # glob(...) is expanded by Hydra, so this job is checked in the job, not before launch
     p = run_sweep(tmp_path, "variant=glob(local*)", "variant.window=-5")

@@ -33,8 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from ..measure.spec import CHOICES
+from .schema import BenchConfig
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+#: the settings that are booleans: only true and false are taken (OmegaConf would read yes, on or 2)
+BOOLEANS = frozenset(f.name for f in dataclasses.fields(BenchConfig) if f.type == "bool")
 #: jobs of the command line's own comma lists checked before launch (beyond: each job checks itself)
 MAX_CHECKED = 64
 _PLAIN = re.compile(r"^[^()\[\]{}'\"$]*$")  # a plain value or comma list, no sweep functions
@@ -149,6 +152,11 @@ def preflight(argv: list[str]) -> list[str]:
     multirun = any(a in ("-m", "--multirun") for a in argv[1:])
     for arg in argv[1:]:
         key, eq, value = arg.partition("=")
+        if key.startswith("+") and key.lstrip("+") == "experiment":  # Hydra's answer is advice for YAML
+            _fail(f"{arg}: experiment is a setting already; write {arg.lstrip('+')}")
+        plain_list = eq and "," in value and _PLAIN.match(value) and not key.startswith(("hydra", "-"))
+        if plain_list and not multirun:  # Hydra's "Ambiguous value" page
+            _fail(f"{arg}: a comma list is a sweep; run it with -m (python run.py -m ... {arg})")
         if key.lstrip("+") == "experiment" and eq:
             if multirun and "," in value:  # Hydra would run one job per sweep, each with neither's lists
                 _fail(f"{arg}: one named sweep at a time (python run.py -m experiment=<name>)")
@@ -169,6 +177,12 @@ def preflight(argv: list[str]) -> list[str]:
             continue
         bare = key.lstrip("+")
         root = bare.split(".", 1)[0]
+        if root == "extra" and not key.startswith("+"):  # Hydra: "Key 'tag' is not in struct (extra has )"
+            _fail(f"{arg}: extra holds tags of your own; add one with a +: +extra.<tag>=<value>")
+        if bare in BOOLEANS and _PLAIN.match(value):  # OmegaConf reads yes, on, 2 and -1 as true
+            for v in value.split(","):
+                if v.lower() not in ("true", "false"):
+                    _fail(f"{bare}={v}: expected true or false")
         if multirun and bare == "records_dir" and ("," in value or value.startswith(("choice(", "glob("))):
             # the sweep checks and locks its records_dir before the first job, against a second writer
             _fail(f"{arg}: a sweep writes one records_dir, which it locks; run one sweep per folder")
