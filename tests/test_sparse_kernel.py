@@ -242,3 +242,18 @@ def test_without_a_compiler_sparse_falls_back_and_impl_kernel_is_unavailable(mon
     assert _rel(out, _expected(q, k, v, rows, 8, False, None)) <= 1e-5
     with pytest.raises(Unavailable, match="^sparse impl=kernel: the block-sparse kernel could not be built"):
         variants.build("sparse", impl="kernel").check(Workload(1, 2, 50, 50, 8, 8))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "knobs", [{"window": 2**32}, {"window": 2, "sink_tokens": 2**31}], ids=["window", "sinks"]
+)
+def test_a_band_or_sinks_past_the_keys_reach_the_kernel_as_they_are(knobs):
+    """The C side takes ints: a window of 2**32 was read as 0, 2**31 sinks as none (3.7 and 2.3 off)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    attn = variants.build("local_window", **knobs)
+    with torch.no_grad():
+        out = attn(q, k, v, causal=False)
+    assert attn.describe()["impl_ran"] == "kernel"
+    assert _rel(out, _band_expected(q, k, v, 40, 0, False, None)) <= 1e-5  # every key: full attention

@@ -14,6 +14,8 @@ see no key outputs zeros with zero gradients.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -32,6 +34,25 @@ class Unsupported(Exception):
 class Unavailable(Exception):
     """The device or a library the variant needs is not there, or cannot load (a fact about the
     machine, not the variant); the reason says what is missing and how to get it."""
+
+
+def first_order_only(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate the ``backward`` of an autograd Function computed outside autograd (a C or Triton
+    kernel, a loop over tensors its forward made without a graph). Under ``create_graph=True`` such a
+    backward returns gradients with no graph, so a loss that reads them (a gradient penalty, a
+    Hessian-vector product) silently lost that term (1.0-3.2 off here); torch's ``once_differentiable``
+    does not catch it when the incoming gradient is a constant. It is refused instead, in one line."""
+
+    @functools.wraps(backward)
+    def checked(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():  # the engine runs a backward in grad mode only for create_graph
+            raise Unsupported(
+                "no second derivative: this variant's backward is computed outside autograd (a loss "
+                "that reads gradients needs a variant autograd differentiates, e.g. naive or sdpa's math)"
+            )
+        return backward(ctx, *grads)
+
+    return checked
 
 
 @dataclass(frozen=True)

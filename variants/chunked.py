@@ -54,6 +54,7 @@ from .base import (
     Unavailable,
     Unsupported,
     Workload,
+    first_order_only,
     repeat_kv,
     sinks_as_first_key,
 )
@@ -199,6 +200,7 @@ class _ChunkedAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @first_order_only  # its gradients carry no graph: a second derivative is refused, never wrong
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse, kpm, am, bw, docs = ctx.saved_tensors
         causal, q_chunk, k_chunk, scale, cap, spans = ctx.cfg

@@ -29,9 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .base import Workload
+from .base import Workload, first_order_only
 
 try:
     import triton
@@ -540,7 +539,7 @@ class _TritonChunked(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative is an error, not a wrong one
+    @first_order_only  # its gradients carry no graph: a second derivative is refused, never wrong
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse, kpm, am, bias, sinks = ctx.saved_tensors
         causal, scale, cap = ctx.cfg

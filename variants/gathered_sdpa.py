@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .base import first_order_only
 from .masks import additive_mask, blocks_per_chunk
 
 #: under autograd a chunk is 1 / GRAD_SHARE of the forward's: its backward holds the gathered copies,
@@ -86,6 +87,7 @@ class _GatheredSdpa(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only  # its gradients carry no graph: a second derivative is refused, never wrong
     def backward(ctx, grad_out):
         q, k, v, out, key_idx, blocked, *lses = ctx.saved_tensors
         step, scale = ctx.step, ctx.scale

@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from .base import Workload
+from .base import Workload, first_order_only
 from .ckernel import CKernel
 from .masks import document_bounds, document_starts
 
@@ -140,8 +140,24 @@ def _sizes(q, k, v, block, scale, causal, window, sinks) -> tuple:
     """The arguments both entry points end with (see the C source)."""
     b, h, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    window = -1 if window is None else window
-    return b, h, hkv, nq, nk, d, dv, block, scale, int(causal), window, sinks, torch.get_num_threads()
+    # the C side takes ints: a window or sink count past Nk means the same as Nk, and a larger Python
+    # int would wrap (a window of 2**32 read as 0, 2**31 sinks as none)
+    window = -1 if window is None else min(window, nk)
+    return (
+        b,
+        h,
+        hkv,
+        nq,
+        nk,
+        d,
+        dv,
+        block,
+        scale,
+        int(causal),
+        window,
+        min(sinks, nk),
+        torch.get_num_threads(),
+    )
 
 
 def _check(rc: int) -> None:
@@ -160,6 +176,7 @@ class _KernelAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only  # its gradients carry no graph: a second derivative is refused, never wrong
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         rows, block, causal, kpm, ds, scale, window, sinks = ctx.args
