@@ -10,6 +10,10 @@
 #   OUT=/tmp/out PART=gpu bash scripts/device_checks.sh  (experiment=gpu's forward, gpu_train in bf16)
 # Wheels of what the GPU image lacks (hydra-core, omegaconf, antlr4, xformers) are read from .whl/.
 set -u
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without starting any work
+    sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0
+fi
 OUT=${OUT:-/tmp/out}
 W=/tmp/gpu  # records and logs, packed into $OUT/gpu.tar.gz
 mkdir -p "$OUT" "$W"

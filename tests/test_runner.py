@@ -1410,3 +1410,17 @@ def test_the_gpu_in_the_environment_is_the_one_torch_calls_device_0(monkeypatch)
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
         calls = len(asked)
         assert environment.gpu_info() == {} and len(asked) == calls
+
+
+def test_the_defaults_docs_list_are_the_composed_config_s():
+    """docs/running.md lists every setting's default; the schema writes them once, and this keeps the
+    list true."""
+    cfg = job_cfg()
+    text = (ROOT / "docs" / "running.md").read_text()
+    listed = text.split("<!-- defaults -->\n", 1)[1].split("\n<!-- /defaults -->", 1)[0]
+    pairs = dict(item.strip("` ").split("=", 1) for item in listed.replace("\n", " ").split(", "))
+
+    def shown(v: object) -> str:
+        return "null" if v is None else v if isinstance(v, str) else json.dumps(v)
+
+    assert pairs == {k: shown(v) for k, v in cfg.items() if k != "variant"}

@@ -110,6 +110,17 @@ def test_xformers_gate_check_help_runs_nothing() -> None:
     assert "CUDA GPU and xformers" in p.stdout
 
 
+def test_the_device_checks_help_runs_nothing(tmp_path: Path) -> None:
+    """--help was ignored: the script began installing wheels and, on a GPU machine, its 10-minute checks."""
+    p = subprocess.run(
+        ["bash", "scripts/device_checks.sh", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-600:]
+    assert p.stdout.startswith("The GPU checks of the open issues") and "PART=train" in p.stdout
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
 def test_a_contender_that_cannot_run_is_left_out_and_the_others_are_timed(monkeypatch, capsys, tmp_path):
     """On a lent GPU one contender's error (a kernel refused, a library missing) must not end the
     script before the others are timed: it is left out with its reason, and the JSON keeps the rest."""
