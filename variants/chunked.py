@@ -263,6 +263,8 @@ class ChunkedAttention(AttentionVariant):
             self.dtypes = frozenset(chunked_triton.DTYPES)
         self.query_chunk = query_chunk
         self.key_chunk = key_chunk
+        # chunks set by hand size the PyTorch path: auto then runs it, for calls and for decodes
+        self._chunks_set = (query_chunk, key_chunk) != (CHUNK, CHUNK)
         self.decode = decode
         self.impl = impl
         self.decode_ran: str | None = None
@@ -291,7 +293,7 @@ class ChunkedAttention(AttentionVariant):
         reference, with ``impl_note`` saying why)."""
         if self.impl != "auto" or w.device != "cuda":
             return "reference" if self.impl == "auto" else self.impl
-        if (self.query_chunk, self.key_chunk) != (CHUNK, CHUNK):
+        if self._chunks_set:
             self.impl_note = "query_chunk/key_chunk were set: they size the reference path, which ran"
         else:
             self.impl_note = chunked_triton.refusal(w)
@@ -310,7 +312,7 @@ class ChunkedAttention(AttentionVariant):
         """Why a decode call ``w`` off the Triton path does not run the CPU decode kernel, or None:
         ``decode=auto`` leaves it to the PyTorch path when the chunks were set by hand (they size that
         path; the kernel splits the keys by its own ranges)."""
-        if self.decode == "auto" and (self.query_chunk, self.key_chunk) != (CHUNK, CHUNK):
+        if self.decode == "auto" and self._chunks_set:
             return "query_chunk/key_chunk were set: they size the PyTorch path, which ran"
         return decode_kernel.unusable(w)
 

@@ -143,21 +143,8 @@ def _sizes(q, k, v, block, scale, causal, window, sinks) -> tuple:
     # the C side takes ints: a window or sink count past Nk means the same as Nk, and a larger Python
     # int would wrap (a window of 2**32 read as 0, 2**31 sinks as none)
     window = -1 if window is None else min(window, nk)
-    return (
-        b,
-        h,
-        hkv,
-        nq,
-        nk,
-        d,
-        dv,
-        block,
-        scale,
-        int(causal),
-        window,
-        min(sinks, nk),
-        torch.get_num_threads(),
-    )
+    sinks = min(sinks, nk)
+    return b, h, hkv, nq, nk, d, dv, block, scale, int(causal), window, sinks, torch.get_num_threads()
 
 
 def _check(rc: int) -> None:

@@ -349,6 +349,11 @@ def is_false(v: object) -> bool:
     return isinstance(v, (bool, np.bool_)) and not v
 
 
+def is_true(v: object) -> bool:
+    """True only for a real True (a flag such as ``unstable`` is True, False, or missing: NaN)."""
+    return isinstance(v, (bool, np.bool_)) and bool(v)
+
+
 def status_counts(df: pd.DataFrame) -> pd.Series:
     """Number of records per status, known statuses first; ``ok`` rows that failed the check count as
     ``ok (invalid)``."""

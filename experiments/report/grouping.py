@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import pandas as pd
 
 from ..measure.canary import SLOW_RATIO
 from ..measure.machine_load import LOADED_CORES
-from ..records.store import WORKLOAD, is_false
+from ..records.store import WORKLOAD, is_false, is_true
 
 #: a CPU figure whose process ran on fewer than this share of its threads' cores (CPU time over wall
 #: time, ``<fig>_cpu_per_wall``) is flagged too: its threads waited, or other work pushed them off
@@ -211,7 +210,7 @@ def marks(row: pd.Series) -> str:
     mark = " *" if beside_work(row) else ""
     if slow_machine(row):
         mark += " ~"
-    if row.get("unstable") is True or row.get("unstable") is np.True_:  # a row of a bool column: numpy's
+    if is_true(row.get("unstable")):
         mark += " unstable"
     return mark
 

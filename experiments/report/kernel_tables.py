@@ -17,7 +17,7 @@ import pandas as pd
 
 from ..measure.canary import SLOW_RATIO
 from ..records.rounds import numeric as _col
-from ..records.store import is_false, status_counts
+from ..records.store import is_false, is_true, status_counts
 from .format import Section, num, sci
 from .grouping import (
     GROUP_BASE,
@@ -332,7 +332,7 @@ def _flag(df: pd.DataFrame, col: str) -> pd.Series:
     """A figure's boolean flag (``<fig>_unstable``) per row: True only where recorded True."""
     if col not in df:
         return pd.Series(False, index=df.index)
-    return df[col].map(lambda v: v is True or v is np.True_).astype(bool)
+    return df[col].map(is_true).astype(bool)
 
 
 def decode_table(df: pd.DataFrame) -> Section:
