@@ -77,18 +77,20 @@ class NeedsHiddenGpuAttention(NaiveAttention):
 
 
 class ShakyOnceAttention(NaiveAttention):
-    """In the first process that calls it, calls sleep 1 ms sixteen at a time, then 4 ms sixteen at a
+    """In the first process that calls it, calls sleep 1 ms sixteen at a time, then 8 ms sixteen at a
     time, and so on, for 200 calls; then 1 ms and 2 ms the same way for 200 calls, and again. A
     window of its calls is never stable, however many calls came before it (a figure timed again
     after a window that page-faulted included) and however many calls the timer averages into one
     sample: torch's timer takes 10 or, where its overhead estimate comes out larger (a busy
     machine), 100. Ten calls span parts of two runs of sixteen; a hundred average those runs out,
-    but a window of four or more such samples spans both halves of the 400-call cycle (2.5 and 1.5 ms
-    a call on average). In later processes a steady 1 ms (a sleep: steadier on a busy 2-core CI
-    machine than the microseconds of the attention itself): a job with ``retry_unstable=1`` must
-    come out stable. The first caller writes its pid to a marker file, ``$ATTNBENCH_SHAKY_MARKER``; a
-    later one writes its own to that path + ``.later``, so a test can tell a fresh process measured
-    without timing anything."""
+    but a window of four or more such samples spans both halves of the 400-call cycle (4.5 and 1.5 ms
+    a call on average): its IQR is at least 25% of its median, whatever the phase. (With 4 ms in
+    place of 8, a window half in each half came out at 12.5%, and noise took one under the 10% rule.)
+    In later processes a steady 1 ms (a sleep: steadier on a busy 2-core CI machine than the
+    microseconds of the attention itself): a job with ``retry_unstable=1`` must come out stable. The
+    first caller writes its pid to a marker file, ``$ATTNBENCH_SHAKY_MARKER``; a later one writes its
+    own to that path + ``.later``, so a test can tell a fresh process measured without timing
+    anything."""
 
     calls = 0
 
@@ -101,7 +103,7 @@ class ShakyOnceAttention(NaiveAttention):
             if f.read() == str(os.getpid()):
                 ShakyOnceAttention.calls += 1
                 n = ShakyOnceAttention.calls
-                slow = 0.004 if n // 200 % 2 == 0 else 0.002
+                slow = 0.008 if n // 200 % 2 == 0 else 0.002
                 time.sleep(slow if n // 16 % 2 else 0.001)
             else:
                 with open(marker + ".later", "w") as later:

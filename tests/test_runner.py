@@ -1172,7 +1172,7 @@ def test_an_unstable_job_is_measured_again_in_a_fresh_process(tmp_path, monkeypa
     f = rec["figures"]
     assert f["attempts"] == retries + 1
     if retries:
-        # the first process slept 1 or 4 ms, sixteen calls at a time: its figure, kept beside the
+        # the first process slept 1 or 8 ms, sixteen calls at a time: its figure, kept beside the
         # stable one, was not stable
         (first,) = f["earlier_attempts"]
         assert first["fwd_unstable"] and first["fwd_median_s"] >= 0.001
