@@ -4,6 +4,7 @@ parameter budget, training with every registered variant, statuses, records, and
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import subprocess
@@ -528,3 +529,30 @@ def test_a_random_draw_follows_the_task_seed():
     spec = replace(task_spec("copy", 32, "performer", steps=2), seed=2)
     assert measure(spec)["figures"]["core_knobs"]["seed"] == 2000
     assert "seed" not in measure(task_spec("copy", 32, "sdpa", steps=2))["figures"]["core_knobs"]
+
+
+def test_a_core_the_budget_shrank_is_labelled_with_the_size_it_trained_at():
+    """A row's label names the configured knobs: additive(hidden=64) trained at hidden=63 passed for
+    hidden=64. The draw's seed, which moves with the task seed by design, is not a shrink."""
+    from experiments.report.task_section import task_rows
+
+    task = {"name": "recall", "steps": 1000, "causal": False}
+    rows = [
+        ("additive", {"hidden": 64}, {"hidden": 63}),
+        ("additive", {"hidden": 8}, {"hidden": 8}),
+        ("linformer", {"max_len": 128}, {"max_len": 128, "proj_len": 20}),  # default shrunk
+        ("sparse", {"seed": 0}, {"seed": 1000}),
+    ]
+    df = pd.DataFrame(
+        [
+            {"kind": "task", "variant": v, "variant_name": v, "task": task, "seq_len": 128}
+            | {"knobs": json.dumps(k), "core_knobs": json.dumps(used)}
+            for v, k, used in rows
+        ]
+    )
+    assert list(task_rows(df)["variant_label"]) == [
+        "additive [trained at hidden=63]",
+        "additive",
+        "linformer [trained at proj_len=20]",
+        "sparse",
+    ]

@@ -113,8 +113,28 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
     sub["_where"] = varying_text(sub, PLACE)
     name = _variant_col(sub)
     sub["_variant_base"] = name.where(~causal, name + " (causal)")
-    sub["variant_label"] = (name + sub["_where"]).where(~causal, name + sub["_where"] + " (causal)")
+    shrunk = _shrunk_text(sub)
+    sub["variant_label"] = (name + shrunk + sub["_where"]).where(
+        ~causal, name + shrunk + sub["_where"] + " (causal)"
+    )
     return sub
+
+
+def _shrunk_text(sub: pd.DataFrame) -> pd.Series:
+    """`` [hidden=63]`` where the parameter budget shrank a core knob below its configured value (the
+    record's ``core_knobs`` against its config's knobs; the draw ``seed`` moves by design), else ``""``.
+    A label names the configured setting, so without this a shrunk core would pass for it."""
+
+    def text(configured: Any, used: Any) -> str:
+        conf, used = obj(configured), obj(used)
+        if not isinstance(conf, dict) or not isinstance(used, dict):
+            return ""
+        changed = [f"{k}={v}" for k, v in used.items() if k != "seed" and (k not in conf or conf[k] != v)]
+        return f" [trained at {', '.join(changed)}]" if changed else ""
+
+    if "core_knobs" not in sub:
+        return pd.Series("", index=sub.index, dtype=object)
+    return pd.Series([text(c, u) for c, u in zip(sub["knobs"], sub["core_knobs"], strict=True)], index=sub.index)
 
 
 # ---------------------------------------------------------------------------------------------- table
