@@ -66,7 +66,7 @@ def test_each_speedup_says_whether_it_is_outside_the_two_runs_noise(compared):
 
 
 def test_the_comparison_counts_its_verdicts(compared):
-    assert compared.note.startswith("1 faster, 1 slower, 2 within noise, 1 on a slow machine (of 5 compared)")
+    assert compared.note.startswith("1 faster, 1 slower, 2 within noise (of 4 compared); not compared: 1 on a slow machine")
     assert "`≈`: within the two runs' noise" in compared.note
 
 
@@ -148,7 +148,7 @@ def test_a_time_either_side_marks_is_not_counted_as_a_change():
     verdicts = sec.data.set_index("seq_len")["verdict"].to_dict()
     assert verdicts == {256: "beside other work", 512: "unstable", 1024: "beside other work", 2048: "slower"}
     assert sec.note.startswith(
-        "0 faster, 1 slower, 0 within noise, 2 beside other work, 1 unstable (of 4 compared)"
+        "0 faster, 1 slower, 0 within noise (of 1 compared); not compared: 2 beside other work, 1 unstable"
     )
     (speedup,) = [tab for heading, tab in sec.parts if "speedup" in heading]
     assert speedup.loc["naive"].tolist() == ["0.50x *", "0.50x unstable", "0.50x *", "0.50x"]

@@ -307,9 +307,9 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
 
 
 def verdict_summary(verdicts: pd.Series, named: dict[str, list[str]] | None = None) -> str:
-    """``3 faster, 1 slower, 5 within noise, 2 on a slow machine (of 11 compared)`` (and those beside
-    other work or unstable, where any), how many cells hold the same record on both sides (not
-    compared), and the cells that now fail (ok in the baseline) or only the baseline has, with the
+    """``3 faster, 1 slower, 5 within noise (of 9 compared); not compared: 2 on a slow machine`` (and
+    those beside other work or unstable, where any), how many cells hold the same record on both sides
+    (not compared), and the cells that now fail (ok in the baseline) or only the baseline has, with the
     first few of them ``named`` (verdict -> cell names)."""
     n = verdicts.value_counts()
     parts = [
@@ -317,13 +317,19 @@ def verdict_summary(verdicts: pd.Series, named: dict[str, list[str]] | None = No
         f"{n.get('slower', 0)} slower",
         f"{n.get('within noise', 0)} within noise",
     ]
-    for verdict, text in (("slow machine", "on a slow machine"), ("beside other work", "beside other work")):
-        if n.get(verdict, 0):
-            parts.append(f"{n[verdict]} {text}")
-    if n.get("unstable", 0):
-        parts.append(f"{n['unstable']} unstable")
-    apart = ("same record", NOW_FAILING, BASELINE_ONLY)  # not a comparison of two times
-    text = ", ".join(parts) + f" (of {int(n.sum() - sum(n.get(v, 0) for v in apart))} compared)"
+    compared = sum(n.get(v, 0) for v in ("faster", "slower", "within noise"))
+    text = ", ".join(parts) + f" (of {int(compared)} compared)"
+    marked = [  # a marked time's difference may be the machine's: counted, not compared
+        f"{n[verdict]} {words}"
+        for verdict, words in (
+            ("slow machine", "on a slow machine"),
+            ("beside other work", "beside other work"),
+            ("unstable", "unstable"),
+        )
+        if n.get(verdict, 0)
+    ]
+    if marked:
+        text += "; not compared: " + ", ".join(marked)
     for verdict, what in ((NOW_FAILING, "ok in the baseline"), (BASELINE_ONLY, "no record now")):
         if n.get(verdict, 0):
             names = (named or {}).get(verdict, [])
