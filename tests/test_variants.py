@@ -455,6 +455,26 @@ def test_every_knob_of_a_built_in_variant_is_documented():
     assert built_in and not missing, f"knobs missing from docs/variants.md's Knobs table: {missing}"
 
 
+def test_the_knob_tables_defaults_are_the_constructors():
+    """docs/variants.md's `default` column says, in the command line's spelling (``null``, ``true``),
+    each knob's constructor default; a default changed in code and not in the table fails here."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
+    table = doc.split("## Knobs", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \| ([^|]+) \|", table, re.M)
+    assert len(rows) > 40
+    for name, knobs, defaults in rows:
+        params = inspect.signature(variants.get(name).__init__).parameters
+        written = [yaml.safe_load(d) for d in re.findall(r"`([^`]*)`", defaults)]
+        expected = [params[k].default for k in re.findall(r"`(\w+)`", knobs)]
+        assert written == expected, f"{name} {knobs}: the table says {written}, the constructor {expected}"
+
+
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
 def test_cross_attention_is_one_query_against_another_sequence(vp):
     """``cross=True``: a variant that claims it gives each query the same output whatever queries
