@@ -86,8 +86,9 @@ already built on it must not change): other knobs get a name of their own, ``reg
 64})`` -> ``attnbench_local_window@window=64``. flex compiles per shape by default, so decoding (a new key
 length every token) recompiles: pass ``{"flex": {"compile": False}}`` on the CPU.
 
-Two variants in one model (stateless ones): :func:`register_layers` puts one on the layers whose mask
-is a sliding window (Gemma2/3, Qwen2, Mistral, Ministral with ``layer_types``) and another on the rest
+Two variants in one model (stateless ones): :func:`register_layers` puts one on the layers the model
+calls sliding (Gemma2/3, Qwen2, Mistral, Ministral: their ``sliding_window`` keyword or
+``layer_types``; a model that says neither: those whose mask is a window) and another on the rest
 (:func:`implementation_for_roles` names a pair by its settings);
 :func:`register_by_layer` (or :func:`implementation_for_layers`) picks one per layer index, for a
 model without sliding layers of its own (a local/global mix imposed on a BERT encoder).
@@ -587,7 +588,12 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
             raise Unsupported(
                 f"{_where(name, module)}: attnbench variants have no attention dropout ({dropout=})"
             )
-        if kwargs.get("output_attentions"):  # the caller would read an empty tuple as the weights
+        # the keyword, else the model's config (transformers then gathers weights from the layers'
+        # outputs without telling the attention function: the caller got an empty tuple)
+        wants = kwargs.get(
+            "output_attentions", getattr(getattr(module, "config", None), "output_attentions", False)
+        )
+        if wants:  # the caller would read an empty tuple as the weights
             raise Unsupported(
                 f"{_where(name, module)}: output_attentions=True, but attnbench variants return no "
                 "attention weights (attn_implementation='eager' does)"
@@ -614,7 +620,8 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
         kw = _mask_args(module, attention_mask, query.shape[2], key.shape[2], kwargs.get("is_causal"))
         mix = _LAYERS.get(name)
         if mix is not None:
-            variant = mix["sliding" if "window" in kw else "full"]
+            role = _layer_role(module, kwargs) or ("sliding" if "window" in kw else "full")
+            variant = mix[role]
         elif name in _BY_INDEX:
             variant = _by_index(name, module)
         else:
@@ -687,8 +694,9 @@ def register_as(alias: str, name: str, **knobs: Any) -> str:
 def register_layers(
     alias: str, sliding: str | tuple[str, dict[str, Any]], full: str | tuple[str, dict[str, Any]]
 ) -> str:
-    """Register ``attnbench_<alias>``: variant ``sliding`` on a model's sliding-window layers (those
-    whose mask is a window: Gemma2/3, Qwen2, Mistral) and ``full`` on every other layer, each a name
+    """Register ``attnbench_<alias>``: variant ``sliding`` on a model's sliding-window layers (as the
+    model calls them: Gemma2/3, Qwen2, Mistral; else those whose mask is a window) and ``full`` on
+    every other layer, each a name
     or ``(name, knobs)``; stateless variants only. Gemma's local/global mix with any pair, e.g.
     ``register_layers("mix", ("local_window", {"window": 4096}), "sdpa")``. Fixed once registered,
     as in :func:`register`. Returns the implementation name."""
@@ -769,6 +777,23 @@ def layer_list(name: str) -> list[AttentionVariant]:
     if name not in _BY_INDEX:
         raise ValueError(f"{implementation(name)} is not a register_by_layer name (one variant per layer)")
     return list(_BY_INDEX[name])
+
+
+def _layer_role(module: nn.Module, kwargs: dict[str, Any]) -> str | None:
+    """``"sliding"`` or ``"full"`` as the model itself calls the layer: its ``sliding_window`` keyword
+    (Gemma2/3, Mistral, Qwen2, Ministral pass it, None on full layers), else its config's
+    ``layer_types`` at its ``layer_idx``; None when the model says neither (then the mask decides).
+    Not the mask alone: a full layer's mask over fewer keys than the window equals the band (a
+    bidirectional Gemma3 of 5 tokens sent its full layers to the sliding variant)."""
+    if "sliding_window" in kwargs:
+        return "sliding" if kwargs["sliding_window"] else "full"
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
+        kind = str(types[idx])
+        if kind in ("sliding_attention", "full_attention"):
+            return "sliding" if kind == "sliding_attention" else "full"
+    return None
 
 
 def _by_index(name: str, module: nn.Module) -> AttentionVariant:

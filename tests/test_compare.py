@@ -66,7 +66,9 @@ def test_each_speedup_says_whether_it_is_outside_the_two_runs_noise(compared):
 
 
 def test_the_comparison_counts_its_verdicts(compared):
-    assert compared.note.startswith("1 faster, 1 slower, 2 within noise (of 4 compared); not compared: 1 on a slow machine")
+    assert compared.note.startswith(
+        "1 faster, 1 slower, 2 within noise (of 4 compared); not compared: 1 on a slow machine"
+    )
     assert "`≈`: within the two runs' noise" in compared.note
 
 

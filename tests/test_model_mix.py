@@ -95,6 +95,44 @@ def test_the_mix_runs_each_variant_on_its_layers_and_matches_eager():
             assert (wrong(ids).logits - ref).abs().max() > 100 * TOL
 
 
+@pytest.mark.parametrize("n", [4, 12])
+def test_a_full_layer_runs_the_full_variant_even_where_its_mask_looks_like_the_window(n):
+    """A bidirectional Gemma3 (EmbeddingGemma's setting): a full layer's mask over n <= radius + 1
+    keys equals the sliding layers' band, and the mix sent that layer to the sliding variant (0.97 off
+    eager). The model names each layer's kind; eager gets the two masks the mix means."""
+    from transformers import AutoModel, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+        use_bidirectional_attention=True, initializer_range=0.1,
+    )  # fmt: skip
+    impl = hf.implementation_for_roles(("local_window", {"window": 1}), "sdpa")
+    calls = {"sliding": 0, "full": 0}
+    for role, inst in hf.layer_roles(impl).items():
+        inst.register_forward_hook(lambda *_, role=role: calls.__setitem__(role, calls[role] + 1))
+    torch.manual_seed(0)
+    eager = AutoModel.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    model = AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+    model.load_state_dict(eager.state_dict())
+    ids = torch.randint(1, 64, (1, n), generator=torch.Generator().manual_seed(1))  # (1, n)
+    i = torch.arange(n)
+
+    def additive(keep: torch.Tensor) -> torch.Tensor:  # (n, n) bool -> (1, 1, n, n) float
+        return torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[None, None]
+
+    masks = {
+        "sliding_attention": additive((i[:, None] - i[None, :]).abs() <= 1),  # local_window's radius 1
+        "full_attention": additive(torch.ones(n, n, dtype=torch.bool)),
+    }
+    with torch.inference_mode():
+        ref = eager(ids, attention_mask=masks).last_hidden_state
+        got = model(ids).last_hidden_state
+    assert calls == {"sliding": 1, "full": 1}
+    assert (got - ref).abs().max() < TOL
+
+
 @pytest.mark.parametrize("lengths", [[[3, 5], [4, 4]], [[5, 6, 5], [8, 8]]], ids=["row=W", "row=2W"])
 def test_packed_documents_shorter_than_the_window_run_each_layer_on_its_variant(lengths):
     """Packed sequences (position_ids restarting) whose every document fits in the window W=8: the
@@ -297,8 +335,21 @@ def test_a_mix_job_records_its_figures_and_two_models_stay_two_rows():
     "model,msg",
     [
         ({"full_every": 2}, "need model.sliding_window"),
-        ({"sliding_window": 0}, "model.sliding_window must be an integer >= 1"),
+        ({"sliding_window": 0}, "model.sliding_window must be at least 2"),
+        # transformers' sliding cache keeps every key for W=1: each decode failed after the prefill
+        ({"sliding_window": 1}, "model.sliding_window must be at least 2"),
+        ({"sliding_window": "8"}, "model.sliding_window must be an integer"),
+        # every layer full: the job's variant ran nowhere and the job failed after the whole run
+        (
+            {"sliding_window": 4, "full_every": 1, "full_variant": "sdpa"},
+            "the job's variant would run on no layer",
+        ),
+        (
+            {"sliding_window": 4, "full_every": 5, "full_variant": "sdpa"},
+            "would run on no layer: no layer of 4",
+        ),
         ({"sliding_window": 8, "full_every": 0}, "model.full_every must be an integer >= 1"),
+        ({"sliding_window": 8, "full_every": True}, "model.full_every must be an integer >= 1"),
         ({"sliding_window": 8, "full_variant": "nope"}, "model.full_variant='nope' is not a variant"),
         ({"sliding_window": 8, "full_variant": "additive"}, "has learned parameters"),
         ({"rolling_cache": "yes"}, "model.rolling_cache must be true or false"),

@@ -243,6 +243,13 @@ def test_output_attentions_is_refused_not_answered_with_no_weights():
         model(ids, output_attentions=True)
     with torch.inference_mode():
         assert model(ids, output_attentions=False)[0].shape[:2] == (1, 8)
+    # asked through the config, transformers gathers the weights without telling the attention
+    # function: the answer was an empty tuple; the keyword, where given, still decides
+    model = _model(LlamaConfig(**LLAMA, output_attentions=True), hf.implementation_for("sdpa", {}))
+    with torch.inference_mode(), pytest.raises(variants.Unsupported, match="return no attention weights"):
+        model(ids)
+    with torch.inference_mode():
+        assert model(ids, output_attentions=False)[0].shape[:2] == (1, 8)
 
 
 def _attnbench_model(name, knobs=None, key=None):

@@ -88,6 +88,38 @@ def layer_types(layers: int, full_every: int | None) -> list[str]:
     return [FULL if full_every and (i + 1) % full_every == 0 else SLIDING for i in range(layers)]
 
 
+def check_mix(
+    layers: int, sliding_window: int | None, full_every: int | None, full_variant: str | None
+) -> None:
+    """One-line ``ValueError`` for a layer mix that cannot run as asked, before any work: full layers
+    or their variant without a window; a window under 2 keys (transformers' sliding cache keeps every
+    key for a window of 1: ``keys[-0:]``, so its masks and cache disagree at the first decode); a
+    ``full_variant`` on a model with no full layer (it would run nowhere) or with no sliding layer
+    (``full_every=1``: the job's own variant would run nowhere, and the job end after the run)."""
+    if sliding_window is None and (full_every is not None or full_variant is not None):
+        raise ValueError(
+            "model.full_every and model.full_variant need model.sliding_window (without it every layer "
+            "is full)"
+        )
+    if sliding_window is not None and sliding_window < 2:
+        raise ValueError(
+            f"model.sliding_window must be at least 2 keys per query, got {sliding_window} (transformers' "
+            "sliding-window cache keeps every key for a window of 1)"
+        )
+    if full_variant is not None:
+        kinds = layer_types(layers, full_every)
+        if FULL not in kinds:
+            raise ValueError(
+                f"model.full_variant={full_variant!r} would run on no layer: no layer of {layers} is full "
+                f"with model.full_every={full_every}"
+            )
+        if SLIDING not in kinds:
+            raise ValueError(
+                f"every layer is full with model.full_every={full_every}: the job's variant would run on no "
+                "layer, only model.full_variant; drop model.full_variant, or set model.full_every above 1"
+            )
+
+
 def model_config(
     *,
     layers: int,
@@ -292,8 +324,7 @@ def measure_llama(
             "need new_tokens, prefill_len and prefill_runs >= 1; got "
             f"{new_tokens}, {prefill_len}, {prefill_runs}"
         )
-    if sliding_window is None and (full_every is not None or full_variant is not None):
-        raise ValueError("full_every and full_variant need sliding_window (a model without sliding layers)")
+    check_mix(layers, sliding_window, full_every, full_variant)
     cfg = model_config(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
         sliding_window=sliding_window, full_every=full_every,

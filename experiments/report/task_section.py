@@ -134,7 +134,9 @@ def _shrunk_text(sub: pd.DataFrame) -> pd.Series:
 
     if "core_knobs" not in sub:
         return pd.Series("", index=sub.index, dtype=object)
-    return pd.Series([text(c, u) for c, u in zip(sub["knobs"], sub["core_knobs"], strict=True)], index=sub.index)
+    return pd.Series(
+        [text(c, u) for c, u in zip(sub["knobs"], sub["core_knobs"], strict=True)], index=sub.index
+    )
 
 
 # ---------------------------------------------------------------------------------------------- table

@@ -146,6 +146,7 @@ def _validate_model(conf: BenchConfig) -> None:
     is the job's to refuse, as ``unsupported``."""
     import variants
 
+    from ..measure.llama_e2e import check_mix
     from ..measure.model_job import ModelSettings
 
     m = {**asdict(ModelSettings()), **dict(conf.model)}
@@ -178,16 +179,11 @@ def _validate_model(conf: BenchConfig) -> None:
             "seq_len to it)"
         )
     window, every, full = m["sliding_window"], m["full_every"], m["full_variant"]
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
         raise ValueError(
-            f"model.sliding_window must be an integer >= 1 (keys per query) or null, got {window!r}"
+            f"model.sliding_window must be an integer >= 2 (keys per query) or null, got {window!r}"
         )
-    if window is None and (every is not None or full is not None):
-        raise ValueError(
-            "model.full_every and model.full_variant need model.sliding_window (without it every layer "
-            "is full)"
-        )
-    if every is not None and (not isinstance(every, int) or every < 1):
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"model.full_every must be an integer >= 1 or null, got {every!r}")
     if full is not None:
         if full not in variants.available():
@@ -198,6 +194,7 @@ def _validate_model(conf: BenchConfig) -> None:
             raise ValueError(
                 f"model.full_variant={full!r} has learned parameters: a mix takes stateless variants"
             )
+    check_mix(m["layers"], window, every, full)
     if not isinstance(m["rolling_cache"], bool):
         raise ValueError(f"model.rolling_cache must be true or false, got {m['rolling_cache']!r}")
 
