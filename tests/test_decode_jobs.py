@@ -432,3 +432,65 @@ def test_decode_and_bandwidth_cells_carry_the_marks_of_the_figure_they_show(monk
     flagged = drawn["ms_per_token"].set_index(["variant", "seq_len", "kv_len"])["flagged"]
     assert flagged["linear", 1, 1024] and not flagged["linear", 1, 16384]
     assert flagged["sdpa", 1, 1024] and flagged["sdpa", 1, 16384] and not flagged["sdpa", 1, 4096]
+
+
+def _frame_of(results: dict) -> pd.DataFrame:
+    """A report frame of ``{(variant, nq, nk): measure() result}``, as the store flattens records."""
+    from experiments.records import store
+
+    recs = []
+    for i, ((v, nq, nk), res) in enumerate(results.items()):
+        cfg = job_cfg(variant=v, seq_len=nq, kv_len=nk, causal=True)
+        cfg.pop("hydra", None)
+        recs.append(
+            {
+                **res,
+                "config": cfg,
+                "config_hash": f"h{i}",
+                "_path": f"p{i}",
+                "started_at": f"2026-01-01T00:0{i}",
+            }
+        )
+    return store.to_frame(recs)
+
+
+def test_a_state_variant_decoding_over_padding_is_shown_as_its_forward_not_its_step():
+    """With padding the newest keys are the padded ones, so no step is timed: the decoding table
+    showed the forward over the whole context under "timed through its decoding step" (linear 4.5 ms
+    a token where its step takes under 1), unmarked."""
+    from experiments.report.kernel_tables import decode_table
+
+    shape = dict(batch=1, heads=4, kv_heads=2, head_dim=16, causal=True, min_run_time=0.02, seq_len=1)
+    res = measure(job_spec(variant="linear", kv_len=256, padding=0.1, **shape))
+    assert res["status"] == "ok", res
+    assert "step_median_s" not in res["figures"] and "padding=0.1" in res["figures"]["step_skipped"]
+    plain = measure(job_spec(variant="linear", kv_len=256, **shape))
+    assert "step_skipped" not in plain["figures"] and plain["figures"]["step_median_s"] > 0
+    df = _frame_of({("linear", 1, 256): res})
+    sec = decode_table(df)
+    (cell,) = sec.parts[0][1].loc["linear"].tolist()
+    assert " forward, no step" in cell and "`forward, no step`" in sec.note
+
+
+def test_a_variant_whose_cells_ran_different_paths_has_each_cell_tagged():
+    """chunked decodes one query per head on the C kernel and 16 (128 rows per K/V head) on its
+    PyTorch path: one row of the bandwidth table mixed the two, and nothing said which was which."""
+    from experiments.report.kernel_tables import bandwidth_table, speed_table
+
+    shape = dict(batch=1, heads=32, kv_heads=4, head_dim=32, causal=True, min_run_time=0.02, kv_len=512)
+    results = {}
+    for v, nq in (("chunked", 1), ("chunked", 16), ("sdpa", 1), ("sdpa", 16)):
+        results[v, nq, 512] = measure(job_spec(variant=v, seq_len=nq, **shape))
+        assert results[v, nq, 512]["status"] == "ok", results[v, nq, 512]
+    ran = {nq: results["chunked", nq, 512]["variant"]["decode_ran"] for nq in (1, 16)}
+    if ran[1] != "kernel":
+        pytest.skip(f"the C decode kernel did not run here: {results['chunked', 1, 512]['variant']}")
+    assert ran[16] == "torch"
+    df = _frame_of(results)
+    assert df.set_index("seq_len").loc[16].query("variant == 'chunked'")["decode_ran"].item() == "torch"
+    # one table row holds both query lengths where the length axis is N; each chunked cell is tagged
+    sec = speed_table(df)
+    text = "\n".join(tab.to_string() for _, tab in sec.parts)
+    assert "[decode=kernel]" in text and "decode=torch]" in text
+    assert all("[" not in c for _, tab in sec.parts if "sdpa" in tab.index for c in tab.loc["sdpa"])
+    assert bandwidth_table(df).parts  # the bandwidth table still draws (its rows split by query length)

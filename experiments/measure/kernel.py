@@ -299,6 +299,9 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
     fig["state_bytes"] = variant.state_bytes(w)
     if _decodes_with_state(variant, w, spec):
         fig.update(_timing_fields("step", time_call(_step_call(variant, inp, w), device, min_t)))
+    elif variant.supports_state and w.causal and w.nq < w.nk and not w.backward:
+        # the padded keys are the last ones (inputs.py), the new tokens' own among them: no step to time
+        fig["step_skipped"] = f"padding={spec.padding}: the padded keys are the newest, no decoding step"
 
     # peak memory above the inputs (and the kept graph, for bwd) during one call of the mode
     out = grads = None  # free the kept graph and gradients: they are not part of the next call

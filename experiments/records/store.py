@@ -55,6 +55,9 @@ WORKLOAD = [
 CELL_KEYS = ["env_host", *WORKLOAD, "seed", "threads", "extra", "variant_key", "seq_len"]
 # config keys that do not describe the variant's structure (shape hints follow the workload)
 _NOT_KNOBS = {"_target_", "heads", "head_dim"}
+#: a variant's record of which of its paths ran (``variant.describe()``): the tables tag a variant's
+#: cells with it where it differs between them (chunked's C decode kernel at Nq=1, its PyTorch path at 16)
+PATH_FIELDS = ("impl_ran", "decode_ran", "backend_ran")
 _NULLABLE_INT = [
     "batch",
     "tokens",
@@ -201,7 +204,8 @@ def _row(rec: dict[str, Any]) -> dict[str, Any]:
         "variant_target": vcfg.get("_target_", ""),
         "knobs": json.dumps(_knobs(vcfg), sort_keys=True, default=str),
         "exact": desc.get("exact"),
-        "backend_ran": desc.get("backend_ran"),
+        # which of a variant's paths ran (a kernel, a fallback) and why not the other
+        **{k: desc.get(k) for k in (*PATH_FIELDS, "impl_note", "decode_note")},
         "kind": record_kind(rec),
         "status": rec["status"],
         "reason": rec.get("reason"),

@@ -13,7 +13,7 @@ import pandas as pd
 
 from ..measure.canary import SLOW_RATIO
 from ..measure.machine_load import LOADED_CORES
-from ..records.store import WORKLOAD, is_false, is_true
+from ..records.store import PATH_FIELDS, WORKLOAD, is_false, is_true
 
 #: a CPU figure whose process ran on fewer than this share of its threads' cores (CPU time over wall
 #: time, ``<fig>_cpu_per_wall``) is flagged too: its threads waited, or other work pushed them off
@@ -174,6 +174,7 @@ def pivot_cells(df: pd.DataFrame, cell: Callable[[pd.Series], str]) -> pd.DataFr
         return pd.DataFrame()
     axis = length_axis(df)
     long = df.assign(_cell=df.apply(cell, axis=1), _n=lengths(df).astype("Int64"))
+    long["_cell"] = long["_cell"] + _path_tags(long)
     long = long.sort_values("started_at", na_position="first")
     table = long.pivot_table(index=_row_index(df), columns="_n", values="_cell", aggfunc="last")
     table = table.reindex(sorted(table.columns), axis=1).fillna(NO_RECORD)
@@ -181,6 +182,23 @@ def pivot_cells(df: pd.DataFrame, cell: Callable[[pd.Series], str]) -> pd.DataFr
     table.columns = [f"{label}={n}" for n in table.columns]
     table.columns.name = None
     return table.sort_index()
+
+
+def path_text(row: pd.Series) -> str:
+    """Which of its paths a variant ran for this record (:data:`~..records.store.PATH_FIELDS`), as
+    ``decode=kernel``; empty when it records none."""
+    return ", ".join(
+        f"{c.removesuffix('_ran')}={row[c]}" for c in PATH_FIELDS if isinstance(row.get(c), str) and row[c]
+    )
+
+
+def _path_tags(long: pd.DataFrame) -> pd.Series:
+    """`` [decode=torch]`` after each cell of a table row whose cells ran different paths of the
+    variant (chunked's C decode kernel at one query, its PyTorch path at 16), else nothing: one row
+    would otherwise read as one implementation's figures."""
+    path = long.apply(path_text, axis=1).astype(str).replace("", None)  # None: no path recorded
+    mixed = path.groupby([long[c] for c in _row_index(long)], dropna=False).transform("nunique") > 1
+    return (" [" + path + "]").where(mixed & path.notna(), "")
 
 
 def status_cell(row: pd.Series) -> str | None:

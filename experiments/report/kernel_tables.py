@@ -206,12 +206,12 @@ def bandwidth_table(df: pd.DataFrame) -> Section:
         "of heads), q and the bias and write the output. GB/s = those bytes / median forward time (GB = "
         "1e9 bytes); the percentages divide by the copy bandwidth (bytes read + written per second) and "
         "the read bandwidth (a sum over a large tensor: a decode's true ceiling) measured on the same "
-        "device in the same sweep. With many query heads per K/V head a decode also does 4 FLOPs per "
-        "cached element per query head, and on a CPU that can be the tighter bound: the data's "
-        "`roofline_ms` is the larger of FLOPs / GEMM rate and bytes / read rate, `bound` says which, and "
-        "`pct_of_roofline` is that time over the measured one. The bytes are full attention's: a pattern "
-        "variant that reads only part of the cache (a window, sparse blocks) can pass 100%, which says "
-        "it reads less, not that it moves bytes faster.",
+        "device in the same sweep. With many query heads per K/V head a decode also does 2 FLOPs per "
+        "cached element per query head (a multiply-add), and on a CPU that can be the tighter bound: "
+        "the data's `roofline_ms` is the larger of FLOPs / GEMM rate and bytes / read rate, `bound` "
+        "says which, and `pct_of_roofline` is that time over the measured one. The bytes are full "
+        "attention's: a pattern variant that reads only part of the cache (a window, sparse blocks) can "
+        "pass 100%, which says it reads less, not that it moves bytes faster.",
     )
     nk = _col(df, "kv_len")
     dec = df[(nk > pd.to_numeric(df["seq_len"], errors="coerce")) & (df["mode"] == "fwd")]
@@ -346,6 +346,8 @@ def decode_table(df: pd.DataFrame) -> Section:
         "Time per new token: a variant with a fixed-size state (supports_state) is timed through its "
         "decoding step on a state prefilled with the context (`step_median_s`); the others through "
         "their forward over the K/V cache (`fwd_median_s`); both divided by the queries per call. "
+        "`forward, no step`: a state variant whose step was not timed (with padding the newest keys are "
+        "the padded ones), shown by its forward over the whole context, which a decode never runs. "
         "State: the bytes one sequence keeps per layer (`state_bytes`: the K/V cache, which grows with "
         "the context, or the fixed-size state), MiB = 2^20 bytes.",
     )
@@ -357,7 +359,8 @@ def decode_table(df: pd.DataFrame) -> Section:
 
     def cell(row: pd.Series) -> str:
         graph = "" if pd.isna(row["graph_ms_per_token"]) else f", graph {num(row['graph_ms_per_token'])}"
-        return f"{num(row['ms_per_token'])} ms{marks(row)}{graph} ({num(row['state_mib'])} MiB)"
+        forward = " forward, no step" if isinstance(row.get("step_skipped"), str) else ""
+        return f"{num(row['ms_per_token'])} ms{forward}{marks(row)}{graph} ({num(row['state_mib'])} MiB)"
 
     for title, sub in groups(dec, keys):
         graphed = sub["graph_ms_per_token"].notna().any()  # this group's device replayed its calls (CUDA)
