@@ -556,3 +556,23 @@ def test_a_core_the_budget_shrank_is_labelled_with_the_size_it_trained_at():
         "linformer [trained at proj_len=20]",
         "sparse",
     ]
+
+
+def test_a_decoder_layers_cross_attention_tells_its_core_the_keys_are_another_sequence():
+    """MultiHeadAttention never passed ``cross``: a pattern core took the decoder's T queries for the
+    last T positions of the encoder's sequence (window 2: 5, 5, 4, 3 of 12 memory keys seen), where
+    the core itself refuses cross-attention. An exact core attends every memory key."""
+    from experiments.measure.tasks.model import DecoderLayer
+
+    torch.manual_seed(0)
+    y, memory = torch.randn(1, 4, 16), torch.randn(1, 12, 16)  # (B, T, E), (B, Ns, E)
+    lw = DecoderLayer(16, 2, 16, "local_window", {"window": 2}, norm_first=True)
+    with pytest.raises(variants.Unsupported, match="cross"):
+        lw(y, memory)
+    layer = DecoderLayer(16, 2, 16, "naive", {}, norm_first=True)
+    attn = layer.cross_attn
+    h = torch.randn(1, 4, 16)
+    q, k, v = (attn._split(p(x)) for p, x in ((attn.q_proj, h), (attn.k_proj, memory), (attn.v_proj, memory)))
+    w = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8**0.5, dim=-1)  # every memory key
+    ref = attn.out_proj((w @ v.double()).float().transpose(1, 2).reshape(1, 4, 16))
+    assert torch.allclose(attn(h, memory, cross=True), ref, atol=1e-5)

@@ -554,3 +554,33 @@ def test_additive_takes_its_bounded_fast_path_on_the_cpu_only():
     assert not _Sigmoids(meta, meta, step=4).fast
     small = torch.zeros(1, 2, 8, 4)
     assert _Sigmoids(small, small, step=4).fast
+
+
+@pytest.mark.parametrize("shape", [(16,), (1,), (1, 1, 1, 16)], ids=["Nk", "1", "4-d"])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float64])
+def test_sdpa_takes_a_bias_of_any_broadcastable_shape_and_dtype(shape, bias_dtype):
+    """A (Nk,) bias raised deep in torch (SDPA takes 2+ dimensions); a float32 bias beside float64
+    queries went to torch's CPU flash kernel, which misread it: 1.07 off, backend_ran flash."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (4, 16, 16))
+    bias = torch.randn(shape, generator=g).to(bias_dtype)
+    scores = q @ k.transpose(-1, -2) / 8**0.5 + bias.double()  # (1, 2, 4, 16)
+    ref = torch.softmax(scores, dim=-1) @ v
+    out = variants.build("sdpa")(q, k, v, bias=bias)
+    assert (out - ref).abs().max() < 1e-10
+
+
+def test_additives_oracle_takes_the_default_scale_the_call_takes():
+    """additive runs with scale=D**-0.5 spelled out (its default); its oracle raised a TypeError."""
+    torch.manual_seed(0)
+    attn = variants.build("additive", heads=2, head_dim=4, hidden=8)
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    out = attn(q, k, v, scale=0.5)
+    assert rel_err(out, oracle(attn, q, k, v, scale=0.5)) < 1e-5
+
+
+def test_axial_refuses_cross_attention_as_cross_attention():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 16, 8)
+    with pytest.raises(variants.Unsupported, match="no cross-attention form") as exc:
+        variants.build("axial")(q, k, k, cross=True)
+    assert "decode" not in str(exc.value)

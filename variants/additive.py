@@ -310,8 +310,10 @@ class AdditiveAttention(AttentionVariant):
         out = _AdditiveFunction.apply(qp, kp, vv, wv, masks, step)  # (B, H, Nq, Dv)
         return out.to(q.dtype)
 
-    def reference_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The naive float64 form: the full ``(B, H, Nq, Nk, hidden)`` tensor, then the dot with ``w``."""
+    def reference_scores(self, q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """The naive float64 form: the full ``(B, H, Nq, Nk, hidden)`` tensor, then the dot with ``w``.
+        ``scale`` is not used: the call takes only the default (``check``), which the scorer has no use
+        for; the hook takes it as the base class's does, so the oracle can pass it."""
         qp = torch.einsum("bhnd,hed->bhne", q.double(), self.w_q.double())  # (B, H, Nq, hid)
         kp = torch.einsum("bhnd,hed->bhne", k.double(), self.w_k.double())  # (B, H, Nk, hid)
         # rows in slices only so a long-sequence accuracy check stays within ~128 MiB per slice

@@ -73,15 +73,19 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        cross: bool = False,
     ) -> torch.Tensor:
-        """Attend ``x_q (B, Nq, E)`` to ``x_kv (B, Nk, Ekv)`` (default: ``x_q``); returns ``(B, Nq, E)``."""
+        """Attend ``x_q (B, Nq, E)`` to ``x_kv (B, Nk, Ekv)`` (default: ``x_q``); returns ``(B, Nq, E)``.
+        ``cross=True``: ``x_kv`` is another sequence (an encoder's memory), not the queries' own past,
+        so a pattern core does not place the queries at its last positions (the core's ``cross``)."""
         if x_kv is None:
             x_kv = x_q
         b, nq, _ = x_q.shape
         q = self._split(self.q_proj(x_q))  # (B, H, Nq, Dh)
         k = self._split(self.k_proj(x_kv))  # (B, H, Nk, Dh)
         v = self._split(self.v_proj(x_kv))  # (B, H, Nk, Dh)
-        out = self.core(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        kw = {"cross": True} if cross else {}
+        out = self.core(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **kw)
         # (B, H, Nq, Dh) -> (B, Nq, H, Dh) -> (B, Nq, E)
         out = out.transpose(1, 2).reshape(b, nq, self.embed_dim)
         return self.out_proj(out)

@@ -134,7 +134,7 @@ class DecoderLayer(nn.Module):
     def forward(self, y: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         # causal: position t may not see the tokens it is about to predict
         y = self.res_self(y, lambda h: self.self_attn(h, causal=True))
-        y = self.res_cross(y, lambda h: self.cross_attn(h, memory))
+        y = self.res_cross(y, lambda h: self.cross_attn(h, memory, cross=True))
         return self.res_ffn(y, self.ffn)
 
     def step(self, y: torch.Tensor, past: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
         seq = torch.cat([past, y], dim=1)  # (B, t + 1, E)
         kv = self.res_self.norm(seq) if self.res_self.norm_first else seq  # what forward's keys see
         y = self.res_self(y, lambda h: self.self_attn(h, kv))
-        y = self.res_cross(y, lambda h: self.cross_attn(h, memory))
+        y = self.res_cross(y, lambda h: self.cross_attn(h, memory, cross=True))
         return self.res_ffn(y, self.ffn)
 
 
