@@ -3,11 +3,14 @@ effect against the float64 oracle, and docs/conformance.md shows the matrix as t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from experiments.report import conformance
+from variants.registry import unregister
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "conformance.md"
 
@@ -58,3 +61,72 @@ def test_the_checks_can_fail(monkeypatch):
         conformance, "oracle", lambda attn, q, k, v, **kw: attn(q.float(), k.float(), v.float(), **kw)
     )
     assert conformance.cell("naive", "softcap").status == "IGNORED"  # and against itself it changed nothing
+
+
+@contextmanager
+def _registered(name: str, cls: type) -> Iterator[None]:
+    """``cls`` registered as ``name`` (as an entry point would) for the block, then gone again."""
+    import variants
+
+    variants.register(name)(cls)
+    try:
+        yield
+    finally:
+        unregister(name)
+
+
+def _naive() -> type:
+    import variants
+
+    return variants.get("naive")
+
+
+def test_non_finite_output_is_wrong_never_yes():
+    """NaN in one output row: its relative error was NaN, and NaN > tolerance is False, so every
+    column the variant ran said yes."""
+
+    class NanRow(_naive()):
+        def _attend(self, q, k, v, **kw):
+            out = super()._attend(q, k, v, **kw).clone()
+            out[-1, :, -1] = float("nan")  # the last query of the last sequence
+            return out
+
+    with _registered("test_nan_row", NanRow):
+        row = {f: conformance.cell("test_nan_row", f) for f in conformance.FEATURES}
+    assert not [f for f, c in row.items() if c.status == "yes"], row
+    assert row["causal"] == conformance.Cell("WRONG", "the output has NaN or Inf")
+
+
+def test_a_batched_bias_read_as_one_row_is_wrong():
+    """A variant that applies the first batch row's bias to every row is right for a per-head (H, Nq,
+    Nk) bias, the only shape the column passed: the (B, 1, Nq, Nk) one catches it."""
+
+    class FirstRowBias(_naive()):
+        def _attend(self, q, k, v, *, bias=None, **kw):
+            if bias is not None and bias.dim() == 4:  # (B|1, H|1, Nq|1, Nk): the first row for all
+                bias = bias[:1]
+            return super()._attend(q, k, v, bias=bias, **kw)
+
+    with _registered("test_first_row_bias", FirstRowBias):
+        got = conformance.cell("test_first_row_bias", "bias")
+    assert got.status == "WRONG" and got.detail.startswith("bias (2, 1, 24, 24): relative error"), got
+
+
+def test_a_variant_that_raises_is_an_error_cell_not_the_end_of_the_matrix():
+    """An ordinary exception from deep in torch (a bias reshaped to (B, H, Nq, Nk), which a per-head
+    one is not) took the whole matrix down, built-in rows included."""
+
+    class ReshapesBias(_naive()):
+        def _attend(self, q, k, v, *, bias=None, **kw):
+            if bias is not None:
+                bias = bias.view(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return super()._attend(q, k, v, bias=bias, **kw)
+
+    with _registered("test_reshapes_bias", ReshapesBias):
+        cells = conformance.matrix(["naive", "test_reshapes_bias"])
+    bias = cells["test_reshapes_bias"]["bias"]
+    assert bias.status == "ERROR" and "\n" not in bias.detail
+    assert bias.detail.startswith("RuntimeError: shape '[2, 4, 24, 24]' is invalid"), bias.detail
+    assert cells["test_reshapes_bias"]["causal"].status == "yes"  # the other columns still ran
+    assert {c.status for c in cells["naive"].values()} == {"yes", "no"}
+    assert "| ERROR |" in conformance.grid(cells)[-1]

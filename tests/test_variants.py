@@ -584,3 +584,15 @@ def test_axial_refuses_cross_attention_as_cross_attention():
     with pytest.raises(variants.Unsupported, match="no cross-attention form") as exc:
         variants.build("axial")(q, k, k, cross=True)
     assert "decode" not in str(exc.value)
+
+
+@pytest.mark.parametrize("name", ["naive", "chunked", "sdpa"])
+def test_a_bias_of_another_dtype_is_added_in_the_queries_dtype(name):
+    """A float32 bias beside bfloat16 queries raised deep in torch (naive's matmul); the bias is now
+    cast to the queries' dtype, as the scores are."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (4, 16, 16))
+    bias = torch.randn(1, 2, 4, 16, generator=g)  # float32
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5 + bias.double(), dim=-1) @ v
+    out = variants.build(name)(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias=bias)
+    assert out.dtype == torch.bfloat16 and (out.double() - ref).abs().max() < 0.05

@@ -85,13 +85,13 @@ class AxialAttention(AttentionVariant):
         return rows, n // rows
 
     def check(self, w: Workload) -> None:
-        super().check(w)  # first: cross-attention (also Nq < Nk) is refused as cross-attention
-        if w.nq < w.nk:
+        if w.nq < w.nk and not w.cross:  # cross-attention (also Nq < Nk) is refused as such, below
             raise Unsupported(
                 f"axial cannot decode (Nq={w.nq} < Nk={w.nk}): its second (column) step attends to the "
                 "first step's outputs of every earlier token, which a K/V cache does not hold, so a new "
                 "token would recompute the whole grid"
             )
+        super().check(w)
         self.grid(w.nk)
 
     def _attend(self, q, k, v, *, causal, key_padding_mask, attn_mask):

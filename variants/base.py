@@ -238,6 +238,18 @@ def sink_logits(sinks: torch.Tensor, h: int) -> torch.Tensor:
     return sinks.view(1, h, 1) if sinks.dim() == 1 else sinks
 
 
+#: the tensor arguments of :meth:`AttentionVariant.forward`, in its order: what ``_attend`` must leave as
+#: it found them (the oracle check and the next timed call read them after it)
+INPUT_NAMES = ("q", "k", "v", "key_padding_mask", "attn_mask", "bias", "sinks", "documents")
+
+
+def input_versions(inputs: tuple[torch.Tensor | None, ...]) -> tuple[int, ...]:
+    """Each tensor's version counter, which every in-place edit of it (or of a view sharing its
+    storage) increments; -1 for None and for a tensor made under ``torch.inference_mode``, which has
+    no counter (reading it raises), so an edit of it cannot be seen. ``O(len(inputs))`` integer reads."""
+    return tuple(-1 if t is None or t.is_inference() else t._version for t in inputs)
+
+
 def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """``x (B, Hkv, N, E)`` with each head repeated ``heads / Hkv`` times: ``(B, heads, N, E)``, head
     ``h`` a copy of head ``h // (heads / Hkv)`` (a copy: for variants that cannot read grouped heads)."""
@@ -508,13 +520,16 @@ class AttentionVariant(nn.Module):
         window: int | None = None,
         documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attend ``q (B,H,Nq,D)`` to ``k (B,Hkv,Nk,D)``, ``v (B,Hkv,Nk,Dv)``; returns ``(B,H,Nq,Dv)``.
+        """Attend ``q (B,H,Nq,D)`` to ``k (B,Hkv,Nk,D)``, ``v (B,Hkv,Nk,Dv)``; returns ``(B,H,Nq,Dv)`` in
+        ``q``'s dtype (``k``'s and ``v``'s too) on ``q``'s device. ``_attend`` returning anything else, or
+        changing one of the tensors it is given in place, is a ``TypeError`` or ``RuntimeError`` naming it.
 
         ``scale`` multiplies the scores (default ``1/sqrt(D)``); ``bias`` (float, broadcastable to
-        ``(B, H, Nq, Nk)``) is added to them before the softmax. ``cross=True`` says the queries are
-        another sequence than the keys' (cross-attention): a variant that could only read them as the
-        last ``Nq`` positions of the keys' sequence refuses it (``supports_cross``); the others compute
-        what they compute without it (their output never depended on that alignment). ``sinks``
+        ``(B, H, Nq, Nk)``) is added to them before the softmax, in ``q``'s dtype. ``cross=True`` says
+        the queries are another sequence than the keys' (cross-attention): a variant that could only
+        read them as the last ``Nq`` positions of the keys' sequence refuses it (``supports_cross``);
+        the others compute what they compute without it (their output never depended on that
+        alignment). ``sinks``
         (``(H,)`` or ``(B, H, Nq)``, where ``supports_sinks``): each query's softmax gets one more
         term, ``e^sink``, in its denominator, for a zero value, so its weights sum to less than one.
         ``softcap=c`` (where ``supports_softcap``): each score ``s`` (scaled, before bias and masks)
@@ -540,6 +555,12 @@ class AttentionVariant(nn.Module):
             window=window,
             documents=documents,
         )
+        inputs = (q, k, v, key_padding_mask, attn_mask, bias, sinks, documents)  # in INPUT_NAMES' order
+        before = input_versions(inputs)  # after Workload.of, whose checks name a bad input first
+        if bias is not None and bias.dtype != q.dtype:
+            # added in the queries' dtype, as the scores are: a float32 bias beside bfloat16 queries
+            # raised deep in torch (naive), and beside float64 ones SDPA's CPU flash kernel misread it
+            bias = bias.to(q.dtype)
         self.check(w)
         if window is not None and not self.native_window:  # the band as a mask (O(Nq Nk) booleans)
             self.check(replace(w, attn_mask=True, window=None))  # what the variant is then handed
@@ -564,7 +585,9 @@ class AttentionVariant(nn.Module):
                 q, k, v, sink_logits(sinks, w.heads), scale=w.scale,
                 key_padding_mask=key_padding_mask, attn_mask=attn_mask, bias=bias,
             )  # fmt: skip
-            return self.forward(q, k, v, causal=causal, cross=cross, **call)
+            out = self.forward(q, k, v, causal=causal, cross=cross, **call)  # checks its output itself
+            self._check_untouched(inputs, before)  # the caller's tensors, not the grown copies
+            return out
         kw: dict[str, object] = {
             "causal": causal,
             "key_padding_mask": key_padding_mask,
@@ -588,13 +611,34 @@ class AttentionVariant(nn.Module):
         if documents is not None:
             kw["documents"] = documents
         out = self._attend(q, k, v, **kw)
+        self._check_untouched(inputs, before)
         want = (w.batch, w.heads, w.nq, w.v_head_dim)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:  # a third party's bug, named
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise TypeError(
                 f"{type(self).__qualname__}._attend returned {got}; expected a tensor (B, H, Nq, Dv) = {want}"
             )
+        # the oracle checks the output in float64, so a float64 answer to a float32 call would pass it
+        # while the caller got twice the bytes (and other numbers than the dtype it asked for)
+        if out.dtype != q.dtype or out.device != q.device:
+            raise TypeError(
+                f"{type(self).__qualname__}._attend returned {str(out.dtype).replace('torch.', '')} on "
+                f"{out.device}; expected the inputs' {str(q.dtype).replace('torch.', '')} on {q.device}"
+            )
         return out
+
+    def _check_untouched(self, inputs: tuple[torch.Tensor | None, ...], before: tuple[int, ...]) -> None:
+        """Raise ``RuntimeError`` (one line) naming each of ``inputs`` (in :data:`INPUT_NAMES`' order)
+        whose version counter moved since ``before``: ``_attend`` changed it in place, so the oracle
+        would check the output against the changed tensor and pass a wrong answer. Tensors sharing
+        storage (q, k, v as views of one qkv projection) share a counter, so all of them are named."""
+        after = input_versions(inputs)
+        if after != before:
+            changed = ", ".join(n for n, b, a in zip(INPUT_NAMES, before, after, strict=True) if a != b)
+            raise RuntimeError(
+                f"{type(self).__qualname__}._attend modified its input {changed} in place: a variant must "
+                "leave the caller's tensors as it found them"
+            )
 
     def _attend(
         self,

@@ -49,13 +49,20 @@ def register(name: str) -> Callable[[type[AttentionVariant]], type[AttentionVari
         if not (isinstance(cls, type) and issubclass(cls, AttentionVariant)):
             raise TypeError(f"@register('{name}') needs an AttentionVariant subclass, got {cls!r}")
         old = _REGISTRY.get(name)
-        if old is not None and old.__qualname__ != cls.__qualname__:
-            raise ValueError(f"variant name '{name}' is already taken by {old.__module__}.{old.__qualname__}")
+        # the same class again (its module imported twice) keeps the name; any other class, even one
+        # of the same name from another module, would silently replace what the name means
+        if old is not None and _owner(old) != _owner(cls):
+            raise ValueError(f"variant name '{name}' is already taken by {'.'.join(_owner(old))}")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
 
     return deco
+
+
+def _owner(cls: type) -> tuple[str, str]:
+    """Where ``cls`` is defined: its module and qualified name (a class name alone is not unique)."""
+    return cls.__module__, cls.__qualname__
 
 
 def unregister(name: str) -> None:
@@ -69,21 +76,33 @@ def _load_entry_points() -> None:
         return
     _entry_points_loaded = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        before = dict(_REGISTRY)
         try:
             obj = ep.load()
         except Exception as exc:  # a broken plugin must not take the suite down
             warnings.warn(
                 f"could not load attention variant plugin '{ep.name}' ({ep.value}): {exc}", stacklevel=2
             )
-            continue
-        if isinstance(obj, type) and issubclass(obj, AttentionVariant) and ep.name not in _REGISTRY:
-            try:
+            obj = None
+        if isinstance(obj, type) and issubclass(obj, AttentionVariant):
+            try:  # a name taken by another class, or one no command line can say: left out, saying so
                 register(ep.name)(obj)
-            except ValueError as exc:  # a name no command line can say: the plugin is left out, saying so
+            except ValueError as exc:
                 warnings.warn(
                     f"attention variant plugin '{ep.name}' ({ep.value}) left out: {exc}", stacklevel=2
                 )
-        elif ep.name not in _REGISTRY:  # a module that registered nothing, or under another name
+        # register() refuses another class under a taken name, but a plugin can still pass a class off
+        # as the owner's (same module and name) or unregister it: the name keeps meaning what it meant
+        replaced = [name for name, cls in before.items() if _REGISTRY.get(name) is not cls]
+        for name in replaced:
+            _REGISTRY[name] = before[name]
+            warnings.warn(
+                f"attention variant plugin '{ep.name}' ({ep.value}) tried to replace variant '{name}', "
+                f"which stays {'.'.join(_owner(before[name]))}",
+                stacklevel=2,
+            )
+        if obj is not None and not replaced and ep.name not in _REGISTRY:  # a module that registered
+            # nothing, or registered under another name
             warnings.warn(
                 f"attention variant plugin '{ep.name}' ({ep.value}) loaded but registered no variant "
                 f"named '{ep.name}': point the entry point at the class, or decorate it with "

@@ -185,9 +185,10 @@ class SDPAAttention(AttentionVariant):
             mask = mask | (empty & first)
         use_causal = causal and mask is None
         if bias is not None:  # one float mask: the bias where allowed, -inf elsewhere
-            # SDPA takes a mask of 2+ dimensions in the queries' dtype: a (Nk,) bias raised deep in
-            # torch, and its CPU flash kernel misread a float32 mask beside float64 queries (1.07 off)
-            bias = bias.to(q.dtype).reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (.., Nq|1, Nk|1)
+            # SDPA takes a mask of 2+ dimensions: a (Nk,) bias raised deep in torch (the base class
+            # hands it over in the queries' dtype: SDPA's CPU flash kernel misread a float32 mask
+            # beside float64 queries, 1.07 off)
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (.., Nq|1, Nk|1)
             mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         fold = hkv != h and mask is None and not use_causal
         if fold:  # (B, H, Nq, D) -> (B, Hkv, G * Nq, D): each group's queries against its K/V head

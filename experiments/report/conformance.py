@@ -7,9 +7,10 @@ error at most 1e-4 in fp32) and the feature did what it must: changed the output
 left it as a plainer call gives it where it should (grouped K/V heads = repeated heads; the last
 queries of a sequence = those rows of the whole call; a cross-attention query = the same query
 alone). ``no`` is a refusal (``Unsupported``/``Unavailable``) and its reason. A feature that ran
-and changed nothing it should have changed, or disagreed with the oracle, is ``IGNORED`` or
-``WRONG``: ``tests/test_conformance.py`` fails on either. Tiny CPU inputs (B=2, H=4, N=24, D=8,
-fp32): a few seconds for the registry.
+and changed nothing it should have changed, or disagreed with the oracle (NaN or Inf in its output
+included), is ``IGNORED`` or ``WRONG``; one that raised anything else is ``ERROR`` (the exception's
+type and first line): ``tests/test_conformance.py`` fails on each. Tiny CPU inputs (B=2, H=4, N=24,
+D=8, fp32): a few seconds for the registry.
 
     python -m experiments.report.conformance --builtin --out docs/conformance.md
 """
@@ -17,6 +18,7 @@ fp32): a few seconds for the registry.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +37,8 @@ CHANGED = 1e-3  # a feature that changes the output moves it by more than this (
 
 @dataclass(frozen=True)
 class Cell:
-    """One variant x feature: ``yes``, ``no`` (refused), ``IGNORED`` or ``WRONG``, and why."""
+    """One variant x feature: ``yes``, ``no`` (refused), ``IGNORED``, ``WRONG`` or ``ERROR`` (it raised),
+    and why."""
 
     status: str
     detail: str = ""
@@ -50,7 +53,11 @@ def _inputs(nq: int = N, nk: int = N, hkv: int = H, seed: int = 0) -> tuple[torc
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max ``|a - b|`` over ``b``'s scale (its max ``|b|``); ``inf`` when either holds NaN or Inf, which
+    would otherwise make the error NaN, and NaN passes every ``err > TOL`` test."""
     a, b = a.detach().double(), b.detach().double()
+    if not (a.isfinite().all() and b.isfinite().all()):
+        return math.inf
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
@@ -68,9 +75,11 @@ def _base(attn: AttentionVariant) -> dict[str, object]:
 def _checked(
     attn: AttentionVariant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, object]
 ) -> tuple[torch.Tensor, Cell | None]:
-    """The output, and a ``WRONG`` cell when it is not the oracle's."""
+    """The output, and a ``WRONG`` cell when it is not the oracle's (or not finite)."""
     with torch.no_grad():
         out = attn(q, k, v, **kw)
+        if not out.isfinite().all():
+            return out, Cell("WRONG", "the output has NaN or Inf")
         err = _rel(out, oracle(attn, q.double(), k.double(), v.double(), **_as64(kw)))
     return out, (Cell("WRONG", f"relative error {err:.2g} against the float64 oracle") if err > TOL else None)
 
@@ -168,6 +177,19 @@ def _documents() -> torch.Tensor:
     return document_ids([list(row) for row in lengths])
 
 
+def _bias(name: str) -> Cell:
+    """A bias per head ``(H, Nq, Nk)``, and the batched ones models hand too: per batch row ``(B, 1, Nq,
+    Nk)`` (transformers' 4-D additive masks) and per key of each row ``(B, 1, 1, Nk)``. A variant that
+    read only the first row of a batched bias passed every per-head check."""
+    g = torch.Generator().manual_seed(5)
+    for shape in ((H, N, N), (B, 1, N, N), (B, 1, 1, N)):
+        bias = 2 * torch.randn(shape, generator=g)
+        got = _changes(lambda attn, bias=bias: {"bias": bias})(name)
+        if got.status != "yes":
+            return Cell(got.status, f"bias {shape}: {got.detail}")
+    return Cell("yes")
+
+
 def _dropout(name: str) -> Cell:
     return Cell("no", "the interface has no attention dropout (the transformers backend refuses dropout > 0)")
 
@@ -180,9 +202,7 @@ FEATURES: dict[str, Callable[[str], Cell]] = {
     "Nq < Nk": _decode,
     "cross-attention": _cross,
     "scale": _changes(lambda attn: {"scale": 0.3}),
-    "bias": _changes(
-        lambda attn: {"bias": 2 * torch.randn(H, N, N, generator=torch.Generator().manual_seed(5))}
-    ),
+    "bias": _bias,
     "softcap": _changes(lambda attn: {"softcap": 0.8}),
     "sinks": _changes(
         lambda attn: {"sinks": 1.5 * torch.randn(H, generator=torch.Generator().manual_seed(6))}
@@ -194,11 +214,15 @@ FEATURES: dict[str, Callable[[str], Cell]] = {
 
 
 def cell(name: str, feature: str) -> Cell:
-    """One cell: the feature's check, or the refusal it met."""
+    """One cell: the feature's check, the refusal it met, or ``ERROR`` with what else it raised (a
+    plugin's bug deep in torch is that plugin's cell, not the end of the whole matrix)."""
     try:
         return FEATURES[feature](name)
     except (Unsupported, Unavailable) as exc:
         return Cell("no", str(exc))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return Cell("ERROR", f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
 
 
 def matrix(names: list[str] | None = None) -> dict[str, dict[str, Cell]]:
@@ -225,8 +249,8 @@ def markdown(cells: dict[str, dict[str, Cell]]) -> str:
         "feature gave the variant's float64 oracle and the feature took effect (it changed the output, or",
         "for grouped heads, the last queries of a sequence and cross-attention, gave what the plainer",
         "call gives); `no`: refused in one line, the reason below. `tests/test_conformance.py` fails when a",
-        "claimed feature leaves the output unchanged or wrong (any installed variant), and when this table",
-        "is out of date.",
+        "claimed feature leaves the output unchanged or wrong (NaN included) or raises (any installed",
+        "variant), and when this table is out of date.",
         "",
         *grid(cells),
         "",
