@@ -344,10 +344,6 @@ def test_a_mix_job_records_its_figures_and_two_models_stay_two_rows():
             {"sliding_window": 4, "full_every": 1, "full_variant": "sdpa"},
             "the job's variant would run on no layer",
         ),
-        (
-            {"sliding_window": 4, "full_every": 5, "full_variant": "sdpa"},
-            "would run on no layer: no layer of 4",
-        ),
         ({"sliding_window": 8, "full_every": 0}, "model.full_every must be an integer >= 1"),
         ({"sliding_window": 8, "full_every": True}, "model.full_every must be an integer >= 1"),
         ({"sliding_window": 8, "full_variant": "nope"}, "model.full_variant='nope' is not a variant"),

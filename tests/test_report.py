@@ -713,3 +713,22 @@ def test_with_every_measurement_each_run_gets_its_own_scaling_fit():
     assert tab.loc[("sdpa", "run2"), "time exponent"] == "1.00"
     # the newest measurement alone (no run column): one fit per variant, as before
     assert len(T.scaling_fits(df[df["run"] == "sweep"].drop(columns="run"))) == 1
+
+
+def test_one_host_name_on_two_cpus_is_two_machines():
+    """The 2-core VM is `vm` on an Intel Xeon and on an AMD EPYC: by host name alone the Intel's
+    11.7 ms canary made every AMD job (23 ms) look 2x slow (marked ~), and the same configuration
+    measured on both fell into one cell, the newest hiding the other."""
+    from experiments.records.store import machine_names
+
+    df = pd.DataFrame(
+        {
+            "env_host": ["vm", "vm", "vm", "box"],
+            "env_cpu_model": ["Intel Xeon", "AMD EPYC", None, "AMD EPYC"],
+        }
+    )
+    assert list(machine_names(df)) == ["vm (Intel Xeon)", "vm (AMD EPYC)", "vm (?)", "box"]
+    df.loc[0, "env_cpu_model"] = "Intel(R) Xeon(R) Processor"  # as /proc/cpuinfo spells it: shortened
+    assert machine_names(df)[0] == "vm (Intel Xeon)"
+    one = df.iloc[[1, 3]]
+    assert list(machine_names(one)) == ["vm", "box"]  # one CPU per host name: the name alone

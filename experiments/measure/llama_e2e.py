@@ -94,8 +94,9 @@ def check_mix(
     """One-line ``ValueError`` for a layer mix that cannot run as asked, before any work: full layers
     or their variant without a window; a window under 2 keys (transformers' sliding cache keeps every
     key for a window of 1: ``keys[-0:]``, so its masks and cache disagree at the first decode); a
-    ``full_variant`` on a model with no full layer (it would run nowhere) or with no sliding layer
-    (``full_every=1``: the job's own variant would run nowhere, and the job end after the run)."""
+    ``full_variant`` on a model with no sliding layer (``full_every=1``: the job's own variant would
+    run nowhere, and the job failed after the whole run). A model with fewer layers than
+    ``full_every`` has no full layer: allowed, its record's ``layer_variants`` says so."""
     if sliding_window is None and (full_every is not None or full_variant is not None):
         raise ValueError(
             "model.full_every and model.full_variant need model.sliding_window (without it every layer "
@@ -107,13 +108,7 @@ def check_mix(
             "sliding-window cache keeps every key for a window of 1)"
         )
     if full_variant is not None:
-        kinds = layer_types(layers, full_every)
-        if FULL not in kinds:
-            raise ValueError(
-                f"model.full_variant={full_variant!r} would run on no layer: no layer of {layers} is full "
-                f"with model.full_every={full_every}"
-            )
-        if SLIDING not in kinds:
+        if SLIDING not in layer_types(layers, full_every):
             raise ValueError(
                 f"every layer is full with model.full_every={full_every}: the job's variant would run on no "
                 "layer, only model.full_variant; drop model.full_variant, or set model.full_every above 1"

@@ -13,6 +13,7 @@ median round (:mod:`experiments.records.rounds`).
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -232,6 +233,26 @@ def _row(rec: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def machine_names(df: pd.DataFrame) -> pd.Series:
+    """Each row's machine as the tables, canaries and comparisons tell machines apart: its host name,
+    with the CPU model where one host name ran on several CPUs (a VM moved between machines: the
+    2-core VM here is ``vm`` on an Intel Xeon and on an AMD EPYC). By host name alone the Intel's
+    canary made every AMD job look 2x slow, and one configuration's two figures fell into one cell."""
+    host = df["env_host"].astype(object)
+    if "env_cpu_model" not in df:
+        return host
+    model = df["env_cpu_model"].astype(object).where(df["env_cpu_model"].notna(), "?").map(_short_cpu)
+    several = model.groupby(host.astype(str)).transform("nunique") > 1
+    return host.where(~several, host.astype(str) + " (" + model.astype(str) + ")")
+
+
+def _short_cpu(model: object) -> str:
+    """A CPU model without its trademarks and filler (``Intel(R) Xeon(R) Processor`` -> ``Intel Xeon``),
+    short enough for a plot title."""
+    text = re.sub(r"\((R|TM|tm)\)|\bProcessor\b|\bCPU\b|\b\d+-Core\b", " ", str(model))
+    return " ".join(text.split()) or "?"
+
+
 def variant_labels(df: pd.DataFrame) -> pd.Series:
     """Display name per row: the registered name, plus the knobs that differ between rows of it.
 
@@ -291,6 +312,7 @@ def finish(df: pd.DataFrame) -> pd.DataFrame:
     for col in [*CELL_KEYS, "valid", "exact", "reason", "sweep_dir"]:
         if col not in df:
             df[col] = None
+    df["env_host"] = machine_names(df)
     df["variant_key"] = df["variant_target"].astype(str) + df["knobs"].astype(str)
     df["variant"] = variant_labels(df).astype(str)
     # records from before rounds existed are round 0
