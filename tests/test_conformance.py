@@ -25,9 +25,19 @@ def test_no_claimed_feature_is_ignored_or_wrong(cells):
         f"{name} / {feature}: {c.status} ({c.detail})"
         for name, row in cells.items()
         for feature, c in row.items()
-        if c.status not in ("yes", "no")
+        if c.status not in ("yes", "no", conformance.CAUSAL_ONLY)
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_documents_a_variant_takes_only_causally_are_causal_only_not_no():
+    """linear and performer restart their recurrence at each document in a causal call: the table
+    said `no`, from their non-causal refusal alone."""
+    for name in ("linear", "performer"):
+        c = conformance.cell(name, "packed documents")
+        assert c.status == conformance.CAUSAL_ONLY and "refused without causal" in c.detail, (name, c)
+    assert conformance.cell("sdpa", "packed documents").status == "yes"
+    assert conformance.cell("axial", "packed documents").status == "no"
 
 
 def test_every_refusal_says_why(cells):

@@ -171,7 +171,7 @@ def _cross(name: str) -> Cell:
     return Cell("yes")
 
 
-def _documents() -> torch.Tensor:
+def _document_ids() -> torch.Tensor:
     """``(B, N)`` ids: three packed documents per sequence, cut differently in each row."""
     lengths = ((7, 10, 7), (12, 3, 9))
     return document_ids([list(row) for row in lengths])
@@ -194,6 +194,31 @@ def _dropout(name: str) -> Cell:
     return Cell("no", "the interface has no attention dropout (the transformers backend refuses dropout > 0)")
 
 
+def _documents(name: str) -> Cell:
+    """Packed documents, as :func:`_changes` checks them; a variant that takes them only in a causal
+    call (its recurrence restarts at each document: linear, performer) is ``causal only``, its
+    non-causal refusal the detail: a plain ``no`` hid that a causal model can pack its documents."""
+    check = _changes(lambda attn: {"documents": _document_ids()})
+    try:
+        return check(name)
+    except Unsupported as exc:
+        attn = _build(name)
+        if _base(attn).get("causal"):  # a causal-only variant was refused in its causal call
+            raise
+        q, k, v = _inputs()
+        out, wrong = _checked(attn, q, k, v, {"causal": True, "documents": _document_ids()})
+        if wrong:
+            return wrong
+        with torch.no_grad():
+            plain = attn(q, k, v, causal=True)
+        if _rel(out, plain) <= CHANGED:
+            return Cell("IGNORED", "the output of the causal call did not change")
+        return Cell(CAUSAL_ONLY, f"refused without causal: {exc}")
+
+
+#: a feature a variant takes in a causal call only (the table's third answer besides yes and no)
+CAUSAL_ONLY = "causal only"
+
 #: the columns, in order: what a model asks of its attention
 FEATURES: dict[str, Callable[[str], Cell]] = {
     "causal": _causal,
@@ -208,7 +233,7 @@ FEATURES: dict[str, Callable[[str], Cell]] = {
         lambda attn: {"sinks": 1.5 * torch.randn(H, generator=torch.Generator().manual_seed(6))}
     ),
     "window": _changes(lambda attn: {"window": 2}),  # narrower than local_window's example (3)
-    "packed documents": _changes(lambda attn: {"documents": _documents()}),
+    "packed documents": _documents,
     "dropout": _dropout,
 }
 
@@ -248,7 +273,8 @@ def markdown(cells: dict[str, dict[str, Cell]]) -> str:
         "knobs; without `--builtin`, variants installed by entry point too). `yes`: the call with the",
         "feature gave the variant's float64 oracle and the feature took effect (it changed the output, or",
         "for grouped heads, the last queries of a sequence and cross-attention, gave what the plainer",
-        "call gives); `no`: refused in one line, the reason below. `tests/test_conformance.py` fails when a",
+        "call gives); `no`: refused in one line, the reason below; `causal only`: `yes` in a causal call,",
+        "refused without it. `tests/test_conformance.py` fails when a",
         "claimed feature leaves the output unchanged or wrong (NaN included) or raises (any installed",
         "variant), and when this table is out of date.",
         "",
