@@ -937,6 +937,8 @@ def test_a_sweep_over_records_dir_is_refused_before_launch(capsys):
          "(python run.py -m ... variant=sdpa,naive)"),
         (["-m", "+experiment=quick"],
          "+experiment=quick: experiment is a setting already; write experiment=quick"),
+        (["-m", "variant=sdpa", "--cfg", "job"],
+         "--cfg prints a config and runs nothing: drop -m (python run.py --cfg job ...)"),
     ],
 )  # fmt: skip
 def test_command_lines_hydra_answers_with_a_page_get_one_line(argv, says, capsys):

@@ -150,6 +150,9 @@ def preflight(argv: list[str]) -> list[str]:
     out = [argv[0]]
     known_keys = known_settings()
     multirun = any(a in ("-m", "--multirun") for a in argv[1:])
+    shown = [a for a in argv[1:] if a in ("--cfg", "-c", "--info", "-i")]
+    if multirun and shown:  # Hydra: "Only one of --run, --multirun, --cfg ... can be specified", a page
+        _fail(f"{shown[0]} prints a config and runs nothing: drop -m (python run.py {shown[0]} job ...)")
     for arg in argv[1:]:
         key, eq, value = arg.partition("=")
         if key.startswith("+") and key.lstrip("+") == "experiment":  # Hydra's answer is advice for YAML
