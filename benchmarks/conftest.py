@@ -39,6 +39,13 @@ def pytest_configure(config: pytest.Config) -> None:
             "benchmarks/: --benchmark-only would skip the gates that do not time through "
             "pytest-benchmark's fixture; run them all with --benchmark-enable (README)"
         )
+    if config.getoption("benchmark_skip", default=False):
+        # pytest-benchmark would skip every case that times through its fixture, so their gates never
+        # compare, and exit 0
+        raise pytest.UsageError(
+            "benchmarks/: --benchmark-skip would skip every gate that times through pytest-benchmark's "
+            "fixture and exit 0; run them all with --benchmark-enable (README)"
+        )
     config.stash[_ENTRIES] = {}
     config.stash[_GOALS] = []
 

@@ -94,9 +94,11 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--no-sweep", action="store_true", help="only the hog processes")
-    ap.add_argument("--hogs", type=non_negative_int, default=1, help="spinning processes (default 1)")
+    ap.add_argument("--hogs", type=non_negative_int, default=1, help="spinning processes")
     args = ap.parse_args()
     if args.no_sweep and not args.hogs:  # else it would idle, loading nothing, until Ctrl-C
         ap.error("--no-sweep with --hogs 0 loads nothing")

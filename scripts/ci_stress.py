@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,8 @@ from pathlib import Path
 
 from arg_types import output_dir, positive_int
 from busy_machine import ROOT, busy_machine
+
+from experiments.records.environment import cpu_model
 
 SETUP = re.compile(r"^(python -m venv|\. |source |pip install)")
 
@@ -45,6 +48,19 @@ def test_command(ci_script: Path = ROOT / ".ci" / "run") -> str:
     if not kept or not any("pytest" in s for s in kept):
         raise SystemExit(f"error: found no pytest step in the last command of {ci_script}: {line!r}")
     return " && ".join(kept)
+
+
+def git_commit(cwd: Path = ROOT) -> str:
+    """``HEAD``'s short hash in ``cwd``, with ``+dirty`` when tracked files differ from it (what ran was the
+    working tree, not the commit); ``unknown`` without git."""
+    git = ["git", "-C", str(cwd)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown"
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _failed_tests(output: str) -> list[str]:
@@ -71,7 +87,7 @@ def run_once(command: str, log: Path, loaded: bool, fresh_clone: bool = False) -
         path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != here)
         env = {**{k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}, "PATH": path}
         command = "bash .ci/run"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True)
+    commit = git_commit(cwd)  # a fresh clone is HEAD; this checkout may be dirty
     samples: list[float] = []
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_load, args=(samples, stop), daemon=True)
@@ -92,7 +108,9 @@ def run_once(command: str, log: Path, loaded: bool, fresh_clone: bool = False) -
         "seconds": round(time.perf_counter() - t0),
         "loaded": loaded,
         "command": command,
-        "commit": commit.stdout.strip(),  # what ran: the clone's HEAD, or this checkout's
+        "commit": commit,  # what ran: the clone's HEAD, or this checkout (+dirty: its working tree)
+        "host": socket.gethostname(),
+        "cpu": cpu_model(),
         "exit_code": p.returncode,
         "passed": p.returncode == 0,
         "failed": _failed_tests(output),
@@ -104,16 +122,23 @@ def run_once(command: str, log: Path, loaded: bool, fresh_clone: bool = False) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=positive_int, default=5)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument("--runs", type=positive_int, default=5, help="how many runs of CI's test command")
     ap.add_argument("--quiet", action="store_true", help="nothing beside the runs")
     ap.add_argument("--fresh-clone", action="store_true", help="each run: .ci/run in a new clone of HEAD")
-    ap.add_argument("--out", type=output_dir, default=ROOT / "results" / "cpu" / "ci_stress")
+    ap.add_argument(
+        "--out",
+        type=output_dir,
+        default=ROOT / "results" / "cpu" / "ci_stress",
+        help="folder: runs.jsonl is appended to, logs/ keeps each run's output",
+    )
     args = ap.parse_args()
     command = "bash .ci/run (fresh clone)" if args.fresh_clone else test_command()
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     kind = "quiet" if args.quiet else "loaded"
-    print(f"{args.runs} {kind} run(s) of: {command}", flush=True)
+    print(f"{args.runs} {kind} run(s) of: {command}; {socket.gethostname()}, {cpu_model()}", flush=True)
     passed = 0
     for i in range(args.runs):
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")

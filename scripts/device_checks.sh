@@ -9,14 +9,23 @@
 #   OUT=/tmp/out PART=37 bash scripts/device_checks.sh   (issue 37's xFormers runs)
 #   OUT=/tmp/out PART=gpu bash scripts/device_checks.sh  (experiment=gpu's forward, gpu_train in bf16)
 # Wheels of what the GPU image lacks (hydra-core, omegaconf, antlr4, xformers) are read from .whl/.
+# Each call works in a fresh folder $WORK/<date>-<pid> (WORK=/tmp/gpu unless set): its records, logs
+# and summary.txt, so no earlier call's records are resumed or summarized. An unknown PART is refused
+# before any work (exit 2); the call exits 1 when any step failed, after printing the summary.
 set -u
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without starting any work
     sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
     exit 0
 fi
+case "${PART:-lease}" in
+lease | train | h100_2026_11_26 | 34 | 37 | gpu) ;;
+*) echo "PART must be lease, train, h100_2026_11_26, 34, 37 or gpu, not $PART" >&2; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/out}
-W=/tmp/gpu  # records and logs, packed into $OUT/gpu.tar.gz
-mkdir -p "$OUT" "$W"
+W=${WORK:-/tmp/gpu}/$(date +%Y%m%d-%H%M%S)-$$  # this call's records and logs, packed into $OUT/gpu.tar.gz
+mkdir -p "$OUT" "$W" || exit 1
+echo "work folder: $W"
+FAILED=0  # steps whose exit status was not 0
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 pack() { tar czf "$OUT/gpu.tar.gz" -C "$W" . ; }
@@ -25,6 +34,7 @@ step() {  # step NAME SECONDS COMMAND...: its output in $W/NAME.log, its exit st
     local t0=$SECONDS
     timeout "$limit" "$@" >"$W/$name.log" 2>&1
     local rc=$?
+    ((rc == 0)) || FAILED=$((FAILED + 1))
     echo "step $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$W/summary.txt"
     tail -n 25 "$W/$name.log"
     pack
@@ -77,6 +87,9 @@ h100_2026_11_26)  # the order that lease ran (issues 34 and 37)
 34) chunked_triton; chunked_triton_large; decode_chunked; patterns_tile; patterns_large; pytest_cuda $((560 - SECONDS)) ;;
 37) xformers_gpu; sdpa_gpu; decode_sdpa; decode_splitk ;;
 gpu) gpu_fwd; gpu_train ;;
-*) echo "PART must be lease, train, h100_2026_11_26, 34, 37 or gpu, not $PART"; exit 2 ;;
 esac
 cat "$W/summary.txt"
+if ((FAILED > 0)); then
+    echo "$FAILED step(s) failed (rc != 0); logs in $W and $OUT/gpu.tar.gz" >&2
+    exit 1
+fi

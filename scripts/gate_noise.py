@@ -11,7 +11,8 @@ gate's first measurement does:
 With ``--load`` the runs have a sweep of this suite and a CPU hog beside them (``busy_machine.py``).
 Appends to ``--out``/runs.jsonl (one line per run) and writes ``--out``/summary.md: per gated figure,
 the median, min and max over every run in that file, max / median, the gate's limit and how far the
-largest run stayed below it.
+largest run stayed below it. Each run records its host, CPU model and commit (``+dirty``: the working
+tree); a folder's runs must share host, CPU and ``--load`` (else refused, before any run).
 
     python scripts/gate_noise.py --runs 20 --load --out results/cpu/gate_noise/loaded
     python scripts/gate_noise.py --runs 20 --out results/cpu/gate_noise/quiet
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -67,14 +69,31 @@ def limit_of(figure: str) -> float | None:
     return gates.TIME_FACTOR
 
 
+def mix_of(runs: list[dict]) -> str | None:
+    """What ``runs`` mix that one summary must not pool (hosts, CPU models, loaded and quiet runs), in one
+    line; None when they are alike. Runs recorded before the host was kept are taken as any host."""
+    mixed = []
+    for key, label in (("host", "hosts"), ("cpu", "CPUs"), ("loaded", "'loaded' settings")):
+        seen = sorted({str(r[key]) for r in runs if r.get(key) is not None})
+        if len(seen) > 1:
+            mixed.append(f"{label} {', '.join(seen)}")
+    return "; ".join(mixed) or None
+
+
 def summarize(runs: list[dict], title: str) -> str:
-    """The Markdown table of ``summary.md``."""
+    """The Markdown table of ``summary.md``; ValueError when ``runs`` mix machines or load settings."""
+    mixed = mix_of(runs)
+    if mixed:
+        raise ValueError(f"the runs mix {mixed}: summarize each in its own --out folder")
     figures = sorted({k for r in runs for k in r["figures"]})
+    hosts = sorted({r["host"] for r in runs if r.get("host")})
+    commits = sorted({r["commit"] for r in runs if r.get("commit")})
     lines = [
         f"# {title}",
         "",
         f"{len(runs)} runs, {runs[0]['started']} to {runs[-1]['started']} (UTC), each a fresh process; "
-        f"host {runs[0]['cpu']}, torch {runs[0]['torch']}; load average over the runs "
+        f"host {', '.join(hosts) or '(not recorded)'} ({runs[0]['cpu']}), torch {runs[0]['torch']}, "
+        f"commit {', '.join(commits) or '(not recorded)'}; load average over the runs "
         f"{min(r['load_avg'] for r in runs):.2f}-{max(r['load_avg'] for r in runs):.2f}.",
         "",
         "| gated figure | median | min | max | max / median | limit | limit / max |",
@@ -92,23 +111,41 @@ def summarize(runs: list[dict], title: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=positive_int, default=20)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument(
+        "--runs", type=positive_int, default=20, help="fresh processes, each measuring every gated ratio once"
+    )
     ap.add_argument("--load", action="store_true", help="a sweep of this suite and a CPU hog beside the runs")
     ap.add_argument("--regression", action="store_true", help="also the regression gates' time ratios")
-    ap.add_argument("--out", type=output_dir, default=ROOT / "results" / "cpu" / "gate_noise")
+    ap.add_argument(
+        "--out",
+        type=output_dir,
+        default=ROOT / "results" / "cpu" / "gate_noise",
+        help="folder: runs.jsonl is appended to, summary.md rewritten",
+    )
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a single run, JSON on stdout
     args = ap.parse_args()
     if args.one:
         print(json.dumps(measure_once(args.regression)))
         return
     from busy_machine import busy_machine
+    from ci_stress import git_commit
 
     from benchmarks import gates
 
     args.out.mkdir(parents=True, exist_ok=True)
+    earlier = args.out / "runs.jsonl"
+    if earlier.exists():  # refused before the runs, not after: the summary pools every run of the file
+        here = {"host": socket.gethostname(), "cpu": gates.machine_info()["cpu_model"], "loaded": args.load}
+        old = [json.loads(line) for line in earlier.read_text().splitlines() if line.strip()]
+        mixed = mix_of([*old, here])
+        if mixed:
+            raise SystemExit(f"error: {earlier} holds runs of another machine or load setting: {mixed}")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1073741824", MALLOC_TRIM_THRESHOLD_="1099511627776")
     one = [sys.executable, __file__, "--one"] + (["--regression"] if args.regression else [])
+    commit = git_commit()  # HEAD, +dirty when the working tree differs: what the runs measure
     runs = []
     with busy_machine() if args.load else contextlib.nullcontext():
         for i in range(args.runs):
@@ -123,7 +160,9 @@ def main() -> None:
                 "seconds": round(time.perf_counter() - t0, 1),
                 "loaded": args.load,
                 "load_avg": os.getloadavg()[0],
+                "host": socket.gethostname(),
                 "cpu": info["cpu_model"],
+                "commit": commit,
                 "torch": info["torch_version"],
                 "figures": json.loads(p.stdout.strip().splitlines()[-1]),
             }
@@ -139,7 +178,11 @@ def main() -> None:
     if not everything:  # emptied by hand while the runs went on: no table to write, and not a success
         raise SystemExit(f"error: {args.out / 'runs.jsonl'} holds no runs; nothing to summarize")
     title = f"Gated timing ratios, {'loaded' if args.load else 'quiet'} machine"
-    (args.out / "summary.md").write_text(summarize(everything, title))
+    try:  # the folder's earlier runs must be of this machine and this load setting
+        text = summarize(everything, title)
+    except ValueError as exc:
+        raise SystemExit(f"error: {args.out / 'runs.jsonl'}: {exc}") from None
+    (args.out / "summary.md").write_text(text)
     print((args.out / "summary.md").read_text())
 
 

@@ -41,6 +41,7 @@ from linear_vs_peers import (
 )
 
 import variants
+from experiments.records.environment import cpu_model
 from experiments.sweep.allocator import JOB_ALLOCATOR_ENV
 
 OURS = ("ssd", "gla", "deltanet", "gated_deltanet")
@@ -92,11 +93,26 @@ def contenders(n: int, fla_max: int) -> tuple[list[Contender], dict[str, str]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=positive_int, nargs="+", default=[2048, 4096, 8192, 16384])
-    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument(
+        "--sizes",
+        type=positive_int,
+        nargs="+",
+        default=[2048, 4096, 8192, 16384],
+        help="sequence lengths N (multiples of 64 up to --fla-max)",
+    )
+    ap.add_argument(
+        "--rounds", type=positive_int, default=5, help="interleaved rounds; a cell is their median"
+    )
     ap.add_argument("--fla-max", type=non_negative_int, default=8192, help="largest N for fla's references")
-    ap.add_argument("--gemm-min-run-time", type=positive_float, default=0.5)
+    ap.add_argument(
+        "--gemm-min-run-time",
+        type=positive_float,
+        default=0.5,
+        help="seconds per round timing the fp32 GEMM rate (the machine's ceiling)",
+    )
     ap.add_argument("--out", type=output_file, help="write the Markdown tables here")
     ap.add_argument("--json", type=output_file, help="write every cell here")
     args = ap.parse_args()
@@ -133,10 +149,10 @@ def main() -> None:
     lines = [
         "# Gated and delta-rule recurrences against dense SDPA and fla's references (issue 32)",
         "",
-        f"Written by `scripts/gated_vs_peers.py` ({when}); torch {torch.__version__}, 1 thread, fp32, "
-        f"B={B} H={H} D={D}, causal, {args.rounds} interleaved rounds; each time the median over the rounds "
-        "[min-max], ms; a ratio `x / this` of the medians [range of the per-round ratios]. fla's references "
-        "get our gates, so their outputs must equal ours.",
+        f"Written by `scripts/gated_vs_peers.py` ({when}); {cpu_model()}, torch {torch.__version__}, "
+        f"1 thread, fp32, B={B} H={H} D={D}, causal, {args.rounds} interleaved rounds; each time the median "
+        "over the rounds [min-max], ms; a ratio `x / this` of the medians [range of the per-round ratios]. "
+        "fla's references get our gates, so their outputs must equal ours.",
         "",
         f"GEMM ceiling (fp32 {GEMM_N}x{GEMM_N}, one thread, once per round): median {gemm:.1f} GFLOP/s "
         f"[{min(bench.gemm) / 1e9:.1f}-{max(bench.gemm) / 1e9:.1f}]. Load: cores other processes kept busy "

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from arg_types import non_negative_int, positive_int, threads
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import variants
+from experiments.records.environment import cpu_model
 from integrations import transformers_backend as hf
 
 
@@ -109,14 +109,17 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024])
-    ap.add_argument("--batch", type=positive_int, default=1)
-    ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--hidden", type=positive_int, default=512)
-    ap.add_argument("--intermediate", type=positive_int, default=None, help="MLP width (default 4 x hidden)")
-    ap.add_argument("--heads", type=positive_int, default=8)
-    ap.add_argument("--kv-heads", type=positive_int, default=2)
+    ap = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024], help="sequence lengths N")
+    ap.add_argument("--batch", type=positive_int, default=1, help="batch size B")
+    ap.add_argument("--layers", type=positive_int, default=4, help="decoder layers of the model")
+    ap.add_argument("--hidden", type=positive_int, default=512, help="hidden size (a multiple of --heads)")
+    ap.add_argument("--intermediate", type=positive_int, default=None, help="MLP width (None: 4 x hidden)")
+    ap.add_argument("--heads", type=positive_int, default=8, help="query heads (a multiple of --kv-heads)")
+    ap.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (GQA when < --heads)")
     ap.add_argument("--pad", type=non_negative_int, default=0, help="left padding of batch row 0, in tokens")
     ap.add_argument(
         "--mode",
@@ -126,8 +129,15 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=positive_int, default=15, help="at least 2 (the quartiles need two)")
     ap.add_argument("--warmup", type=positive_int, default=3, help="untimed calls, the first one compared")
-    ap.add_argument("--threads", type=threads, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--impls", nargs="+", default=["sdpa", hf.implementation("sdpa"), "eager"])
+    ap.add_argument("--threads", type=threads, default=None, help="torch threads (None: torch's)")
+    ap.add_argument(
+        "--impls",
+        nargs="+",
+        default=["sdpa", hf.implementation("sdpa"), "eager"],
+        help=f"attention implementations: transformers' own (sdpa, eager, ...) or ours, spelled "
+        f"{hf.PREFIX}<variant> with 'sdpa' and 'flash' in the variant's name upper-cased "
+        f"(e.g. {hf.implementation('sdpa')}, {hf.implementation('chunked')})",
+    )
     args = ap.parse_args()
     # what transformers or the statistics would otherwise refuse deep inside, or measure wrong
     if args.rounds < 2:
@@ -155,7 +165,7 @@ def main() -> None:
     if not models:
         raise SystemExit("no implementation of --impls can be built here")
     print(
-        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads "
+        f"# {cpu_model()}, torch {torch.__version__}, threads "
         f"{torch.get_num_threads()}; LlamaModel fp32: {args.layers} layers, hidden {args.hidden}, "
         f"{args.heads} heads, {args.kv_heads} KV heads, head_dim {args.hidden // args.heads}, "
         f"B={args.batch}, pad={args.pad}; {args.mode}; {args.rounds} interleaved rounds after "
@@ -165,6 +175,8 @@ def main() -> None:
         "| N | implementation | median ms | IQR ms (q1-q3) | IQR % | ratio to sdpa | max abs diff vs eager |"
     )
     print("|---:|---|---:|---:|---:|---:|---:|")
+    ours = [impl for impl in args.impls if impl.startswith(hf.PREFIX)]
+    measured: set[str] = set()  # the implementations timed at some N
     for n in args.lengths:
         g = torch.Generator().manual_seed(n)
         ids = torch.randint(0, 1024, (args.batch, n + 1), generator=g)  # (B, N + 1)
@@ -186,6 +198,7 @@ def main() -> None:
             if not steps:
                 raise SystemExit(f"N={n}: no implementation of --impls could run here")
             times = {impl: [] for impl in steps}
+            measured.update(steps)
             for _ in range(args.rounds):
                 for impl, step in steps.items():
                     t0 = time.perf_counter()
@@ -206,6 +219,9 @@ def main() -> None:
                 f"| {n} | {impl} | {med:.2f} | {q3 - q1:.2f} ({q1:.2f}-{q3:.2f}) "
                 f"| {100 * (q3 - q1) / med:.0f} | {ratio:.3f} | {diff:.1e} |"
             )
+
+    if ours and not measured.intersection(ours):  # only transformers' own measured: nothing of ours
+        raise SystemExit(f"every attnbench implementation asked for ({', '.join(ours)}) was left out")
 
 
 if __name__ == "__main__":

@@ -500,13 +500,22 @@ def run_under_job_allocator() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument(
         "--sizes", type=positive_int, nargs="+", default=[2048, 4096, 8192, 16384], help="causal part's N"
     )
     ap.add_argument("--peer-n", type=positive_int, default=4096, help="N of the performer and low-rank parts")
-    ap.add_argument("--rounds", type=positive_int, default=7)
-    ap.add_argument("--features", type=positive_int, default=256)
+    ap.add_argument(
+        "--rounds", type=positive_int, default=7, help="interleaved rounds; a cell is their median"
+    )
+    ap.add_argument(
+        "--features",
+        type=positive_int,
+        default=256,
+        help="random features of both performers (performer part)",
+    )
     ap.add_argument(
         "--draws", type=positive_int, default=3, help="feature draws the performer deviations average"
     )
@@ -518,8 +527,13 @@ def main() -> None:
     )
     # choices: a misspelt part would otherwise run nothing and fail on an empty GEMM list
     parts = ["causal", "performer", "lowrank"]
-    ap.add_argument("--parts", nargs="+", choices=parts, default=parts)
-    ap.add_argument("--gemm-min-run-time", type=positive_float, default=0.5)
+    ap.add_argument("--parts", nargs="+", choices=parts, default=parts, help="which parts to run")
+    ap.add_argument(
+        "--gemm-min-run-time",
+        type=positive_float,
+        default=0.5,
+        help="seconds per round timing the fp32 GEMM rate (the machine's ceiling)",
+    )
     ap.add_argument("--out", type=output_file, help="write the Markdown tables here")
     ap.add_argument("--json", type=output_file, help="write every cell here")
     args = ap.parse_args()

@@ -32,6 +32,7 @@ from arg_types import non_negative_int, output_file, positive_float, positive_in
 import variants
 from experiments.measure.profile import format_table, kernel_table
 from experiments.measure.timing import time_cuda
+from experiments.records.environment import cpu_model
 from variants.flex_kernel import tiles_per_head
 
 
@@ -107,23 +108,45 @@ def call(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192])
-    ap.add_argument("--rounds", type=positive_int, default=7)
-    ap.add_argument("--threads", type=threads, default=torch.get_num_threads())
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument(
+        "--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192], help="sequence lengths N"
+    )
+    ap.add_argument(
+        "--rounds", type=positive_int, default=7, help="interleaved rounds; a cell is their median"
+    )
+    ap.add_argument(
+        "--threads",
+        type=threads,
+        default=torch.get_num_threads(),
+        help="torch threads; the default is torch's count here",
+    )
     ap.add_argument("--window", type=non_negative_int, default=128, help="local_window radius, tokens")
     ap.add_argument("--block", type=positive_int, default=64, help="sparse block (flex sparse uses the same)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--mode", default="fwd", choices=["fwd", "fwd_bwd"])
-    ap.add_argument("--shape", type=positive_int, nargs=3, action="append", metavar=("B", "H", "D"))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q, k, v dtype"
+    )
+    ap.add_argument(
+        "--mode", default="fwd", choices=["fwd", "fwd_bwd"], help="time the forward, or forward+backward"
+    )
+    ap.add_argument(
+        "--shape",
+        type=positive_int,
+        nargs=3,
+        action="append",
+        metavar=("B", "H", "D"),
+        help="batch, heads, head size; repeat for several (None: 1 8 64)",
+    )
     ap.add_argument("--min-run-time", type=positive_float, default=0.2, help="CUDA: seconds per timing")
     ap.add_argument("--json", type=output_file, help="write every cell here")
     ap.add_argument(
         "--profile", type=non_negative_int, default=0, metavar="K", help="print each call's K longest kernels"
     )
     ap.add_argument(
-        "--contenders", help="comma-separated names to time (default: all); 'sdpa (dense)' is always timed"
+        "--contenders", help="comma-separated names to time (None: all); 'sdpa (dense)' is always timed"
     )
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():  # else torch's AssertionError, mid-setup
@@ -131,9 +154,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = args.shape or [[1, 8, 64]]
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} threads"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else cpu_model()  # the machine's name
     print(
-        f"{args.device} ({where}), {args.dtype}, {args.mode}, window {args.window}, sparse block {args.block}"
+        f"{args.device} ({where}, {args.threads} threads), torch {torch.__version__}, {args.dtype}, "
+        f"{args.mode}, window {args.window}, sparse block {args.block}"
     )
     rows = []
     for bsz, h, d in shapes:
@@ -237,7 +261,14 @@ def main() -> None:
             if args.json:  # after every length: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(
-                        {"args": vars(args), "device_name": where, "torch": torch.__version__, "rows": rows},
+                        {
+                            "args": vars(args),
+                            "device_name": where,
+                            "cpu": cpu_model(),
+                            "threads": args.threads,
+                            "torch": torch.__version__,
+                            "rows": rows,
+                        },
                         f,
                         indent=1,
                     )

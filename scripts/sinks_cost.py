@@ -18,6 +18,7 @@ from torch.utils import benchmark
 import variants
 from experiments.measure.memory import cpu_peak_bytes
 from experiments.measure.roofline import gemm_flops_per_s, gemm_n
+from experiments.records.environment import cpu_model
 from variants.sdpa import SDPAAttention
 
 
@@ -41,10 +42,16 @@ def _call(attn: SDPAAttention, inputs: tuple, sinks: torch.Tensor | None, causal
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--threads", type=threads, default=2)
-    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument(
+        "--lengths", type=positive_int, nargs="+", default=[1024, 4096], help="sequence lengths N"
+    )
+    ap.add_argument("--threads", type=threads, default=2, help="torch threads")
+    ap.add_argument(
+        "--rounds", type=positive_int, default=5, help="interleaved rounds; a cell is their median"
+    )
     ap.add_argument("--min-run-time", type=positive_float, default=0.5, help="seconds per timed figure")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -54,6 +61,7 @@ def main() -> None:
         "sinks (one more key)": _AsOneMoreKey(),
     }
     gemm = gemm_flops_per_s("cpu", torch.float32, gemm_n("cpu", torch.float32))
+    print(f"{cpu_model()}, torch {torch.__version__}")
     print(f"sdpa, B=1 H=8 D=64 fp32, {args.threads} threads, {args.rounds} rounds: median ms [min-max], peak")
     print(f"GEMM ceiling (2048x2048 fp32, this run): {gemm / 1e9:.0f} GFLOP/s")
     for n in args.lengths:

@@ -6,6 +6,7 @@
 #   scripts/slurm_cluster.sh start    # install what is missing, configure, start; waits until idle
 #   scripts/slurm_cluster.sh stop     # stop the daemons
 #   scripts/slurm_cluster.sh status   # sinfo
+#   scripts/slurm_cluster.sh --help   # this text (no argument: a usage line, exit 2; nothing starts)
 #
 # Exit status: 0 up, 1 a daemon did not start, 2 not root or bad usage, 3 packages could not be
 # installed (no apt-get, no mirror).
@@ -13,6 +14,13 @@
 # Accounting (slurmdbd on MariaDB) is not optional here: without it submitit cannot see a job that
 # died before writing its result, and waits for it forever.
 set -euo pipefail
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+case "${1:-}" in  # before anything else runs: no argument or a bad one starts nothing
+start | stop | status) ((${#} == 1)) || { echo "usage: $0 start|stop|status (one argument)" >&2; exit 2; } ;;
+-h | --help) usage; exit 0 ;;
+'') echo "usage: $0 start|stop|status (--help: what each does)" >&2; exit 2 ;;
+*) echo "usage: $0 start|stop|status, not '$1' (--help: what each does)" >&2; exit 2 ;;
+esac
 # runuser, mysqld and the Slurm daemons live in sbin, which a non-login shell's PATH may lack
 export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 
@@ -155,9 +163,8 @@ stop() {
     say "stopped"
 }
 
-case "${1:-start}" in
+case "$1" in
 start) start ;;
 stop) stop ;;
 status) sinfo ;;
-*) echo "usage: $0 [start|stop|status]" >&2; exit 2 ;;
 esac

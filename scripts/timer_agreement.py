@@ -20,13 +20,18 @@ from arg_types import positive_float, positive_int, threads
 
 from experiments.measure.kernel import measure
 from experiments.measure.spec import JobSpec
+from experiments.records.environment import cpu_model
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=positive_int, default=1024)
-    ap.add_argument("--rounds", type=positive_int, default=5)
-    ap.add_argument("--min-run-time", type=positive_float, default=1.0)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument("--n", type=positive_int, default=1024, help="sequence length N")
+    ap.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds, one ratio each")
+    ap.add_argument(
+        "--min-run-time", type=positive_float, default=1.0, help="seconds per timing, on both sides"
+    )
     ap.add_argument(
         "--threads", type=threads, default=torch.get_num_threads(), help="torch threads of both sides"
     )
@@ -47,6 +52,7 @@ def main() -> None:
         num_threads=args.threads,
     )
     ratios = []
+    print(f"{cpu_model()}, torch {torch.__version__}")
     print(f"sdpa N={args.n}, B=1 H=8 D=64 fp32, {args.threads} threads on both sides")
     for r in range(args.rounds):
         res = measure(spec)
