@@ -14,8 +14,10 @@ What is gated, and how hard:
 - **Timing gate** (survives a noisy shared machine): the variant's time is never compared with an
   absolute figure; it is a ratio to a reference (``sdpa`` with the math backend, same mode) timed in
   the same process, interleaved round by round, and the median of the per-round ratios may not exceed
-  :data:`TIME_FACTOR` x the baseline ratio. A ratio over the limit is measured once more with twice the
-  rounds before it counts (a real regression fails twice; a burst of load from a neighbour rarely
+  :data:`TIME_FACTOR` x the baseline ratio, nor fall below the baseline ratio / :data:`TIME_FACTOR`
+  (every ratio divides by the reference, so a slower reference, or a slowdown the variant shares with
+  it, shows only as ratios that fall; a variant made 3x faster asks for a refresh, as memory does). A
+  ratio outside the limits is measured once more with twice the rounds before it counts (a real regression fails twice; a burst of load from a neighbour rarely
   does). Calls are timed in process CPU time (:data:`CLOCK`), not wall time: on a shared machine the
   wall time of a millisecond call is mostly whether the scheduler preempted it (per-round wall ratios
   spread over 10x here, CPU-time ratios over about 20%), and preemption hits long calls more often than
@@ -86,6 +88,9 @@ ERR_FLOOR = 8 * torch.finfo(DTYPE).eps
 #: chunked's (max 1.52x its median), and a CI runner with another CPU shifts Python-bound variants
 #: against the BLAS-bound reference (the baseline's AMD EPYC against an Intel Xeon: up to 1.28x).
 TIME_FACTOR = 3.0
+#: a baseline refresh refuses to record a relative error above this (every case's error is below 4e-6
+#: here): the error gate is relative to the baseline, so a broken variant recorded once would pass after
+UPDATE_ERR_CEILING = 1e-4
 
 # ---------------------------------------------------------------------------------------------- timing plan
 #: CPU seconds one case aims to spend in timed rounds (variant + reference together)
@@ -384,6 +389,18 @@ def compare_static(key: str, entry: dict[str, Any], base: dict[str, Any] | None)
     return fails
 
 
+def unrecordable(key: str, entry: dict[str, Any]) -> str | None:
+    """Why a baseline refresh must not record ``entry`` (its error above :data:`UPDATE_ERR_CEILING`,
+    or NaN), else None: the error gate is relative to the baseline, so a broken variant recorded once
+    would pass from then on (a 3.9 error refreshed, then passed)."""
+    if entry.get("status") == "ok" and not entry["rel_err"] <= UPDATE_ERR_CEILING:
+        return (
+            f"{key}: relative error vs float64 oracle {entry['rel_err']:.3e} > {UPDATE_ERR_CEILING:.0e}: not "
+            "recorded (the baseline would hold a broken variant's error as its limit); fix the variant first"
+        )
+    return None
+
+
 def time_limit(base: dict[str, Any]) -> float:
     """Largest time ratio that passes for a baseline entry."""
     return TIME_FACTOR * base["time_ratio"]
@@ -394,6 +411,15 @@ def compare_time(key: str, entry: dict[str, Any], base: dict[str, Any] | None) -
     if base is None or entry.get("status") != "ok" or base.get("status") != "ok":
         return []
     limit = time_limit(base)
+    low = base["time_ratio"] / TIME_FACTOR
+    if entry["time_ratio"] < low:
+        return [
+            f"{key}: time ratio fell: {entry['time_ratio']:.3f} x reference {REFERENCE[0]}{REFERENCE[1]} "
+            f"(variant {entry['time_s'] * 1e3:.3f} ms, reference {entry['ref_time_s'] * 1e3:.3f} ms CPU) < "
+            f"{low:.3f} = baseline ratio {base['time_ratio']:.3f} / {TIME_FACTOR:g}: the reference got slower "
+            "(a slowdown it shares with the variant cancels in the ratio), or the variant over 3x faster: "
+            "then refresh its baseline"
+        ]
     if entry["time_ratio"] <= limit:
         return []
     return [

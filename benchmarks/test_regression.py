@@ -63,6 +63,8 @@ def test_regression(key: str, request: pytest.FixtureRequest, baseline, recorded
         entry.update(gates.summarize_times(*times))
         benchmark.extra_info.update({"key": case.key, **entry})
     if updating:
+        if refused := gates.unrecordable(case.key, entry):
+            pytest.fail(refused, pytrace=False)
         recorded[case.key] = entry
         return
     base = baseline["entries"].get(case.key)

@@ -268,6 +268,22 @@ def test_time_gate_is_generous_and_reports_numbers():
     assert f"{gates.TIME_FACTOR + 0.5:.3f}" in fails[0] and "baseline ratio 1.000" in fails[0]
 
 
+def test_a_refresh_refuses_to_record_a_broken_variant():
+    assert gates.unrecordable("v/fwd", OK) is None
+    assert "not recorded" in gates.unrecordable("v/fwd", {**OK, "rel_err": 3.9})
+    assert "not recorded" in gates.unrecordable("v/fwd", {**OK, "rel_err": float("nan")})
+    assert gates.unrecordable("v/fwd", {"status": "unsupported", "reason": "r"}) is None
+
+
+def test_time_gate_fails_a_ratio_that_falls_too():
+    """Every ratio divides by the reference (sdpa's math path, through the same wrapper): a 10x
+    slowdown of the sdpa wrapper moved sdpa's own ratio from 0.386 to 0.362 and passed, while every
+    other variant's ratio fell 7.5x. A fall past the baseline / TIME_FACTOR now fails."""
+    assert gates.compare_time("v/fwd", {**TIMED, "time_ratio": 1 / gates.TIME_FACTOR}, TIMED) == []
+    (fail,) = gates.compare_time("v/fwd", {**TIMED, "time_ratio": 0.1}, TIMED)
+    assert "time ratio fell: 0.100" in fail and "the reference got slower" in fail
+
+
 def test_machine_info_hook_adds_torch_threads_cpu_and_gpu():
     from benchmarks.conftest import pytest_benchmark_update_machine_info
 
