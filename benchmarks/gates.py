@@ -17,12 +17,13 @@ What is gated, and how hard:
   :data:`TIME_FACTOR` x the baseline ratio, nor fall below the baseline ratio / :data:`TIME_FACTOR`
   (every ratio divides by the reference, so a slower reference, or a slowdown the variant shares with
   it, shows only as ratios that fall; a variant made 3x faster asks for a refresh, as memory does). A
-  ratio outside the limits is measured once more with twice the rounds before it counts (a real regression fails twice; a burst of load from a neighbour rarely
-  does). Calls are timed in process CPU time (:data:`CLOCK`), not wall time: on a shared machine the
-  wall time of a millisecond call is mostly whether the scheduler preempted it (per-round wall ratios
-  spread over 10x here, CPU-time ratios over about 20%), and preemption hits long calls more often than
-  short ones, which biases a wall-clock ratio. With one intra-op thread the CPU time is the call's
-  work; a slowdown by waiting (sleep, locks) is not seen, which attention kernels do not do.
+  ratio outside the limits is measured once more with twice the rounds before it counts (a real
+  regression fails twice; a burst of load from a neighbour rarely does). Calls are timed in process
+  CPU time (:data:`CLOCK`), not wall time: on a shared machine the wall time of a millisecond call is
+  mostly whether the scheduler preempted it (per-round wall ratios spread over 10x here, CPU-time
+  ratios over about 20%), and preemption hits long calls more often than short ones, which biases a
+  wall-clock ratio. With one intra-op thread the CPU time is the call's work; a slowdown by waiting
+  (sleep, locks) is not seen, which attention kernels do not do.
 - **Unsupported** cases (xformers on CPU, flex backward on CPU, ...) are recorded with their reason
   and must still be unsupported: a case that starts or stops running fails until the baseline is
   refreshed, so nothing is skipped silently. A variant whose library this machine lacks
@@ -416,9 +417,9 @@ def compare_time(key: str, entry: dict[str, Any], base: dict[str, Any] | None) -
         return [
             f"{key}: time ratio fell: {entry['time_ratio']:.3f} x reference {REFERENCE[0]}{REFERENCE[1]} "
             f"(variant {entry['time_s'] * 1e3:.3f} ms, reference {entry['ref_time_s'] * 1e3:.3f} ms CPU) < "
-            f"{low:.3f} = baseline ratio {base['time_ratio']:.3f} / {TIME_FACTOR:g}: the reference got slower "
-            "(a slowdown it shares with the variant cancels in the ratio), or the variant over 3x faster: "
-            "then refresh its baseline"
+            f"{low:.3f} = baseline ratio {base['time_ratio']:.3f} / {TIME_FACTOR:g}: the reference got "
+            "slower (a slowdown it shares with the variant cancels in the ratio), or the variant over 3x "
+            "faster: then refresh its baseline"
         ]
     if entry["time_ratio"] <= limit:
         return []
