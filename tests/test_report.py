@@ -732,3 +732,21 @@ def test_one_host_name_on_two_cpus_is_two_machines():
     assert machine_names(df)[0] == "vm (Intel Xeon)"
     one = df.iloc[[1, 3]]
     assert list(machine_names(one)) == ["vm", "box"]  # one CPU per host name: the name alone
+
+
+def test_the_canary_line_counts_only_jobs_that_measured_something():
+    """Unsupported jobs have a canary but no thread count: they made a line of their own,
+    "vm, ? thread(s) ... 1 slower than 1.15x", about jobs with no time to mark."""
+    from experiments.report.report import _canaries
+
+    df = pd.DataFrame(
+        {
+            "status": ["ok", "ok", "unsupported", "unsupported"],
+            "env_host": ["vm"] * 4,
+            "fig_threads": [1, 1, None, None],
+            "canary_before_ms": [10.0, 11.0, 9.0, 13.0],
+            "machine_slowdown": [1.0, 1.1, 1.0, 1.44],
+        }
+    )
+    (line,) = _canaries(df)
+    assert line.startswith("- vm, 1 thread(s): 10 / 10.5 / 11 ms") and "of 2 jobs); 0 slower" in line

@@ -99,7 +99,10 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
 
 def _canaries(df: pd.DataFrame) -> list[str]:
     """One line per (host, threads) with canaries: the fastest, median and slowest job canary, and how
-    many jobs ran slower than ``SLOW_RATIO`` times the fastest (their times are marked ``~``)."""
+    many jobs ran slower than ``SLOW_RATIO`` times the fastest (their times are marked ``~``). Jobs
+    that measured nothing (unsupported, failed) are left out: they have no times to mark, and no
+    thread count of their own (they made a ``?`` line)."""
+    df = df[df["status"] == "ok"]
     job = job_canaries(df)
     lines = []
     for (host, n), sub in job.groupby(machine_keys(df)):
