@@ -52,8 +52,8 @@ def _model_title(row: pd.Series) -> str:
 _WHERE = ["env_host", "threads", "seed", "extra"]
 #: the model settings a table's title (:func:`_model_title`) or a row's label (:func:`_mix_label`)
 #: names; any other (the vocabulary) is named in the title where the models differ in it
-_NAMED = {"layers", "hidden", "heads", "kv_heads", "batch", "prefill_len", "new_tokens"}
-_NAMED |= {"sliding_window", "full_every", "full_variant", "rolling_cache"}
+_MIX = {"sliding_window", "full_every", "full_variant", "rolling_cache"}  # what _mix_label names
+_NAMED = {"layers", "hidden", "heads", "kv_heads", "batch", "prefill_len", "new_tokens"} | _MIX
 #: a setting a record lacks had its default (it was written before the setting existed)
 _MODEL_DEFAULTS = asdict(ModelSettings())
 
@@ -145,8 +145,9 @@ def plot_context(rows: pd.DataFrame, path: Path) -> Path | None:
     )
     # a line per variant and model (every setting but the prompt length) and where it ran; its label
     # names the model's mix and whatever of the rest differs between lines
-    shapes = pd.DataFrame(list(ok["_m"]), index=ok.index)
-    differ = [c for c in shapes if shapes[c].astype(str).nunique(dropna=False) > 1]
+    # (a setting a record lacks had its default; the mix's own settings are in its label already)
+    shapes = pd.DataFrame([{**_MODEL_DEFAULTS, **m} for m in ok["_m"]], index=ok.index, dtype=object)
+    differ = [c for c in shapes if c not in _MIX and shapes[c].astype(str).nunique(dropna=False) > 1]
     base = ok["variant"].astype(str) + " · " + ok["_m"].map(lambda m: _mix_label(m) or "Llama")
     extra = shapes.apply(lambda r: "".join(f" · {c}={r[c]}" for c in differ), axis=1) if differ else ""
     ok = ok.assign(_line=base + extra + varying_text(ok, ["device", "dtype", *_WHERE]))
@@ -180,14 +181,18 @@ def plot_context(rows: pd.DataFrame, path: Path) -> Path | None:
     ax_t.set_title("ms per decoded token (median, IQR)", fontsize=10)
     ax_kept.set_title("K/V MiB the cache keeps (one sequence)", fontsize=10)
     ax_read.set_title("K/V MiB a decoding step reads", fontsize=10)
-    fig.legend(*ax_t.get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=3, frameon=False)
+    # below the panels, kept whole in the file by bbox_inches="tight"
+    handles, labels = ax_t.get_legend_handles_labels()
+    fig.legend(
+        handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=2, frameon=False
+    )
     first = ok.iloc[0]
     fig.suptitle(
         f"Decoding cost and K/V cache against the context ({first['device']}, {first['dtype']}, batch "
         f"{first['_m'].get('batch')}, {first['_m'].get('new_tokens')} tokens decoded after the prompt)",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0.16, 1, 0.95))
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

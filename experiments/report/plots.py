@@ -22,11 +22,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
-from matplotlib.colors import PowerNorm  # noqa: E402
+from matplotlib.colors import Normalize, PowerNorm, SymLogNorm  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
 from ..measure.spec import Kind  # noqa: E402
-from ..records.store import is_false  # noqa: E402
+from ..records.store import is_false, is_true  # noqa: E402
 from .format import obj, sci  # noqa: E402
 from .grouping import (  # noqa: E402
     GROUP_BASE,
@@ -111,10 +111,14 @@ def _plot_vs_n(
     band: tuple[str, str] | None,
     ceiling: str | None = None,
     flag: str | None = None,
+    coinciding: bool = False,
 ) -> Path | None:
     """Line per variant of ``y`` against N, faceted by device/dtype (rows) and mode (columns);
     ``ceiling`` names a column drawn as a dashed line at its median per panel (e.g. the GEMM rate);
-    ``flag`` names a boolean column whose true points get a red ring (and the legend says why)."""
+    ``flag`` names a boolean column whose true points get a red ring (and the legend says why); points
+    whose ``unstable`` column is true (the tables' ``unstable`` mark) get a gray square ring.
+    ``coinciding``: series that may be identical (memory, state): hollow markers, each variant's smaller
+    than the one before, so that a line under another still shows, and a log y axis as x is."""
     data = df.dropna(subset=[y])
     data = data[data[y] > 0]
     if data.empty:
@@ -127,6 +131,7 @@ def _plot_vs_n(
     mixed = decoding and data["kv_len"].isna().any()  # panels on N and on Nk: each names its axis
     names = sorted(data["variant"].unique())
     colors, markers = palette(names), _markers(names)
+    sizes = {n: (11 - 6 * i / max(1, len(names) - 1) if coinciding else 5) for i, n in enumerate(names)}
     rows, cols = _facet_order(data["_row"]), sorted(data["_col"].unique(), key=lambda c: c != "forward")
     fig, axes = plt.subplots(
         len(rows),
@@ -157,7 +162,8 @@ def _plot_vs_n(
                     color=colors[name],
                     label=label,
                     lw=1.6,
-                    ms=5,
+                    ms=sizes[name],
+                    mfc="none" if coinciding else colors[name],
                     ls=ls,
                 )
                 if band is not None:
@@ -168,6 +174,10 @@ def _plot_vs_n(
                     hit = pts[pts[flag]]
                     ring = {"s": 110, "facecolors": "none", "edgecolors": "red", "lw": 1.4, "zorder": 5}
                     ax.scatter(hit["_x"], hit[y], **ring)
+                if flag is not None and _unstable(pts).any():
+                    hit = pts[_unstable(pts)]
+                    square = {"s": 150, "marker": "s", "facecolors": "none", "edgecolors": "0.45", "lw": 1.4}
+                    ax.scatter(hit["_x"], hit[y], zorder=5, **square)
             if ceiling is not None and ceiling in sub and sub[ceiling].notna().any():
                 top = float(sub[ceiling].median())
                 ax.axhline(top, ls="--", lw=1, color="0.4")
@@ -183,7 +193,7 @@ def _plot_vs_n(
             same = data[data["kv_len"].notna() == on_keys] if decoding else data
             ns = sorted(int(n) for n in (same if len(same) else data)["_x"].unique())
             _n_axis(ax, ns)
-            if _spans_decades(data[y]):
+            if coinciding or _spans_decades(data[y]):
                 ax.set_yscale("log")
             ax.set_title(f"{r} | {c}", fontsize=10)
             xlabel = "cached keys Nk (tokens)" if on_keys else "sequence length N (tokens)"
@@ -192,10 +202,18 @@ def _plot_vs_n(
             ax.grid(True, which="major", alpha=0.3)
             if sub.empty:
                 ax.text(0.5, 0.5, "no usable jobs", transform=ax.transAxes, ha="center", color="gray")
-    handles = [plt.Line2D([], [], color=colors[n], marker=markers[n], label=n) for n in names]
+    handles = [
+        plt.Line2D(
+            [], [], color=colors[n], marker=markers[n], mfc="none" if coinciding else colors[n], label=n
+        )
+        for n in names
+    ]
     if flag is not None and data[flag].any():
         ring = "beside other work (*) or\nwhile the machine ran slow (~)"
         handles.append(plt.Line2D([], [], ls="", marker="o", mfc="none", mec="red", ms=9, label=ring))
+    if flag is not None and _unstable(data).any():
+        square = "unstable: the timed runs' spread\nnever settled (the tables' 'unstable')"
+        handles.append(plt.Line2D([], [], ls="", marker="s", mfc="none", mec="0.45", ms=10, label=square))
     fig.legend(handles=handles, title="variant", loc="outside right center", frameon=False)
     fig.suptitle(title, fontsize=12)
     return _save(fig, path)
@@ -214,7 +232,12 @@ def _usable_rows(df: pd.DataFrame) -> pd.DataFrame:
         gemm_gflops=pd.to_numeric(df.get("roofline_gemm_flops_per_s"), errors="coerce") / 1e9,
     )
     out = out[usable(out)]
-    return out.assign(flagged=_flagged(out))
+    return out.assign(flagged=_flagged(out), unstable=t["unstable"].reindex(out.index).astype(bool))
+
+
+def _unstable(df: pd.DataFrame) -> pd.Series:
+    """Per row: whether the tables mark its time ``unstable`` (false where the records do not say)."""
+    return df["unstable"].map(is_true).astype(bool) if "unstable" in df else pd.Series(False, index=df.index)
 
 
 def _flagged(df: pd.DataFrame) -> list[bool]:
@@ -267,6 +290,7 @@ def plot_state(df: pd.DataFrame, out_dir: Path) -> Path | None:
         "Decoding: what a sequence keeps vs context (K/V cache or fixed-size state)",
         out_dir / "state_vs_nk.png",
         band=None,
+        coinciding=True,
     )
 
 
@@ -279,6 +303,7 @@ def plot_memory(df: pd.DataFrame, out_dir: Path) -> Path | None:
         "Peak memory vs length (above the inputs)",
         out_dir / "memory_vs_n.png",
         band=None,
+        coinciding=True,
     )
 
 
@@ -355,16 +380,41 @@ def plot_scaling(df: pd.DataFrame, out_dir: Path) -> Path | None:
     return _save(g.figure, out_dir / "scaling_exponents.png")
 
 
+#: the check a failed record's figure belongs to, as a heatmap cell of another figure names it
+FAILED_WHAT = {"out_rel_err": "fwd", "grad_rel_err": "grad"}
+
+
+def _failed_check(row: pd.Series) -> str | None:
+    """Which figure of an invalid record failed its check, ``out_rel_err`` (the output) or
+    ``grad_rel_err`` (the gradients), by the tolerances of the record's dtype; None if neither is
+    above its tolerance (a check the records do not say)."""
+    import torch
+
+    from ..measure.accuracy import grad_tolerance, tolerance
+
+    dtype = getattr(torch, str(row.get("dtype")), None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    for col, tol in (("out_rel_err", tolerance(dtype)), ("grad_rel_err", grad_tolerance(dtype))):
+        v = pd.to_numeric(row.get(col), errors="coerce")
+        if pd.notna(v) and v > tol:
+            return col
+    return None
+
+
 def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
-    """``accuracy_heatmap.png``: log10 relative error against the float64 oracle (and, for approximate
-    variants, against full attention), variant x N, one panel per group; cells without a figure show
-    the job's status."""
+    """``accuracy_heatmap.png``: log10 relative error against the float64 oracle, of the output and (for
+    ``fwd_bwd`` groups whose records have it) of the gradients, and for approximate variants the
+    deviation from full attention, variant x N, one panel per group; cells without a figure show the
+    job's status; a failed job's cell says FAIL, and which check failed where it was another figure's."""
     if "out_rel_err" not in df:
         return None
     keys = group_keys(df)
     panels = []
     for title, sub in groups(df, keys):
         panels.append((title, "vs float64 oracle", sub, "out_rel_err"))
+        graded = sub[sub["mode"] == "fwd_bwd"] if "grad_rel_err" in sub else sub.iloc[:0]
+        if len(graded) and pd.to_numeric(graded["grad_rel_err"], errors="coerce").notna().any():
+            panels.append((title, "gradient vs float64 oracle", graded, "grad_rel_err"))
         approx = sub[sub["exact"].map(is_false).astype(bool)]
         if "dev_full_rel_err" in sub and len(approx):
             panels.append((title, "deviation from full attention", approx, "dev_full_rel_err"))
@@ -377,7 +427,13 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
             if row["status"] != "ok":
                 return str(row["status"])
             v = pd.to_numeric(row.get(col), errors="coerce")
-            return "n/a" if pd.isna(v) else (f"FAIL\n{sci(v)}" if is_false(row["valid"]) else sci(v))
+            if pd.isna(v):
+                skipped = col == "grad_rel_err" and pd.notna(row.get("grad_check_skipped"))
+                return "not\nchecked" if skipped else "n/a"
+            if not is_false(row["valid"]):
+                return sci(v)
+            failed = _failed_check(row)  # this cell's figure, or the other one that failed its check
+            return f"FAIL\n{sci(v)}" if failed in (None, col) else f"{sci(v)}\n{FAILED_WHAT[failed]} FAIL"
 
         return cell
 
@@ -427,7 +483,11 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
         )
         ax.set_ylabel("")
         ax.set_xticklabels([str(c) for c in vals.columns], rotation=0)
-    fig.suptitle("Accuracy: max |out − ref| / max |ref|", fontsize=12)
+    grads = any(p[3] == "grad_rel_err" for p in panels)
+    fig.suptitle(
+        "Accuracy: max |out − ref| / max |ref|" + (" (gradients: worst of dq, dk, dv)" if grads else ""),
+        fontsize=12,
+    )
     return _save(fig, out_dir / "accuracy_heatmap.png")
 
 
@@ -513,11 +573,18 @@ def _setting_text(causal: bool, documents: int) -> str:
     return ("causal" if causal else "two-way") + (f", {documents} documents" if documents > 1 else "")
 
 
-def _grid(n_panels: int, size: float = 2.9, cols: int = 4) -> tuple[plt.Figure, np.ndarray]:
+def _grid(
+    n_panels: int, size: float = 2.9, cols: int = 4, title_lines: int = 2, colorbars: bool = False
+) -> tuple[plt.Figure, np.ndarray]:
+    """A grid of ``n_panels`` square panels, each row tall enough for a title of ``title_lines`` lines
+    (:func:`_wrap_title`) above it, so that a long title does not run into the panel above; each column
+    wider by a colorbar's room where ``colorbars`` (a panel with a colorbar of its own)."""
     cols = min(cols, n_panels)
     rows = -(-n_panels // cols)
+    row = size + 0.16 * max(0, title_lines - 2)  # a 9-point line is about 0.16 inch
+    col = size + (1.1 if colorbars else 0)
     fig, axes = plt.subplots(
-        rows, cols, figsize=(size * cols + 1.2, size * rows + 1.0), squeeze=False, layout="constrained"
+        rows, cols, figsize=(col * cols + 1.2, row * rows + 1.0), squeeze=False, layout="constrained"
     )
     for ax in axes.flat[n_panels:]:
         ax.set_visible(False)
@@ -531,8 +598,29 @@ def _no_matrix(ax: plt.Axes, why: str, n: int) -> None:
     ax.text(0.5, 0.5, textwrap.fill(why, 30), transform=ax.transAxes, ha="center", va="center", fontsize=7)
 
 
+def _wrap_title(title: str) -> str:
+    """A panel's title as drawn: each of its lines wrapped at 34 characters."""
+    return "\n".join(w for line in title.split("\n") for w in textwrap.wrap(line, 34))
+
+
+def _in_unit_range(weights: np.ndarray) -> bool:
+    """Whether every weight lies in [0, 1] (up to rounding): a softmax's weights do, a variant's without
+    one (retention, linear, ...) need not."""
+    return bool(weights.min() >= -1e-9 and weights.max() <= 1 + 1e-9)
+
+
+def _weight_norm(weights: np.ndarray) -> Normalize:
+    """The colour scale of a panel of attention weights: a power scale over [0, 1] where they all lie in
+    it; else a symmetric log scale centred on 0 over their whole range, which clips none of them and
+    still shows the small ones (linear within a thousandth of the largest magnitude)."""
+    if _in_unit_range(weights):
+        return PowerNorm(0.4, 0, 1)
+    top = max(float(np.abs(weights).max()), 1e-12)
+    return SymLogNorm(top * 1e-3, vmin=-top, vmax=top, base=10)
+
+
 def _matrix_axes(ax: plt.Axes, title: str, n: int) -> None:
-    ax.set_title("\n".join(w for line in title.split("\n") for w in textwrap.wrap(line, 34)), fontsize=9)
+    ax.set_title(_wrap_title(title), fontsize=9)
     ax.set_xlabel("key j", fontsize=8)
     ax.set_ylabel("query i", fontsize=8)
     ticks = list(range(0, n, 16 if n <= 64 else n // 4))
@@ -637,18 +725,37 @@ def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
     x, where = structured_input(n)
     # every variant under every setting: a variant a row, a setting a column
     matrix = 1 < len(settings) <= 4 and len(panels) == len({id(var) for _, var, _ in panels}) * len(settings)
-    fig, axes = _grid(len(panels), cols=len(settings) if matrix else 4)
-    image = None
-    for ax, (title, var, setting) in zip(axes.flat, panels, strict=False):  # the grid may have spare cells
+    drawn: list[tuple[str, np.ndarray | Exception]] = []
+    for title, var, setting in panels:
         if len(settings) > 1:
             title += f"\n{_setting_text(*setting)}"
         try:
             if isinstance(var, Exception):
                 raise var
             weights = attention_weights(var, x, *setting)
-            image = ax.imshow(weights, cmap="viridis", norm=PowerNorm(0.4, 0, 1))
         except Exception as exc:
-            _no_matrix(ax, f"no weights: {exc}", n)
+            drawn.append((title, exc))
+            continue
+        lo, hi = float(weights.min()), float(weights.max())
+        if not _in_unit_range(weights):  # no softmax: said in the title, drawn on its own scale
+            title += f"\nunnormalised, range {lo:.3g}..{hi:.3g}"
+        drawn.append((title, weights))
+    lines = max((len(_wrap_title(title).split("\n")) for title, _ in drawn), default=2)
+    own_scale = any(isinstance(w, np.ndarray) and not _in_unit_range(w) for _, w in drawn)
+    fig, axes = _grid(
+        len(panels), cols=len(settings) if matrix else 4, title_lines=lines, colorbars=own_scale
+    )
+    image = None
+    for ax, (title, weights) in zip(axes.flat, drawn, strict=False):  # the grid may have spare cells
+        if isinstance(weights, Exception):
+            _no_matrix(ax, f"no weights: {weights}", n)
+        elif _in_unit_range(weights):
+            image = ax.imshow(weights, cmap="viridis", norm=_weight_norm(weights))
+        else:  # weights of either sign or above 1: a diverging scale centred on 0, a colorbar of its own
+            own = ax.imshow(weights, cmap="RdBu_r", norm=_weight_norm(weights))
+            bar = fig.colorbar(own, cax=ax.inset_axes([1.04, 0.1, 0.05, 0.8]))  # beside its own image
+            bar.set_label("effective weight\n(symmetric log, 0 = white)", fontsize=8)
+            bar.ax.tick_params(labelsize=7)
         _matrix_axes(ax, title, n)
     if image is not None:  # about two panels tall, however many rows
         shrink = min(0.6, 2 / axes.shape[0])

@@ -359,8 +359,9 @@ def _window_size(row: pd.Series) -> float | None:
 
 
 def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
-    """Recall test accuracy against key-to-query distance, one line per (variant, N); None if no
-    recall record has per-distance accuracies.
+    """Recall test accuracy against key-to-query distance: a panel per (task, N), a line per variant
+    (the same colour and marker in every panel, one legend for the figure); None if no recall record
+    has per-distance accuracies.
 
     Bins are pooled over seeds weighted by their query counts; a dotted line marks a local_window
     model's window: a query farther from its key than that cannot see it in one hop. (Stacked layers
@@ -372,41 +373,58 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     if not len(sub) or "acc_by_distance" not in sub:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    drawn = 0
-    # more lines than one colour cycle: 20 colours and a marker each, so no two lines look alike
-    colours = plt.get_cmap("tab20").colors
-    markers = "osD^v<>pPX*h"
-    for (v, t, n), g in sub.groupby(["variant_label", "task_label", "seq_len"], sort=True):
-        hits: dict[int, float] = {}
-        counts: dict[int, float] = {}
-        for _, r in g.iterrows():
-            acc = obj(r["acc_by_distance"]) or {}
-            cnt = obj(r.get("n_by_distance")) or {}
-            for k, a in acc.items():
-                c = float(cnt.get(k, 1))
-                hits[int(k)] = hits.get(int(k), 0.0) + a * c
-                counts[int(k)] = counts.get(int(k), 0.0) + c
-        xs = sorted(hits)
-        if not xs:
-            continue
-        ys = [100 * hits[x] / counts[x] for x in xs]
-        multi = sub["seq_len"].nunique() > 1 or sub["task_label"].nunique() > 1
-        label = f"{v} {t} N={n}" if multi else str(v)
-        style = {"color": colours[drawn % len(colours)], "marker": markers[drawn % len(markers)]}
-        (line,) = ax.plot(xs, ys, label=label, markersize=5, **style)
-        window = _window_size(g.iloc[0])
-        if window is not None and window < n:  # a window past the sequence blinds nothing
-            ax.axvline(window, color=line.get_color(), linestyle=":", linewidth=1)
-        drawn += 1
-    if not drawn:
+    facets = sorted({(str(t), int(n)) for t, n in zip(sub["task_label"], sub["seq_len"], strict=True)})
+    cols = min(3, len(facets))
+    rows = -(-len(facets) // cols)
+    names = sorted(sub["variant_label"].astype(str).unique())
+    # room on the right for the legend, and as tall as its entries (about 0.2 inch each) need
+    size = (4.4 * cols + 3.6, max(3.2 * rows + 0.5, 0.2 * len(names) + 1.0))
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False, sharey=True, layout="constrained")
+    # a colour and a marker per variant, the same in every panel: 20 colours, so no two lines look alike
+    colours, markers = plt.get_cmap("tab20").colors, "osD^v<>pPX*h"
+    style = {v: {"color": colours[i % 20], "marker": markers[i % len(markers)]} for i, v in enumerate(names)}
+    handles: dict[str, Any] = {}
+    several_n = sub["seq_len"].nunique() > 1
+    for ax, (t, n) in zip(axes.flat, facets, strict=False):
+        here = sub[(sub["task_label"].astype(str) == t) & (sub["seq_len"] == n)]
+        for v, g in here.groupby(here["variant_label"].astype(str), sort=True):
+            hits: dict[int, float] = {}
+            counts: dict[int, float] = {}
+            for _, r in g.iterrows():
+                acc = obj(r["acc_by_distance"]) or {}
+                cnt = obj(r.get("n_by_distance")) or {}
+                for k, a in acc.items():
+                    c = float(cnt.get(k, 1))
+                    hits[int(k)] = hits.get(int(k), 0.0) + a * c
+                    counts[int(k)] = counts.get(int(k), 0.0) + c
+            xs = sorted(hits)
+            if not xs:
+                continue
+            ys = [100 * hits[x] / counts[x] for x in xs]
+            (handles[v],) = ax.plot(xs, ys, label=v, markersize=5, **style[v])
+            window = _window_size(g.iloc[0])
+            if window is not None and window < n:  # a window past the sequence blinds nothing
+                ax.axvline(window, color=style[v]["color"], linestyle=":", linewidth=1)
+        ax.set_title(f"{t}, N={n}" if several_n else t, fontsize=9)
+        ax.set_xlabel("key-to-query distance (tokens, upper edge of bin)", fontsize=8)
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy (%)")
+    for ax in axes.flat[len(facets) :]:
+        ax.set_visible(False)
+    if not handles:
         plt.close(fig)
         return None
-    ax.set_xlabel("key-to-query distance (tokens, upper edge of bin)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(-2, 102)
-    ax.set_title("Associative recall: accuracy vs distance (dotted: local window size)")
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.legend(
+        [handles[v] for v in names if v in handles],
+        [v for v in names if v in handles],
+        fontsize=8,
+        loc="outside right center",
+        frameon=False,
+        title="variant",
+    )
+    fig.suptitle("Associative recall: accuracy vs distance (dotted: local window size)")
     return save_figure(fig, path)
 
 
@@ -474,7 +492,11 @@ def plot_trained_attention(
         # extent in original positions, so a pooled map keeps its axes in tokens
         ax.imshow(w, cmap="viridis", aspect="auto", interpolation="nearest", extent=(0, nk, nq, 0))
         acc = r.get("test_accuracy")
-        acc_txt = f", acc {100 * acc:.0f}%" if isinstance(acc, (int, float)) and math.isfinite(acc) else ""
+        # the map's own run's accuracy: the lowest seed's, not the table's mean over seeds
+        seed = f"seed {r['seed']}" if pd.notna(r.get("seed")) else "its run"
+        acc_txt = (
+            f", {seed} acc {100 * acc:.0f}%" if isinstance(acc, (int, float)) and math.isfinite(acc) else ""
+        )
         title = f"{r['variant_label']}\n{r['task_label']} N={r['seq_len']}{acc_txt}"
         ax.set_title("\n".join(textwrap.wrap(title, 52, replace_whitespace=False)), fontsize=8)
         where = att.get("module", "")
