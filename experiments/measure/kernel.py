@@ -297,9 +297,9 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         fig["cache_bytes"] = last_level_cache_bytes()
     # what one decoding sequence keeps per layer: the K/V cache, or a fixed-size state
     fig["state_bytes"] = variant.state_bytes(w)
-    if _decodes_with_state(variant, w, spec):
+    if _decodes_with_state(variant, w) and spec.padding == 0:
         fig.update(_timing_fields("step", time_call(_step_call(variant, inp, w), device, min_t)))
-    elif variant.supports_state and w.causal and w.nq < w.nk and not w.backward:
+    elif _decodes_with_state(variant, w):
         # the padded keys are the last ones (inputs.py), the new tokens' own among them: no step to time
         fig["step_skipped"] = f"padding={spec.padding}: the padded keys are the newest, no decoding step"
 
@@ -317,11 +317,12 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
             fig["fwd_graph_skipped"] = why
 
 
-def _decodes_with_state(variant: AttentionVariant, w: Workload, spec: JobSpec) -> bool:
+def _decodes_with_state(variant: AttentionVariant, w: Workload) -> bool:
     """Whether the job decodes (causal, fewer queries than keys, forward) with a variant that carries
-    a fixed-size state: then the decoding step is timed too, which is what such a variant costs per
-    token (its forward over the cache re-reads the context, which decoding never does)."""
-    return variant.supports_state and w.causal and w.nq < w.nk and not w.backward and spec.padding == 0
+    a fixed-size state: then the decoding step is timed too (without padding), which is what such a
+    variant costs per token (its forward over the cache re-reads the context, which decoding never
+    does)."""
+    return variant.supports_state and w.causal and w.nq < w.nk and not w.backward
 
 
 def _step_call(variant: AttentionVariant, inp: Inputs, w: Workload) -> Callable[[], object]:
