@@ -256,7 +256,7 @@ def test_a_decode_job_times_the_step_of_a_variant_with_a_state_and_records_what_
             res = measure(spec)
             assert res["status"] == "ok" and res["figures"]["valid"], res
             figs[variant, nk] = res["figures"]
-    assert figs["linear", 64]["state_bytes"] == figs["linear", 256]["state_bytes"] == h * d * (d + 1) * 4
+    assert figs["linear", 64]["state_bytes"] == figs["linear", 256]["state_bytes"] == hkv * d * (d + 1) * 4
     assert figs["sdpa", 256]["state_bytes"] == 4 * figs["sdpa", 64]["state_bytes"] == hkv * 256 * 2 * d * 4
     assert figs["linear", 256]["step_median_s"] > 0 and "step_median_s" not in figs["sdpa", 256]
     # the report's decoding table: time per token from the step where there is one, and the state

@@ -245,6 +245,23 @@ def test_linear_flops_are_its_matmuls_and_linear_in_n(causal):
     assert attn.flops(big) == pytest.approx(64 * attn.flops(w), rel=0.01)  # linear in N, not pairs
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_flops_under_grouped_heads_count_the_keys_state_once_per_kv_head(causal):
+    """8 query heads on 2 K/V heads, 16 queries after 240 earlier keys (a decode's shape): the keys
+    that only build the state are summed per K/V head. The counter sees the matmuls; the count must
+    hold them (within the scale and the carry, <= 10%) and be below the count with repeated heads."""
+    attn = variants.build("linear", feature_map="identity", normalize=False, chunk=8)
+    nq, nk, d = 16, 256, 16
+    q = _randn(2, 8, nq, d, seed=0, dtype=torch.float32)
+    k, v = (_randn(2, 2, nk, d, seed=s, dtype=torch.float32) for s in (1, 2))
+    with FlopCounterMode(display=False) as counter:
+        attn(q, k, v, causal=causal)
+    w = Workload(batch=2, heads=8, kv_heads=2, nq=nq, nk=nk, head_dim=d, v_head_dim=d, causal=causal)
+    assert 0.9 * attn.flops(w) <= counter.get_total_flops() <= attn.flops(w)
+    repeated = Workload(batch=2, heads=8, nq=nq, nk=nk, head_dim=d, v_head_dim=d, causal=causal)
+    assert attn.flops(w) < 0.5 * attn.flops(repeated)  # the 240 (256) keys' sums were 4x as many
+
+
 def test_state_bytes_of_the_family():
     w = Workload(batch=1, heads=8, nq=1, nk=131072, head_dim=64, v_head_dim=64, causal=True)
     assert variants.build("linear").state_bytes(w) == 8 * 64 * 65 * 4  # D x (Dv + 1) fp32 per head
@@ -252,6 +269,27 @@ def test_state_bytes_of_the_family():
     assert variants.build("retention").state_bytes(w) == 8 * (64 * 64 * 4 + 8)  # + its float64 position
     assert variants.build("performer").state_bytes(w) == 8 * (256 * 65 * 4 + 4)  # m x (Dv + 1) + max
     assert variants.build("sdpa").state_bytes(w) == 8 * 131072 * 128 * 4  # the K/V cache: 512 MiB
+
+
+def test_grouped_heads_share_one_state_where_the_key_features_are_the_keys_alone():
+    """32 query heads on 4 K/V heads: linear's, performer's and window_linear's key features and log
+    weights are the key's alone, so a group's query heads read one state (as they read one K/V cache);
+    retention's decay is per query head, so it keeps 32. Counted from the definitions, then held."""
+    w = Workload(batch=1, heads=32, kv_heads=4, nq=1, nk=4096, head_dim=16, v_head_dim=16, causal=True)
+    want = {
+        "linear": 4 * 16 * 17 * 4,  # D x (Dv + 1) fp32 per K/V head
+        "performer": 4 * (256 * 17 * 4 + 4),  # m x (Dv + 1) and the running maximum per K/V head
+        "window_linear": 4 * 64 * 32 * 4 + 64 + 4 * 16 * 17 * 4,  # window cache, its mask, linear state
+        "retention": 32 * (16 * 16 * 4 + 8),  # per query head: each has its decay
+    }
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 4, 100, 16), torch.randn(2, 4, 100, 16)
+    for name, size in want.items():
+        attn = variants.build(name)
+        assert attn.state_bytes(w) == size, name
+        state = attn.prefill(k, v, heads=32)
+        kv = state.far_kv if name == "window_linear" else state.kv
+        assert kv.shape[:2] == (2, 32 if name == "retention" else 4), name
 
 
 @pytest.mark.parametrize("path", ["cpu loop", "cumsum"])

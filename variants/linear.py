@@ -11,7 +11,8 @@ that sees no key gives zeros). ``phi``: ``elu1`` = elu(x) + 1 (the paper's, posi
 pass through the ``D x Dv`` state ``sum_j phi(k_j) v_j^T``; causal, the chunked form of
 ``variants/linear_core.py`` (quadratic inside a chunk of ``chunk`` positions, the running state across
 chunks). Time ``O(N D Dv)`` non-causal, ``O(N chunk (D + Dv) + N D Dv)`` causal; memory ``O(N (chunk +
-D Dv / chunk))``. Decoding keeps the ``D x (Dv + 1)`` state per head, whatever the context length.
+D Dv / chunk))``. Decoding keeps the ``D x (Dv + 1)`` state per K/V head (its query heads share it),
+whatever the context length.
 Shapes: ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)`` -> ``(B, H, Nq, Dv)``;
 16-bit inputs are summed in float32. A normalised row whose denominator is 0 (relu features all 0, no
 key) is 0; with ``identity`` the denominator can be any sign, and near 0 the ratio is large: that is
@@ -40,6 +41,8 @@ FEATURE_MAPS = {
 class LinearAttention(KernelizedAttention):
     """``phi(q) (sum_j phi(k_j) v_j^T)``, normalised by ``phi(q) . sum_j phi(k_j)``."""
 
+    grouped_state = True  # phi(k) is the key's alone: a group's query heads read one state
+    native_gqa = True  # so the keys' features are taken on the K/V heads as they are
     # several chunks at the tests' 24 tokens (5 divides none of their lengths), and one chunk
     example_knobs = (
         {"feature_map": "elu1", "normalize": True, "chunk": 5},
@@ -101,8 +104,7 @@ class LinearAttention(KernelizedAttention):
 
     def _feature_flops(self, w: Workload) -> int:
         per = FEATURE_MAPS[self.feature_map][1]
-        # keys are repeated to the query heads before their feature map
-        maps = w.batch * w.heads * (w.nq + w.nk) * w.head_dim * per
+        maps = w.batch * (w.heads * w.nq + self._key_heads(w) * w.nk) * w.head_dim * per
         scale = w.batch * w.heads * w.nq * w.head_dim
         divide = w.batch * w.heads * w.nq * w.v_head_dim if self.normalize else 0
         return maps + scale + divide

@@ -41,13 +41,14 @@ NEG_INF = float("-inf")
 
 @dataclass
 class KernelState:
-    """What a kernelized variant keeps while decoding, for ``B`` sequences and ``H`` query heads.
-
-    Its size does not depend on how many positions it has consumed.
+    """What a kernelized variant keeps while decoding, for ``B`` sequences and ``Hs`` heads of state:
+    the ``H`` query heads, or the ``Hkv`` K/V heads where a group's query heads share one
+    (:attr:`KernelizedAttention.grouped_state`). Its size does not depend on how many positions it has
+    consumed.
     """
 
-    kv: torch.Tensor  # (B, H, F, E): sum_j exp(l_j - ref) kf_j [v_j, 1]^T
-    ref: torch.Tensor | None  # (B|1, H): the log reference of kv; None where there are no weights
+    kv: torch.Tensor  # (B, Hs, F, E): sum_j exp(l_j - ref) kf_j [v_j, 1]^T
+    ref: torch.Tensor | None  # (B|1, Hs): the log reference of kv; None where there are no weights
     length: int  # positions consumed, padded ones included (they still take a position)
     scale: float  # the score scale, fixed at prefill
 
@@ -123,17 +124,20 @@ def with_ones(v: torch.Tensor) -> torch.Tensor:
 def global_attention(
     qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, log_k: torch.Tensor | None, den: bool = False
 ) -> torch.Tensor:
-    """Non-causal (*): every query reads every key. ``qf (B, H, Nq, F)``, ``kf (B, H, Nk, F)``,
-    ``v (B, H, Nk, E)``, ``log_k (B|1, H, Nk)`` or None -> ``(B, H, Nq, E)`` (``E + 1`` with ``den``:
-    the denominator, summed as a vector beside the values); one pass through the ``(F, E)`` state,
-    ``O((Nq + Nk) F E)``. The state is held relative to the largest ``l``, so each weight is at most 1
-    and the common factor ``exp(-max l)`` is one a normalised variant divides out."""
+    """Non-causal (*): every query reads every key. ``qf (B, H, Nq, F)``, ``kf (B, Hk, Nk, F)``,
+    ``v (B, Hk, Nk, E)``, ``log_k (B|1, Hk, Nk)`` or None -> ``(B, H, Nq, E)`` (``E + 1`` with ``den``:
+    the denominator, summed as a vector beside the values); ``Hk`` divides ``H``, query head ``h``
+    reading key head ``h // (H / Hk)``. One pass through the ``(F, E)`` state of each key head,
+    ``O(H Nq F E + Hk Nk F E)``. The state is held relative to the largest ``l``, so each weight is at
+    most 1 and the common factor ``exp(-max l)`` is one a normalised variant divides out."""
     if log_k is not None:
-        kf = kf * _weight(log_k - log_k.amax(-1, keepdim=True), kf.dtype)[..., None]  # (B, H, Nk, F)
-    out = qf @ (kf.transpose(-1, -2) @ v)  # (B, H, Nq, E)
+        kf = kf * _weight(log_k - log_k.amax(-1, keepdim=True), kf.dtype)[..., None]  # (B, Hk, Nk, F)
+    b, h, nq, f = qf.shape
+    qg = qf.reshape(b, kf.shape[1], -1, f)  # (B, H, Nq, F) -> (B, Hk, g Nq, F), g = H / Hk: a group as rows
+    out = qg @ (kf.transpose(-1, -2) @ v)  # (B, Hk, g Nq, E)
     if den:
-        out = torch.cat([out, qf @ kf.sum(-2)[..., None]], -1)  # (B, H, Nq, E + 1)
-    return out
+        out = torch.cat([out, qg @ kf.sum(-2)[..., None]], -1)  # (B, Hk, g Nq, E + 1)
+    return out.view(b, h, nq, -1)  # (B, Hk, g Nq, E') -> (B, H, Nq, E')
 
 
 def causal_attention(
@@ -444,21 +448,38 @@ def decode_workload(
 
 
 def step_workload(
-    variant: AttentionVariant, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, state: KernelState
+    variant: AttentionVariant,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    state: KernelState,
+    grouped: bool = False,
 ) -> Workload:
     """The workload of a decoding step of ``q (B, H, T, D)``, ``k_new``, ``v_new (B, Hkv, T, D|Dv)`` after
     ``state``, checked by ``variant``; as many new keys as queries, and a state of the same batch,
-    heads and work dtype, or one ``ValueError``."""
+    heads (``Hkv`` when ``grouped``, else ``H``) and work dtype, or one ``ValueError``."""
     w = Workload.of(q, k_new, v_new, causal=True, scale=state.scale)
     if w.nq != w.nk:
         raise ValueError(f"step takes as many new keys as queries; got {w.nq} queries, {w.nk} keys")
     variant.check(w)
-    if state.kv.shape[:2] != (w.batch, w.heads) or state.kv.dtype != work_dtype(w.dtype):
+    want = (w.batch, w.hkv if grouped else w.heads)
+    if state.kv.shape[:2] != want or state.kv.dtype != work_dtype(w.dtype):
         raise ValueError(
-            f"the state holds {tuple(state.kv.shape[:2])} (B, H) in {state.kv.dtype}; the step's "
-            f"q is ({w.batch}, {w.heads}) in {w.dtype}"
+            f"the state holds {tuple(state.kv.shape[:2])} (B, heads) in {state.kv.dtype}; the step's "
+            f"q ({w.batch}, {w.heads}), k ({w.batch}, {w.kv_heads or w.heads}) in {w.dtype} need {want}"
         )
     return w
+
+
+def _per_query_head(x: torch.Tensor | None, group: int) -> torch.Tensor | None:
+    """A per-K/V-head tensor ``(B|1, Hkv, ...)`` repeated to the query heads, ``(B|1, Hkv g, ...)``
+    (query head ``h`` reads K/V head ``h // g``, as :func:`repeat_kv`); None, or ``g = 1``, as it is."""
+    return x if x is None or group == 1 else x.repeat_interleave(group, 1)
+
+
+def _first_of_group(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``(B|1, Hkv g, ...)`` whose ``g`` heads of a group are equal -> ``(B|1, Hkv, ...)``, one each."""
+    return x.unflatten(1, (-1, group))[:, :, 0].contiguous()  # (B|1, Hkv, g, ...) -> (B|1, Hkv, ...)
 
 
 def core_flops(nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weighted: bool) -> int:
@@ -471,14 +492,20 @@ def core_flops(nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weigh
     difference and an exponential per weight) and the products with them.
     """
     if not causal:
-        return 2 * nk * f * e + 2 * nq * f * e + (nk * (f + 2) if weighted else 0)
+        return state_flops(nk, f, e, weighted) + 2 * nq * f * e
     c = max(1, min(chunk, nq))
     n = math.ceil(nq / c)
-    flops = 2 * nq * c * (f + e) + 4 * nq * f * e + n * f * e + 2 * (nk - nq) * f * e
+    flops = 2 * nq * c * (f + e) + 4 * nq * f * e + n * f * e + state_flops(nk - nq, f, e, weighted)
     if weighted:
         # (c, c) weights and their product, key weights and products, query weights, the carry's scale
-        flops += 3 * nq * c + nq * (f + 2) + nq * (f + 2) + n * f * e + (nk - nq) * (f + 2)
+        flops += 3 * nq * c + nq * (f + 2) + nq * (f + 2) + n * f * e
     return flops
+
+
+def state_flops(n: int, f: int, e: int, weighted: bool) -> int:
+    """FLOPs of summing ``n`` keys into an ``F x E`` state (:func:`absorb`): the products ``2 n F E``
+    and, with weights, each key's weight and its product with the features ``n (F + 2)``."""
+    return 2 * n * f * e + (n * (f + 2) if weighted else 0)
 
 
 class KernelizedAttention(AttentionVariant):
@@ -496,6 +523,10 @@ class KernelizedAttention(AttentionVariant):
     supports_state = True
     #: (*) has log weights (a decay, a stabiliser)
     weighted: ClassVar[bool] = False
+    #: the key features and log weights do not depend on the query head, so the query heads that share
+    #: a K/V head share one decoding state, as they share sdpa's cache (Hkv states, not H); False where
+    #: they do (retention's decay is per query head)
+    grouped_state: ClassVar[bool] = False
     normalize: bool = False
     chunk: int = 64
 
@@ -538,6 +569,11 @@ class KernelizedAttention(AttentionVariant):
         """FLOPs of the feature maps (and what else the variant adds to the core) for ``w``."""
         raise NotImplementedError
 
+    def _key_heads(self, w: Workload) -> int:
+        """The heads the keys' features are taken on: the K/V heads where :attr:`native_gqa`, else the
+        query heads (the base class repeats the keys before the call)."""
+        return w.hkv if self.native_gqa else w.heads
+
     def _values(self, v: torch.Tensor) -> torch.Tensor:
         """``v (B, H, N, Dv)`` with a column of ones when normalised (the decoding state's layout):
         ``(B, H, N, E)``."""
@@ -555,12 +591,26 @@ class KernelizedAttention(AttentionVariant):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, Nk)
         qf, kf, log_k, log_ref = self._features(q.to(work), k.to(work), scale, valid, 0, None, causal)
-        vv, den = v.to(work), self.normalize  # (B, H, Nk, Dv); the denominator is summed beside
+        vv, den = v.to(work), self.normalize  # (B, Hk, Nk, Dv); the denominator is summed beside
         starts = None if documents is None else document_starts(documents)  # (B, Nk)
-        if causal:
-            out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref, den=den, starts=starts)
-        else:
-            out = global_attention(qf, kf, vv, log_k, den)
+        if not causal:
+            return self._finish(global_attention(qf, kf, vv, log_k, den)).to(q.dtype)
+        group, kv0, ref0 = q.shape[1] // k.shape[1], None, None
+        off = k.shape[2] - q.shape[2] if starts is None else 0  # keys before the first query
+        if group > 1 and off:
+            # keys no query sees alone go into one state per K/V head (a decode's whole context), which
+            # the query heads then share: the prefix is never repeated
+            pre_v = with_ones(vv[:, :, :off]) if den else vv[:, :, :off]  # (B, Hk, off, E): state layout
+            pre_log, end = None, None
+            if log_k is not None:  # (B|1, Hk, off) and the reference at the prefix's end (B|1, Hk)
+                pre_log, end = log_k[..., :off], log_ref[..., off - 1]
+                log_k, log_ref = log_k[..., off:], log_ref[..., off:]
+            kv0, ref0 = absorb(kf[:, :, :off], pre_v, pre_log, end, None, None)  # (B, Hk, F, E)
+            kf, vv = kf[:, :, off:], vv[:, :, off:]  # (B, Hk, Nq, F|Dv)
+        kf, vv, log_k, log_ref, kv0, ref0 = (
+            _per_query_head(x, group) for x in (kf, vv, log_k, log_ref, kv0, ref0)
+        )  # (B|1, H, ...) each
+        out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref, kv0, ref0, den, starts)
         return self._finish(out).to(q.dtype)
 
     # ------------------------------------------------------------------ the decoding state
@@ -569,7 +619,8 @@ class KernelizedAttention(AttentionVariant):
         ``O(N F E)``; ``N = 0`` gives the empty state."""
         heads = heads or k.shape[1]
         w = decode_workload(self, heads, k, v, key_padding_mask, scale)
-        k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # (B, H, N, D|Dv)
+        hs = self.state_heads(w)
+        k, v = repeat_kv(k, hs), repeat_kv(v, hs)  # (B, Hs, N, D|Dv): Hs heads of state
         work = work_dtype(k.dtype)
         s = w.head_dim**-0.5 if scale is None else float(scale)
         valid = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, N)
@@ -585,21 +636,44 @@ class KernelizedAttention(AttentionVariant):
         :meth:`AttentionVariant.step`): the chunked form started from the state, ``O(T (c + F) E)``."""
         if state is None:
             state = self.prefill(k_new[:, :, :0], v_new[:, :, :0], heads=q.shape[1])
-        w = step_workload(self, q, k_new, v_new, state)
+        w = step_workload(self, q, k_new, v_new, state, self.grouped_state)
         work = state.kv.dtype
-        k, v = repeat_kv(k_new, w.heads), repeat_kv(v_new, w.heads)  # (B, H, T, D|Dv)
+        hs = state.kv.shape[1]  # heads of state: H, or Hkv when grouped
+        k, v = repeat_kv(k_new, hs), repeat_kv(v_new, hs)  # (B, Hs, T, D|Dv)
+        # the queries' features do not involve the keys': q keeps its H heads beside Hs of keys
         qf, kf, log_k, log_ref = self._features(
             q.to(work), k.to(work), state.scale, None, state.length, state.ref, True
         )
-        out, kv, ref = causal_attention(
-            qf, kf, self._values(v.to(work)), self.chunk, log_k, log_ref, state.kv, state.ref
-        )
+        vals = self._values(v.to(work))  # (B, Hs, T, E)
+        group = w.heads // hs
+        if group == 1:
+            out, kv, ref = causal_attention(qf, kf, vals, self.chunk, log_k, log_ref, state.kv, state.ref)
+        elif w.nq == 1:
+            # one new key: the query reads the state that holds it, each group's queries one state
+            # (exp(ref0 - r) kv0 + exp(l - r) kf v^T at the new reference r, what the chunked form reads)
+            end = None if log_ref is None else log_ref[..., -1]  # (B|1, Hkv): the new reference r
+            kv, ref = absorb(kf, vals, log_k, end, state.kv, state.ref)
+            b, f, e = w.batch, kv.shape[-2], kv.shape[-1]
+            out = (qf.view(b, hs, group, f) @ kv).view(b, w.heads, 1, e)  # (B, Hkv, g, E) -> (B, H, 1, E)
+        else:
+            # several new keys: the chunked form on the query heads (every head of a group holds the same
+            # state), then one state per group kept
+            kf_h, vals_h, lk_h, lr_h, kv0, ref0 = (
+                _per_query_head(x, group) for x in (kf, vals, log_k, log_ref, state.kv, state.ref)
+            )  # (B|1, H, ...) each
+            out, kv, ref = causal_attention(qf, kf_h, vals_h, self.chunk, lk_h, lr_h, kv0, ref0)
+            kv = _first_of_group(kv, group)
+            ref = None if ref is None else _first_of_group(ref, group)
         return self._finish(out).to(q.dtype), KernelState(kv, ref, state.length + w.nk, state.scale)
 
+    def state_heads(self, w: Workload) -> int:
+        """How many heads of state one sequence keeps: ``Hkv`` when :attr:`grouped_state`, else ``H``."""
+        return w.hkv if self.grouped_state else w.heads
+
     def state_bytes(self, w: Workload) -> int:
-        """``H`` heads of an ``F x E`` state (and its reference): independent of ``w.nk``."""
+        """:meth:`state_heads` heads of an ``F x E`` state (and its reference): independent of ``w.nk``."""
         f, e, ref = self._state_dims(w)
-        return w.heads * (f * e * torch.empty((), dtype=work_dtype(w.dtype)).element_size() + ref)
+        return self.state_heads(w) * (f * e * torch.empty((), dtype=work_dtype(w.dtype)).element_size() + ref)
 
     def flops(self, w: Workload, mode: str = "fwd") -> int:
         """The feature maps and the core's state updates and chunk products (:func:`core_flops`) for
@@ -607,4 +681,8 @@ class KernelizedAttention(AttentionVariant):
         f, e, _ = self._state_dims(w)
         core = core_flops(w.nq, w.nk, f, e, self.chunk, w.causal, self.weighted)
         fwd = w.batch * w.heads * core + self._feature_flops(w)
+        if self.native_gqa and w.kv_heads and not w.documents:
+            # the keys that only build the state are summed once per K/V head, not per query head (_attend)
+            shared = state_flops(w.nk - w.nq if w.causal else w.nk, f, e, self.weighted)
+            fwd -= w.batch * (w.heads - w.kv_heads) * shared
         return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode])

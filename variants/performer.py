@@ -8,7 +8,7 @@ a random orthogonal matrix, each row rescaled to the length of a Gaussian vector
 
 and the output row is ``sum_j phi(q_i) . phi(k_j) v_j / sum_j phi(q_i) . phi(k_j)`` over the keys
 query ``i`` may see, through the core of ``variants/linear_core.py`` (one pass non-causal, the
-chunked prefix form causal, a ``m x (Dv + 1)`` state per head when decoding). ``W`` is drawn once per
+chunked prefix form causal, a ``m x (Dv + 1)`` state per K/V head when decoding). ``W`` is drawn once per
 head size from ``seed`` (records are reproducible; one draw shared by all heads, as in the paper's
 code) and its deviation from softmax attention falls as ``features`` (m) grows.
 
@@ -57,6 +57,8 @@ class Performer(KernelizedAttention):
 
     weighted = True  # the keys' stabilisers are log weights of the core
     normalize = True  # it approximates softmax: always the ratio
+    grouped_state = True  # one draw for all heads: a key's features and log weight are the key's alone
+    native_gqa = True  # so the keys' features are taken on the K/V heads as they are
     example_knobs = ({"features": 16, "seed": 0, "chunk": 5}, {"features": 32, "seed": 1, "chunk": 64})
 
     def __init__(self, features: int = 256, seed: int = 0, chunk: int = 64) -> None:
@@ -141,5 +143,6 @@ class Performer(KernelizedAttention):
         """Projections ``2 D m`` per row, the exponentials and maxima ``3 m`` per row, the keys' squared
         norms ``2 D`` per row, the division ``Dv`` per query."""
         m, d = self.features, w.head_dim
-        rows = w.batch * w.heads * (w.nq + w.nk)
-        return rows * (2 * d * m + 3 * m + d) + w.batch * w.heads * (w.nk * 2 * d + w.nq * w.v_head_dim)
+        hk = self._key_heads(w)
+        rows = w.batch * (w.heads * w.nq + hk * w.nk)
+        return rows * (2 * d * m + 3 * m + d) + w.batch * (hk * w.nk * 2 * d + w.heads * w.nq * w.v_head_dim)

@@ -25,7 +25,7 @@ document begins after ``p - w - 1`` (inside its window) has no far key, and its 
 What a packed call means is each document run alone, as its oracle checks.
 
 Decoding keeps the last ``w`` keys and values (a fixed-size window cache, with a mask of which slots
-hold real keys) and the ``D x (Dv + 1)`` linear state per head of the keys that left the window: a
+hold real keys) and the ``D x (Dv + 1)`` linear state per K/V head of the keys that left the window: a
 state whose size does not grow with the context. Shapes: ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``,
 ``v (B, Hkv, Nk, Dv)`` -> ``(B, H, Nq, Dv)``; key padding and grouped K/V heads are taken, an
 arbitrary ``attn_mask`` and a ``bias`` are refused (the far part never forms the scores).
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as fn
 
-from .base import AttentionVariant, Unsupported, Workload, repeat_kv
+from .base import AttentionVariant, Unsupported, Workload
 from .linear import FEATURE_MAPS, LinearAttention
 from .linear_core import absorb, decode_workload, refuse_pairwise, work_dtype
 from .local_window import LocalWindowAttention
@@ -56,7 +56,8 @@ class WindowLinearState:
     k_win: torch.Tensor  # (B, Hkv, w, D), the input dtype
     v_win: torch.Tensor  # (B, Hkv, w, Dv)
     valid: torch.Tensor  # (B, w) bool: the slot holds a real key
-    far_kv: torch.Tensor  # (B, H, D, Dv + 1), the work dtype: sum_j phi(k_j) [v_j, 1]^T
+    far_kv: torch.Tensor  # (B, Hkv, D, Dv + 1), the work dtype: sum_j phi(k_j) [v_j, 1]^T (a group's
+    # query heads read one: phi(k) is the key's alone)
     length: int  # positions consumed, padded ones included
     scale: float  # the score scale, fixed at prefill
 
@@ -160,10 +161,10 @@ class WindowLinear(AttentionVariant):
         )
 
     # ------------------------------------------------------------------ the decoding state
-    def _phi_k(self, k: torch.Tensor, heads: int, scale: float, valid: torch.Tensor | None) -> torch.Tensor:
-        """``phi(k)`` for ``k (B, Hkv, N, D)`` repeated to ``heads``, 0 where not ``valid (B, 1, N)``."""
-        _, kf, _, _ = self.far._features(None, repeat_kv(k, heads), scale, valid, 0, None, True)
-        return kf  # (B, H, N, D)
+    def _phi_k(self, k: torch.Tensor, scale: float, valid: torch.Tensor | None) -> torch.Tensor:
+        """``phi(k)`` for ``k (B, Hkv, N, D)``, 0 where not ``valid (B, 1, N)``."""
+        _, kf, _, _ = self.far._features(None, k, scale, valid, 0, None, True)
+        return kf  # (B, Hkv, N, D)
 
     def prefill(self, k, v, *, key_padding_mask=None, scale=None, heads=None) -> WindowLinearState:
         """The state after the context ``k (B, Hkv, N, D)``: its last ``w`` keys in the window cache,
@@ -179,9 +180,9 @@ class WindowLinear(AttentionVariant):
             else key_padding_mask
         )
         cut = max(0, n - self.window)
-        kf = self._phi_k(k[:, :, :cut].to(work), heads, s, kpm[:, None, :cut])  # (B, H, cut, D)
-        vals = self.far._values(repeat_kv(v[:, :, :cut], heads).to(work))  # (B, H, cut, Dv + 1)
-        far_kv, _ = absorb(kf, vals, None, None, None, None)  # (B, H, D, Dv + 1)
+        kf = self._phi_k(k[:, :, :cut].to(work), s, kpm[:, None, :cut])  # (B, Hkv, cut, D)
+        vals = self.far._values(v[:, :, :cut].to(work))  # (B, Hkv, cut, Dv + 1)
+        far_kv, _ = absorb(kf, vals, None, None, None, None)  # (B, Hkv, D, Dv + 1)
         pad = self.window - (n - cut)  # empty slots before the context's start
         k_win = fn.pad(k[:, :, cut:], (0, 0, pad, 0))  # (B, Hkv, w, D)
         v_win = fn.pad(v[:, :, cut:], (0, 0, pad, 0))  # (B, Hkv, w, Dv)
@@ -198,31 +199,31 @@ class WindowLinear(AttentionVariant):
         if w.nq != w.nk:
             raise ValueError(f"step takes as many new keys as queries; got {w.nq} queries, {w.nk} keys")
         self.check(w)
-        if state.far_kv.shape[:2] != (w.batch, w.heads) or state.k_win.dtype != q.dtype:
+        b, h, hkv = w.batch, w.heads, w.hkv
+        if state.far_kv.shape[:2] != (b, hkv) or state.k_win.dtype != q.dtype:
             raise ValueError(
-                f"the state holds {tuple(state.far_kv.shape[:2])} (B, H) in {state.k_win.dtype}; the "
-                f"step's q is ({w.batch}, {w.heads}) in {q.dtype}"
+                f"the state holds {tuple(state.far_kv.shape[:2])} (B, Hkv) in {state.k_win.dtype}; the "
+                f"step's k is ({b}, {hkv}) in {q.dtype}"
             )
-        work = state.far_kv.dtype
+        work, g = state.far_kv.dtype, h // hkv
         k_win, v_win, valid, far_kv = state.k_win, state.v_win, state.valid, state.far_kv
         real = valid.new_ones(w.batch, 1)  # (B, 1): a new key is always real
         outs = []
         for t in range(w.nq):
-            qt = q[:, :, t : t + 1].to(work)  # (B, H, 1, D)
+            # a group's g query heads as rows against its K/V head: no repeated keys, values or state
+            qt = q[:, :, t].to(work).view(b, hkv, g, -1)  # (B, H, D) -> (B, Hkv, g, D)
             kb = torch.cat([k_win, k_new[:, :, t : t + 1]], 2)  # (B, Hkv, w + 1, D)
             vb = torch.cat([v_win, v_new[:, :, t : t + 1]], 2)  # (B, Hkv, w + 1, Dv)
             vb_valid = torch.cat([valid, real], 1)  # (B, w + 1)
-            scores = (qt @ repeat_kv(kb, w.heads).to(work).transpose(-1, -2)) * state.scale  # (B, H, 1, w+1)
+            scores = (qt @ kb.to(work).transpose(-1, -2)) * state.scale  # (B, Hkv, g, w + 1)
             scores = scores.masked_fill(~vb_valid[:, None, None, :], float("-inf"))
-            near = scores.softmax(-1) @ repeat_kv(vb, w.heads).to(work)  # (B, H, 1, Dv)
-            qf = FEATURE_MAPS[self.far.feature_map][0](qt) * state.scale  # (B, H, 1, D), as linear's
-            far = self.far._finish(qf @ far_kv)  # (B, H, 1, Dv)
-            outs.append(near + far)
+            near = scores.softmax(-1) @ vb.to(work)  # (B, Hkv, g, Dv)
+            qf = FEATURE_MAPS[self.far.feature_map][0](qt) * state.scale  # (B, Hkv, g, D), as linear's
+            far = self.far._finish(qf @ far_kv)  # (B, Hkv, g, Dv)
+            outs.append((near + far).view(b, h, 1, -1))  # (B, Hkv, g, Dv) -> (B, H, 1, Dv)
             # the oldest slot leaves the window and joins the linear state (if it holds a real key)
-            kf = self._phi_k(
-                kb[:, :, :1].to(work), w.heads, state.scale, vb_valid[:, None, :1]
-            )  # (B, H, 1, D)
-            vals = self.far._values(repeat_kv(vb[:, :, :1], w.heads).to(work))  # (B, H, 1, Dv + 1)
+            kf = self._phi_k(kb[:, :, :1].to(work), state.scale, vb_valid[:, None, :1])  # (B, Hkv, 1, D)
+            vals = self.far._values(vb[:, :, :1].to(work))  # (B, Hkv, 1, Dv + 1)
             far_kv, _ = absorb(kf, vals, None, None, far_kv, None)
             k_win, v_win, valid = kb[:, :, 1:], vb[:, :, 1:], vb_valid[:, 1:]
         out = torch.cat(outs, 2).to(q.dtype)  # (B, H, T, Dv)
@@ -231,12 +232,12 @@ class WindowLinear(AttentionVariant):
         )
 
     def state_bytes(self, w: Workload) -> int:
-        """The window cache (``Hkv w (D + Dv)`` elements of ``w.dtype`` and ``w`` mask bytes) and ``H``
+        """The window cache (``Hkv w (D + Dv)`` elements of ``w.dtype`` and ``w`` mask bytes) and ``Hkv``
         linear states of ``D x (Dv + 1)`` in the work dtype: independent of ``w.nk``."""
         elem = torch.empty((), dtype=w.dtype).element_size()
         work = torch.empty((), dtype=work_dtype(w.dtype)).element_size()
         cache = w.hkv * self.window * (w.head_dim + w.v_head_dim) * elem + self.window
-        return cache + w.heads * w.head_dim * (w.v_head_dim + 1) * work
+        return cache + w.hkv * w.head_dim * (w.v_head_dim + 1) * work
 
     def flops(self, w: Workload, mode: str = "fwd") -> int:
         """The window's FLOPs plus the linear part's on its shifted call."""
