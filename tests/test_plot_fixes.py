@@ -199,3 +199,140 @@ def test_memory_and_state_plots_show_coinciding_lines(kept: list[plt.Figure], tm
     sizes = {ln.get_label(): ln.get_markersize() for ln in lines}
     ordered = [sizes[n] for n in sorted(sizes)]
     assert ordered == sorted(ordered, reverse=True) and ordered[0] > ordered[-1]
+
+
+# ------------------------------------------------------------------------------- coinciding lines
+def _panel_lines(fig: plt.Figure) -> list[list[plt.Line2D]]:
+    """Each panel's data lines (those with markers), in drawing order."""
+    return [
+        [ln for ln in ax.get_lines() if ln.get_marker() not in ("", "None", None)]
+        for ax in fig.axes
+        if ax.get_lines()
+    ]
+
+
+def _same_data(a: plt.Line2D, b: plt.Line2D) -> bool:
+    xa, ya = a.get_data()
+    xb, yb = b.get_data()
+    return len(xa) == len(xb) and np.allclose(xa, xb) and np.allclose(ya, yb)
+
+
+def test_identical_memory_series_take_turns_in_dashes(kept: list[plt.Figure], tmp_path: Path) -> None:
+    df = _store("scaling")
+    sdpa = df[df["variant"] == "sdpa"]
+    twins = [sdpa.assign(variant=f"sdpa_twin{i}", variant_key=f"sdpa_twin{i}") for i in (1, 2)]
+    plots.plot_memory(pd.concat([df, *twins], ignore_index=True), tmp_path)
+    fig = kept[0]
+    for lines in _panel_lines(fig):
+        same = [ln for ln in lines if ln.get_label().startswith("sdpa")]
+        assert len(same) == 3 and all(_same_data(same[0], ln) for ln in same)
+        # the first drawn stays solid, the ones drawn over it are dashed, each its own share of the period
+        assert [ln.get_linestyle() for ln in same] == ["-", "--", "--"]
+        offsets = {ln._unscaled_dash_pattern[0] for ln in same[1:]}
+        assert len(offsets) == 2
+        # lines that coincide with no other stay solid
+        alone = [ln for ln in lines if ln.get_label() == "naive"]
+        assert alone and alone[0].get_linestyle() == "-"
+    labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert any("lines that coincide" in lab for lab in labels)
+
+
+def test_identical_state_series_do_not_hide_each_other(kept: list[plt.Figure], tmp_path: Path) -> None:
+    df = _store("decode_state")
+    plots.plot_state(df, tmp_path)
+    pairs = 0
+    for lines in _panel_lines(kept[0]):
+        for i, a in enumerate(lines):
+            for b in lines[i + 1 :]:
+                if _same_data(a, b):  # a K/V cache and a window's, say: one line, both colours
+                    pairs += 1
+                    assert (a.get_linestyle(), b.get_linestyle()) != ("-", "-")
+    assert pairs > 0
+
+
+def test_coinciding_styles_leave_distinct_lines_solid() -> None:
+    x = pd.Series([1024.0, 2048.0, 4096.0])
+    near = pd.Series([10.0, 20.0, 40.0]) * (1 + plots.COINCIDE_RTOL / 2)
+    styles = plots._coinciding_styles(
+        [(x, pd.Series([10.0, 20.0, 40.0])), (x, pd.Series([1.0, 2.0, 4.0])), (x, near)]
+    )
+    assert styles[0] == "-" and styles[1] == "-" and styles[2] != "-"
+    # a single shared length is no shared segment: markers tell those apart
+    assert plots._coinciding_styles([(x, pd.Series([1.0, 2.0, 4.0])), (x, pd.Series([1.0, 5.0, 9.0]))]) == [
+        "-",
+        "-",
+    ]
+
+
+# ------------------------------------------------------------------------------- decode marks
+GPU_DECODE = Path(__file__).resolve().parents[1] / "results" / "gpu" / "h100" / "decode"
+
+
+def _squares(fig: plt.Figure) -> np.ndarray:
+    """The points that got the gray square (unstable) mark, as (x, y) rows."""
+    pts = [
+        c.get_offsets()
+        for ax in fig.axes
+        for c in ax.collections
+        if len(c.get_offsets()) and np.allclose(c.get_edgecolor()[0][:3], [0.45] * 3)
+    ]
+    return np.concatenate([np.asarray(p, float) for p in pts]) if pts else np.empty((0, 2))
+
+
+def test_decode_graph_times_carry_the_graphs_own_unstable_flag(
+    kept: list[plt.Figure], tmp_path: Path
+) -> None:
+    path = GPU_DECODE / "report" / "store.parquet"
+    if not path.exists():
+        pytest.skip(f"no committed store {path}")
+    df = pd.read_parquet(path)
+    rows = plots.decode_rows(plots._usable_rows(df))
+    assert rows["graph_ms_per_token"].notna().all()  # every point drawn is a CUDA-graph time
+    assert rows["unstable"].sum() > 0  # the eager forward's runs never settled for some
+    assert not rows["fwd_graph_unstable"].map(plots.is_true).any()  # the graph's did
+    plots.plot_decode(df, tmp_path)
+    assert len(_squares(kept[0])) == 0  # the eager forward's flag is not the drawn figure's
+    labels = [t.get_text() for leg in kept[0].legends for t in leg.get_texts()]
+    assert not any(lab.startswith("unstable") for lab in labels)
+
+    # and the graph's own flag, where the records carry it, is marked, on the graph's time
+    i = rows.index[0]
+    df = df.assign(fwd_unstable=False)
+    df.loc[i, "fwd_graph_unstable"] = True
+    plots.plot_decode(df, tmp_path)
+    squares = _squares(kept[1])
+    assert len(squares) == 1
+    drawn = [rows.loc[i, "kv_len"], rows.loc[i, "graph_ms_per_token"]]  # at the graph's time
+    assert list(squares[0]) == pytest.approx(drawn)
+
+
+def test_decode_without_graph_marks_the_step_or_forward(kept: list[plt.Figure], tmp_path: Path) -> None:
+    df = _store("decode_state")
+    rows = plots.decode_rows(plots._usable_rows(df))
+    assert rows["graph_ms_per_token"].isna().all()
+    plots.plot_decode(df, tmp_path)
+    assert len(_squares(kept[0])) == int(rows["unstable"].sum()) > 0
+
+
+# ------------------------------------------------------------------------------- symlog colorbar
+def test_symlog_colorbar_ticks_are_few_and_apart(
+    kept: list[plt.Figure], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    raw = object()
+    monkeypatch.setattr(plots, "_example_variants", lambda: [("no softmax", raw)])
+    monkeypatch.setattr(plots, "attention_weights", lambda *a: np.linspace(-2, 27.3, 256).reshape(16, 16))
+    plots.plot_weights(pd.DataFrame(), tmp_path)
+    fig = kept[0]
+    fig.canvas.draw()
+    (panel,) = [ax for ax in fig.axes if ax.get_images()]
+    norm = panel.get_images()[0].norm
+    (bar,) = panel.child_axes
+    ticks = [t for t in bar.get_yticks() if -27.3 <= t <= 27.3]
+    labels = [t.get_text() for t in bar.get_yticklabels() if t.get_text()]
+    assert 5 <= len(ticks) <= 7 and len(labels) == len(ticks)
+    assert 0 in ticks and ticks[0] == pytest.approx(-27.3) and ticks[-1] == pytest.approx(27.3)
+    assert ticks == pytest.approx([-t for t in reversed(ticks)])  # symmetric about 0
+    # no two labels crowd each other: at least a tenth of the bar apart (the old ones sat at 0, ±1e-3)
+    assert np.diff(np.asarray(norm(ticks))).min() >= 0.1
+    assert labels == ["−27", "−1", "−0.1", "0", "0.1", "1", "27"]  # compact, no 10^k mathtext
+    assert not bar.yaxis.get_minorticklocs().size

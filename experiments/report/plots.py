@@ -96,6 +96,55 @@ def _spans_decades(values: pd.Series) -> bool:
     return len(v) > 1 and v.max() / v.min() >= 10
 
 
+#: two lines whose values at two neighbouring lengths both lie within this ratio of each other draw one
+#: segment on top of the other (a 1.6-point line on a log axis of a few decades is about 5% thick)
+COINCIDE_RTOL = 0.03
+#: the length of one colour's dash where coinciding lines take turns (in line widths)
+TURN_DASH = 3.0
+
+
+def _coinciding_styles(series: list[tuple[pd.Series, pd.Series]]) -> list[str | tuple]:
+    """The line style of each of a panel's ``series`` ((x, y) in drawing order, x sorted): solid, except
+    where lines coincide. Lines that share a segment (two neighbouring x with y within
+    :data:`COINCIDE_RTOL`), directly or through another, form a set of ``k``; its first line stays solid
+    and the others are dashed, each its own ``1/k`` of a period of ``k`` dashes, so that along the common
+    stretch the ``k`` colours take turns (a line striped blue and red: the blue and the red series are
+    one line there) instead of the last one drawn hiding the others."""
+    points = [dict(zip(x.to_numpy(float), y.to_numpy(float), strict=True)) for x, y in series]
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= COINCIDE_RTOL * max(abs(a), abs(b))
+
+    def shared(i: int, j: int) -> bool:  # a segment of line i (x sorted) that line j draws too
+        pi, pj = points[i], points[j]
+        xs = list(pi)
+        return any(
+            x0 in pj and x1 in pj and close(pi[x0], pj[x0]) and close(pi[x1], pj[x1])
+            for x0, x1 in zip(xs[:-1], xs[1:], strict=True)
+        )
+
+    root = list(range(len(series)))  # union-find: the first line of each set of coinciding lines
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            i = root[i]
+        return i
+
+    for j in range(len(series)):
+        for i in range(j):
+            if find(i) != find(j) and shared(i, j):
+                root[max(find(i), find(j))] = min(find(i), find(j))
+    sets: dict[int, list[int]] = {}
+    for i in range(len(series)):
+        sets.setdefault(find(i), []).append(i)
+    styles: list[str | tuple] = ["-"] * len(series)
+    for members in sets.values():
+        k = len(members)
+        for turn, i in enumerate(members[1:], start=1):  # dash on [turn, turn + 1) of each period of k
+            styles[i] = (TURN_DASH * (k - turn), (TURN_DASH, TURN_DASH * (k - 1)))
+    return styles
+
+
 def _save(fig: plt.Figure, path: Path) -> Path:
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
@@ -116,9 +165,10 @@ def _plot_vs_n(
     """Line per variant of ``y`` against N, faceted by device/dtype (rows) and mode (columns);
     ``ceiling`` names a column drawn as a dashed line at its median per panel (e.g. the GEMM rate);
     ``flag`` names a boolean column whose true points get a red ring (and the legend says why); points
-    whose ``unstable`` column is true (the tables' ``unstable`` mark) get a gray square ring.
+    whose ``unstable`` column is true (the tables' ``unstable`` mark) get a gray square ring. Lines that
+    coincide (:func:`_coinciding_styles`) take turns in dashes of their colours, in any of these plots.
     ``coinciding``: series that may be identical (memory, state): hollow markers, each variant's smaller
-    than the one before, so that a line under another still shows, and a log y axis as x is."""
+    than the one before, so that a marker under another still shows, and a log y axis as x is."""
     data = df.dropna(subset=[y])
     data = data[data[y] > 0]
     if data.empty:
@@ -141,6 +191,7 @@ def _plot_vs_n(
         sharey=True,
         layout="constrained",
     )
+    merged = False  # some panel's lines coincide somewhere (the legend says how they are drawn)
     for i, r in enumerate(rows):
         for j, c in enumerate(cols):
             ax = axes[i][j]
@@ -150,11 +201,16 @@ def _plot_vs_n(
             on_keys = decoding and sub["kv_len"].notna().any()
             by = ["variant", "seq_len"] if on_keys else ["variant"]
             styles = dict(zip(sorted(sub["seq_len"].unique()), ["-", "--", ":", "-."] * 4, strict=False))
-            for key, pts in sub.groupby(by):
+            series = [(key, pts.sort_values("_x")) for key, pts in sub.groupby(by)]
+            # lines with the same values (two variants keeping the same state, or the same peak memory)
+            # take turns in dashes of their colours instead of the last one hiding the others
+            turns = _coinciding_styles([(pts["_x"], pts[y]) for _, pts in series])
+            merged |= any(t != "-" for t in turns)
+            for (key, pts), turn in zip(series, turns, strict=True):
                 name = key[0] if isinstance(key, tuple) else key
                 label = f"{name}, Nq={int(key[1])}" if on_keys else name
                 ls = styles[key[1]] if on_keys else "-"
-                pts = pts.sort_values("_x")
+                ls = turn if ls == "-" else ls  # a query length's own dashes (a panel of several) stay
                 ax.plot(
                     pts["_x"],
                     pts[y],
@@ -214,6 +270,9 @@ def _plot_vs_n(
     if flag is not None and _unstable(data).any():
         square = "unstable: the timed runs' spread\nnever settled (the tables' 'unstable')"
         handles.append(plt.Line2D([], [], ls="", marker="s", mfc="none", mec="0.45", ms=10, label=square))
+    if merged:
+        turns = "dashes of two or more colours:\nlines that coincide there"
+        handles.append(plt.Line2D([], [], color="0.45", ls=(0, (TURN_DASH, TURN_DASH)), lw=1.6, label=turns))
     fig.legend(handles=handles, title="variant", loc="outside right center", frameon=False)
     fig.suptitle(title, fontsize=12)
     return _save(fig, path)
@@ -264,11 +323,22 @@ def plot_decode(df: pd.DataFrame, out_dir: Path) -> Path | None:
     of a variant with a fixed-size state, the forward over the K/V cache of the others (on CUDA that
     forward replayed as a CUDA graph where it was: eager, a decode call's time is the host's)."""
     dec = decode_rows(_usable_rows(df))
-    # a step's time is marked from the step's own core share, as the decoding table marks it
-    dec = dec.assign(flagged=_flagged(dec))
     graphed = not dec.empty and dec["graph_ms_per_token"].notna().any()
     if graphed:
-        dec = dec.assign(ms_per_token=dec["graph_ms_per_token"].fillna(dec["ms_per_token"]))
+        # a point drawn at its CUDA-graph time carries that figure's own marks (``fwd_graph_unstable``,
+        # ``fwd_graph_cpu_per_wall``), as the decoding table's graph panel does, never the eager
+        # forward's (another measurement): not unstable where the records do not say the graph's was
+        replayed = dec["graph_ms_per_token"].notna()
+        own = dec.reindex(columns=["fwd_graph_unstable", "fwd_graph_cpu_per_wall"])
+        dec = dec.assign(
+            ms_per_token=dec["graph_ms_per_token"].where(replayed, dec["ms_per_token"]),
+            unstable=own["fwd_graph_unstable"].map(is_true).astype(bool).where(replayed, dec["unstable"]),
+            cpu_per_wall=pd.to_numeric(own["fwd_graph_cpu_per_wall"], errors="coerce").where(
+                replayed, dec["cpu_per_wall"]
+            ),
+        )
+    # a step's time is marked from the step's own core share, as the decoding table marks it
+    dec = dec.assign(flagged=_flagged(dec), unstable=dec["unstable"].map(is_true).astype(bool))
     return _plot_vs_n(
         dec,
         "ms_per_token",
@@ -619,6 +689,30 @@ def _weight_norm(weights: np.ndarray) -> Normalize:
     return SymLogNorm(top * 1e-3, vmin=-top, vmax=top, base=10)
 
 
+def _symlog_ticks(norm: SymLogNorm) -> list[float]:
+    """At most 7 ticks for a colorbar of :func:`_weight_norm`'s symmetric log scale, far enough apart
+    for their labels: 0, and on each side the first power of ten past the linear range around 0, one
+    power of ten about halfway to the end (where one lies a decade past it and half a decade short of
+    the end) and the end, the largest magnitude. (Matplotlib's own put a label at every decade and at
+    the powers of ten inside the linear range, a stack of them over 0.)"""
+    top, lin = float(norm.vmax), float(norm.linthresh)
+    low = 10.0 ** np.ceil(np.log10(lin))
+    side = [low] if low <= top / 10**0.5 else []
+    inner = [10.0**p for p in range(round(np.log10(low)) + 1, int(np.floor(np.log10(top))) + 1)]
+    inner = [t for t in inner if t <= top / 10**0.5]
+    if side and inner:  # the power of ten nearest the middle of the log range between low and top
+        side.append(min(inner, key=lambda t: abs(np.log10(t) - (np.log10(low) + np.log10(top)) / 2)))
+    side.append(top)
+    return [-t for t in reversed(side)] + [0.0] + side
+
+
+def _compact(value: float) -> str:
+    """A colorbar label in two significant figures: ``0``, ``0.01``, ``−2.2``, ``27``, ``1e−5``."""
+    if value == 0:
+        return "0"
+    return f"{value:.2g}".replace("e-0", "e-").replace("e+0", "e").replace("-", "\u2212")
+
+
 def _matrix_axes(ax: plt.Axes, title: str, n: int) -> None:
     ax.set_title(_wrap_title(title), fontsize=9)
     ax.set_xlabel("key j", fontsize=8)
@@ -754,6 +848,8 @@ def plot_weights(df: pd.DataFrame, out_dir: Path, n_max: int = 256) -> Path:
         else:  # weights of either sign or above 1: a diverging scale centred on 0, a colorbar of its own
             own = ax.imshow(weights, cmap="RdBu_r", norm=_weight_norm(weights))
             bar = fig.colorbar(own, cax=ax.inset_axes([1.04, 0.1, 0.05, 0.8]))  # beside its own image
+            bar.set_ticks(_symlog_ticks(own.norm), labels=[_compact(t) for t in _symlog_ticks(own.norm)])
+            bar.ax.yaxis.set_minor_locator(NullLocator())
             bar.set_label("effective weight\n(symmetric log, 0 = white)", fontsize=8)
             bar.ax.tick_params(labelsize=7)
         _matrix_axes(ax, title, n)
