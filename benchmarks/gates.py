@@ -24,6 +24,13 @@ What is gated, and how hard:
   ratios over about 20%), and preemption hits long calls more often than short ones, which biases a
   wall-clock ratio. With one intra-op thread the CPU time is the call's work; a slowdown by waiting
   (sleep, locks) is not seen, which attention kernels do not do.
+- **Call-path gate**: a slowdown of the call path every variant shares (``AttentionVariant.forward``
+  in ``variants/base.py``: input checks, version counters, dtype checks) slows each variant and the
+  reference alike, so no ratio above moves. The reference variant's call is therefore timed, in each
+  mode and in the same way (interleaved rounds, same planning, same summary, same two-sided
+  :data:`TIME_FACTOR` rule, confirmed by a second measurement), against the bare
+  ``torch.nn.functional.scaled_dot_product_attention`` call it makes, pinned to the same backend the
+  same way (:func:`bare_reference_call`); its baseline entries are :func:`call_path_keys`.
 - **Unsupported** cases (xformers on CPU, flex backward on CPU, ...) are recorded with their reason
   and must still be unsupported: a case that starts or stops running fails until the baseline is
   refreshed, so nothing is skipped silently. A variant whose library this machine lacks
@@ -72,6 +79,8 @@ MODES = ("fwd", "fwd_bwd")
 CLOCK = time.process_time
 #: the in-run timing reference: (name, knobs)
 REFERENCE = ("sdpa", {"backend": "math"})
+#: the baseline keys of the call-path gate start with this (then the reference's name, knobs and mode)
+CALL_PATH = "call_path:"
 SEED = 0
 
 # ---------------------------------------------------------------------------------------------- tolerances
@@ -328,6 +337,54 @@ def summarize_times(fn_times: list[float], ref_times: list[float]) -> dict[str, 
     }
 
 
+def bare_reference_call(mode: str, inputs: Inputs | None = None) -> Callable[[], Any]:
+    """:func:`make_call` for the bare ``F.scaled_dot_product_attention`` call that :func:`reference`
+    makes at this shape (no mask, not causal), its backend pinned as the variant pins it: an
+    ``sdpa_kernel`` context around each call (variants/sdpa.py ``_backend_context``). The same
+    output as the reference's, bit for bit, without ``AttentionVariant.forward`` around it."""
+    from torch.nn.attention import sdpa_kernel
+
+    from variants.sdpa import BACKENDS
+
+    backend = BACKENDS[REFERENCE[1]["backend"]]
+    x = inputs or make_inputs(mode)
+    if mode == "fwd":
+
+        def fwd() -> torch.Tensor:
+            with torch.no_grad(), sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(x.q, x.k, x.v)
+
+        return fwd
+    if mode != "fwd_bwd":
+        raise ValueError(f"mode must be one of {MODES}, got '{mode}'")
+
+    def fwd_bwd() -> tuple[torch.Tensor, ...]:
+        with sdpa_kernel(backend):
+            out = torch.nn.functional.scaled_dot_product_attention(x.q, x.k, x.v)
+        return torch.autograd.grad(out, [x.q, x.k, x.v], x.grad_out)
+
+    return fwd_bwd
+
+
+def call_path_keys() -> dict[str, str]:
+    """The call-path gate's baseline keys, with their modes: ``call_path:sdpa-backend=math/fwd``, ..."""
+    ref = Case(REFERENCE[0], tuple(REFERENCE[1].items()), "")
+    return {CALL_PATH + ref.key + mode: mode for mode in MODES}
+
+
+def call_path_calls(mode: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The calls the call-path gate alternates: :func:`reference` through ``AttentionVariant.forward``,
+    and :func:`bare_reference_call`, which its ratios divide by."""
+    return make_call(reference(), mode), bare_reference_call(mode)
+
+
+def measure_call_path(mode: str, rounds: int | None = None) -> dict[str, Any]:
+    """The call-path gate's entry: the reference's time ratio to its bare torch call, as
+    :func:`measure_time` measures a variant's (``time_s`` the reference's, ``ref_time_s`` the bare
+    call's)."""
+    return {"status": "ok", **time_pair(*call_path_calls(mode), rounds)}
+
+
 def timed_calls(attn: AttentionVariant, mode: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """The calls a case's timing alternates: ``attn`` and :func:`reference`, doing the same kind of
     attention (both causal for a causal-only variant)."""
@@ -337,7 +394,12 @@ def timed_calls(attn: AttentionVariant, mode: str) -> tuple[Callable[[], Any], C
 
 def measure_time(attn: AttentionVariant, mode: str, rounds: int | None = None) -> dict[str, Any]:
     """Time ratio of ``attn`` to :func:`reference` in ``mode``, interleaved (see :func:`summarize_times`)."""
-    fn, ref = timed_calls(attn, mode)
+    return time_pair(*timed_calls(attn, mode), rounds)
+
+
+def time_pair(fn: Callable[[], Any], ref: Callable[[], Any], rounds: int | None = None) -> dict[str, Any]:
+    """:func:`summarize_times` of ``fn`` against ``ref``, interleaved over ``rounds`` (default:
+    :func:`plan_rounds`)."""
     n = plan_rounds(fn, ref) if rounds is None else rounds
     return summarize_times(*interleaved_times(fn, ref, n))
 
@@ -407,26 +469,43 @@ def time_limit(base: dict[str, Any]) -> float:
     return TIME_FACTOR * base["time_ratio"]
 
 
-def compare_time(key: str, entry: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
-    """The timing-gate failure (with its numbers) or []; only for entries that ran in both."""
+#: how a timing failure names its two calls: the timed one, the one its ratio divides by, and that
+#: one in full
+CASE_LABELS = ("variant", "reference", f"reference {REFERENCE[0]}{REFERENCE[1]}")
+CALL_PATH_LABELS = (
+    "reference",
+    "bare call",
+    f"its bare F.scaled_dot_product_attention call ({REFERENCE[1]['backend']} backend)",
+)
+
+
+def compare_time(
+    key: str,
+    entry: dict[str, Any],
+    base: dict[str, Any] | None,
+    labels: tuple[str, str, str] = CASE_LABELS,
+) -> list[str]:
+    """The timing-gate failure (with its numbers) or []; only for entries that ran in both. ``labels``
+    name the two calls (:data:`CASE_LABELS`, :data:`CALL_PATH_LABELS`)."""
     if base is None or entry.get("status") != "ok" or base.get("status") != "ok":
         return []
+    timed, ref, ref_in_full = labels
     limit = time_limit(base)
     low = base["time_ratio"] / TIME_FACTOR
     if entry["time_ratio"] < low:
         return [
-            f"{key}: time ratio fell: {entry['time_ratio']:.3f} x reference {REFERENCE[0]}{REFERENCE[1]} "
-            f"(variant {entry['time_s'] * 1e3:.3f} ms, reference {entry['ref_time_s'] * 1e3:.3f} ms CPU) < "
-            f"{low:.3f} = baseline ratio {base['time_ratio']:.3f} / {TIME_FACTOR:g}: the reference got "
-            "slower (a slowdown it shares with the variant cancels in the ratio), or the variant over 3x "
-            "faster: then refresh its baseline"
+            f"{key}: time ratio fell: {entry['time_ratio']:.3f} x {ref_in_full} "
+            f"({timed} {entry['time_s'] * 1e3:.3f} ms, {ref} {entry['ref_time_s'] * 1e3:.3f} ms CPU) < "
+            f"{low:.3f} = baseline ratio {base['time_ratio']:.3f} / {TIME_FACTOR:g}: the {ref} got "
+            f"slower (a slowdown it shares with the {timed} cancels in the ratio), or the {timed} over "
+            f"{TIME_FACTOR:g}x faster: then refresh its baseline"
         ]
     if entry["time_ratio"] <= limit:
         return []
     return [
-        f"{key}: time regression: {entry['time_ratio']:.3f} x reference {REFERENCE[0]}{REFERENCE[1]} "
+        f"{key}: time regression: {entry['time_ratio']:.3f} x {ref_in_full} "
         f"(per-round quartiles {entry['ratio_q1']:.3f}-{entry['ratio_q3']:.3f}, {entry['rounds']} rounds; "
-        f"variant {entry['time_s'] * 1e3:.3f} ms, reference {entry['ref_time_s'] * 1e3:.3f} ms CPU) > limit "
+        f"{timed} {entry['time_s'] * 1e3:.3f} ms, {ref} {entry['ref_time_s'] * 1e3:.3f} ms CPU) > limit "
         f"{limit:.3f} = {TIME_FACTOR:g} x baseline ratio {base['time_ratio']:.3f} (run-to-run spread on a "
         f"loaded machine: results/cpu/gate_noise/NOTES.md)"
     ]
@@ -439,11 +518,35 @@ def check_time(
 
     A failure is returned only when both measurements exceed the limit; the message has both.
     """
-    first = compare_time(key, entry, base)
+    return confirmed_time(key, entry, base, lambda rounds: measure_time(attn, mode, rounds))
+
+
+def check_call_path(key: str, mode: str, entry: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    """:func:`check_time` for the call-path gate (``entry`` from :func:`measure_call_path`)."""
+    fails = confirmed_time(
+        key, entry, base, lambda rounds: measure_call_path(mode, rounds), labels=CALL_PATH_LABELS
+    )
+    return [
+        f + ". The call path every variant shares (AttentionVariant.forward, variants/base.py) or sdpa's "
+        "wrapper changed speed: each variant's ratio to the reference hides that"
+        for f in fails
+    ]
+
+
+def confirmed_time(
+    key: str,
+    entry: dict[str, Any],
+    base: dict[str, Any] | None,
+    remeasure: Callable[[int], dict[str, Any]],
+    labels: tuple[str, str, str] = CASE_LABELS,
+) -> list[str]:
+    """:func:`compare_time`, and when it fails, again on ``remeasure(rounds)`` (twice the rounds): the
+    failure only when both fail, with both measurements' numbers."""
+    first = compare_time(key, entry, base, labels)
     if not first:
         return []
-    again = {**entry, **measure_time(attn, mode, rounds=max(2 * entry["rounds"], MIN_ROUNDS))}
-    second = compare_time(key, again, base)
+    again = {**entry, **remeasure(max(2 * entry["rounds"], MIN_ROUNDS))}
+    second = compare_time(key, again, base, labels)
     if not second:
         return []
     return [first[0] + "; confirmed by a second measurement: " + second[0].split(": ", 1)[1]]
@@ -488,7 +591,15 @@ def write_baseline(
     entries: dict[str, dict[str, Any]], path: Path = BASELINE_PATH, machine: dict[str, Any] | None = None
 ) -> None:
     """Write a baseline for the current :func:`config`, atomically, keys sorted; ``machine`` is the
-    machine of this write unless given, each entry's ``measured_on`` the CPU that measured it."""
+    machine of this write unless given, each entry's ``measured_on`` the CPU that measured it.
+
+    The call-path gate's entries (:func:`call_path_keys`) that ``entries`` lacks are kept from the
+    file when it is for the same :func:`config`: a ``-k`` refresh keeps the old entries of
+    :func:`cases` only (conftest), and would otherwise drop them."""
+    old = load_baseline(path)
+    if old.get("config") == config():
+        kept = {k: v for k, v in old["entries"].items() if k in call_path_keys() and k not in entries}
+        entries = {**entries, **kept}
     doc = {
         "refresh_command": REFRESH_COMMAND,
         "config": config(),

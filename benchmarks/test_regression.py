@@ -8,7 +8,9 @@ rounds, both in process CPU time), so its JSON holds the variant's statistics an
 every gated figure; with the benchmark plugin disabled the same interleaving runs without it.
 
 A new variant is covered with no edit here, and fails until the baseline is refreshed
-(``gates.REFRESH_COMMAND``).
+(``gates.REFRESH_COMMAND``). ``test_call_path`` gates, per mode, the reference's own call against its
+bare torch call: the one slowdown the ratios to the reference cannot see, that of the call path they
+all share.
 """
 
 from __future__ import annotations
@@ -75,6 +77,31 @@ def test_regression(key: str, request: pytest.FixtureRequest, baseline, recorded
         pytest.fail("\n".join(fails), pytrace=False)
 
 
+#: the call-path gate's baseline keys and their modes
+CALL_PATH = gates.call_path_keys()
+
+
+@pytest.mark.parametrize("key", list(CALL_PATH), ids=[f"call_path-{m}" for m in CALL_PATH.values()])
+def test_call_path(key: str, baseline, recorded, updating) -> None:
+    """The reference variant's call against its bare torch call, timed as every case is (the gate
+    functions without pytest-benchmark, as with the plugin disabled). Each case's ratio divides by the
+    reference, so a slowdown of the call path that every variant and the reference share
+    (``AttentionVariant.forward``) moves no case: it moves this ratio."""
+    mode = CALL_PATH[key]
+    fn, ref = gates.call_path_calls(mode)
+    rounds = gates.plan_rounds(fn, ref)
+    if updating:  # the baseline ratio is what later runs are held to: measure it longer
+        rounds *= 2
+    entry = {"status": "ok", **gates.time_pair(fn, ref, rounds)}
+    if updating:
+        recorded[key] = entry
+        return
+    base = baseline["entries"].get(key)
+    fails = [gates.missing_message(key)] if base is None else gates.check_call_path(key, mode, entry, base)
+    if fails:
+        pytest.fail("\n".join(fails), pytrace=False)
+
+
 def test_baseline_settings_match(baseline, updating) -> None:
     """The committed baseline was measured with today's shape, dtype, threads and reference."""
     if updating:
@@ -89,7 +116,7 @@ def test_baseline_has_no_stale_entries(baseline, updating) -> None:
     """Every baseline entry is a case that still exists (a removed variant or new knobs need a refresh)."""
     if updating:
         pytest.skip("the baseline is being rewritten")
-    stale = sorted(set(baseline["entries"]) - {c.key for c in CASES})
+    stale = sorted(set(baseline["entries"]) - {c.key for c in CASES} - set(CALL_PATH))
     assert not stale, f"baseline entries for cases that no longer exist: {stale}; refresh with " + (
         f"`{gates.REFRESH_COMMAND}`"
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments.report import conformance
+from variants import Unsupported
 from variants.registry import unregister
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "conformance.md"
@@ -140,3 +141,50 @@ def test_a_variant_that_raises_is_an_error_cell_not_the_end_of_the_matrix():
     assert cells["test_reshapes_bias"]["causal"].status == "yes"  # the other columns still ran
     assert {c.status for c in cells["naive"].values()} == {"yes", "no"}
     assert "| ERROR |" in conformance.grid(cells)[-1]
+
+
+def _refuses_everything(order: tuple[str, ...]) -> type:
+    """``naive`` refusing every call with a message that prints a set, its items in ``order`` (as a
+    library's ``str`` of a Python set prints them in an order that changes between processes)."""
+
+    class RefusesEverything(_naive()):
+        def check(self, w):
+            raise Unsupported(
+                f"no CPU operator (device=cpu (supported: {{'cuda'}}); supported: {{{', '.join(order)}}})"
+            )
+
+    return RefusesEverything
+
+
+def test_a_set_in_a_refusal_gives_the_same_page_in_any_order():
+    """xFormers' refusal prints a Python set (``{torch.bfloat16, torch.float16}``), whose order changed
+    between runs: docs/conformance.md changed on every regeneration."""
+    pages = []
+    for order in (("torch.float16", "torch.bfloat16"), ("torch.bfloat16", "torch.float16")):
+        with _registered("test_refuses_all", _refuses_everything(order)):
+            pages.append(conformance.markdown(conformance.matrix(["test_refuses_all"])))
+    assert pages[0] == pages[1]
+    assert "{torch.bfloat16, torch.float16}" in pages[0] and "{'cuda'}" in pages[0]
+
+
+def _reasons_line(row: dict) -> str:
+    """The page's line of reasons for ``row`` (as variant ``v``), less its ``- `v`: `` prefix."""
+    (line,) = [x for x in conformance.markdown({"v": row}).splitlines() if x.startswith("- `v`: ")]
+    return line.removeprefix("- `v`: ")
+
+
+def test_a_row_refused_for_one_reason_says_it_once():
+    """xformers on a CPU refuses 11 features with one 400-character reason (and dropout with the
+    interface's): the page said it 11 times."""
+    with _registered("test_refuses_all", _refuses_everything(("torch.float16",))):
+        row = conformance.matrix(["test_refuses_all"])["test_refuses_all"]
+    reason, dropout = row["causal"].detail, row["dropout"].detail
+    assert {c.status for c in row.values()} == {"no"} and reason.startswith("no CPU operator")
+    line = _reasons_line(row)
+    assert line.count(reason) == 1 and line.count(dropout) == 1
+    assert line == f"every feature but **dropout** (no): {reason}; **dropout** (no): {dropout}"
+    same = {f: conformance.Cell("no", "r") for f in conformance.FEATURES}
+    assert _reasons_line(same) == "every feature (no): r"
+    # a row that runs some features keeps its reasons feature by feature
+    mixed = {**same, "causal": conformance.Cell("yes")}
+    assert _reasons_line(mixed).startswith("**key padding** (no): r; **GQA** (no): r")

@@ -7,6 +7,7 @@ baseline entry of ``naive``; only one test registers a copy, and it unregisters 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -162,6 +163,98 @@ def test_a_ratio_within_the_limit_passes_without_a_second_measurement(monkeypatc
     asked = _scripted_times(monkeypatch, 2.9 * base["time_ratio"])
     entry = gates.measure(_naive(), "fwd", rounds=ROUNDS)
     assert gates.check_time(key, _naive(), "fwd", entry, base) == [] and asked == [ROUNDS]
+
+
+class _VirtualClock:
+    """A clock for :data:`gates.CLOCK` that moves only when told: the calls' costs are scripted."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scripted_call_path(monkeypatch, path_s: float) -> list[int]:
+    """Each ``F.scaled_dot_product_attention`` call costs 1 ms and each ``AttentionVariant.forward``
+    ``path_s`` more, on a virtual clock (the calls still run, untimed); returns the rounds each
+    measurement asked for."""
+    clock = _VirtualClock()
+    monkeypatch.setattr(gates, "CLOCK", clock)
+    sdpa, forward = torch.nn.functional.scaled_dot_product_attention, variants.AttentionVariant.forward
+
+    def costly_sdpa(*args, **kwargs):
+        clock.now += 1e-3
+        return sdpa(*args, **kwargs)
+
+    def costly_forward(self, *args, **kwargs):
+        clock.now += path_s
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", costly_sdpa)
+    monkeypatch.setattr(variants.AttentionVariant, "forward", costly_forward)
+    asked: list[int] = []
+    times = gates.interleaved_times
+    monkeypatch.setattr(gates, "interleaved_times", lambda fn, ref, n: asked.append(n) or times(fn, ref, n))
+    return asked
+
+
+CALL_PATH = gates.call_path_keys()
+
+
+@pytest.mark.parametrize("key", list(CALL_PATH), ids=list(CALL_PATH.values()))
+def test_a_slower_call_path_fails_the_call_path_gate(monkeypatch, key):
+    """A slowdown in ``AttentionVariant.forward`` slows every variant and the reference alike, so no
+    case's ratio moves: the call-path gate, the reference against its bare torch call, fails on it."""
+    mode, base = CALL_PATH[key], committed(key)
+    # the call path slowed until the reference's call takes 4x its baseline ratio (the limit: 3x)
+    asked = _scripted_call_path(monkeypatch, (4 * base["time_ratio"] - 1) * 1e-3)
+    entry = gates.measure_call_path(mode, rounds=ROUNDS)
+    assert entry["time_ratio"] == pytest.approx(4 * base["time_ratio"])
+    (fail,) = gates.check_call_path(key, mode, entry, base)
+    assert asked == [ROUNDS, 2 * ROUNDS]  # confirmed by a second measurement, as every timing case
+    assert "time regression" in fail and "confirmed by a second measurement" in fail
+    assert f"{gates.time_limit(base):.3f}" in fail and "AttentionVariant.forward" in fail
+
+
+@pytest.mark.parametrize("key", list(CALL_PATH), ids=list(CALL_PATH.values()))
+def test_the_call_path_at_its_baseline_passes(monkeypatch, key):
+    mode, base = CALL_PATH[key], committed(key)
+    asked = _scripted_call_path(monkeypatch, (base["time_ratio"] - 1) * 1e-3)
+    entry = gates.measure_call_path(mode, rounds=ROUNDS)
+    assert entry["time_ratio"] == pytest.approx(base["time_ratio"])
+    assert gates.check_call_path(key, mode, entry, base) == [] and asked == [ROUNDS]
+
+
+def test_the_call_path_gate_times_the_reference_against_the_call_it_makes():
+    """The bare call is the reference's own: the same backend, inputs and output, bit for bit (real
+    calls, untimed)."""
+    assert list(CALL_PATH.values()) == list(gates.MODES)
+    for mode in gates.MODES:
+        got, bare = (call() for call in gates.call_path_calls(mode))
+        got, bare = (x if isinstance(x, tuple) else (x,) for x in (got, bare))
+        assert len(got) == len(bare) and all(torch.equal(a, b) for a, b in zip(got, bare, strict=True))
+
+
+def test_a_falling_call_path_ratio_names_the_bare_call():
+    (fail,) = gates.compare_time("k", {**TIMED, "time_ratio": 0.1}, TIMED, labels=gates.CALL_PATH_LABELS)
+    assert "time ratio fell: 0.100 x its bare F.scaled_dot_product_attention call" in fail
+    assert "the bare call got slower" in fail and "reference 1.000 ms" in fail
+
+
+def test_a_partial_refresh_keeps_the_call_path_entries(tmp_path):
+    """A ``-k`` refresh keeps the old entries of the variants' cases only (conftest): the file keeps
+    the call-path gate's entries it did not measure, unless its settings changed."""
+    path = tmp_path / "baseline.json"
+    call_path = {k: {**TIMED, "time_ratio": 1.1} for k in CALL_PATH}
+    gates.write_baseline({"naive/fwd": OK, **call_path}, path, machine={})
+    gates.write_baseline({"naive/fwd": {**OK, "flops": 7}}, path, machine={})
+    entries = gates.load_baseline(path)["entries"]
+    assert entries == {"naive/fwd": {**OK, "flops": 7}, **call_path}
+    stale = {**gates.load_baseline(path), "config": {"shape": "another"}}
+    path.write_text(json.dumps(stale))
+    gates.write_baseline({"naive/fwd": OK}, path, machine={})
+    assert gates.load_baseline(path)["entries"] == {"naive/fwd": OK}
 
 
 def test_inaccurate_copy_fails_the_error_gate():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -232,16 +233,30 @@ FEATURES: dict[str, Callable[[str], Cell]] = {
 }
 
 
+#: ``{a, b, c}`` in a message: a Python set (or dict) printed by ``str``, no brackets nested in it
+_BRACES = re.compile(r"\{([^{}()\[\]]*)\}")
+
+
+def stable_text(text: str) -> str:
+    """``text`` with the items inside each ``{...}`` sorted. A library's message that prints a Python
+    set (xFormers': ``supported: {torch.bfloat16, torch.float16}``) lists its items in an order that
+    changes between processes (hashes of dtypes and strings are not stable), so the page quoting it
+    changed on every regeneration; sorted, the same refusal reads the same in every run."""
+    return _BRACES.sub(lambda m: "{" + ", ".join(sorted(m.group(1).split(", "))) + "}", text)
+
+
 def cell(name: str, feature: str) -> Cell:
     """One cell: the feature's check, the refusal it met, or ``ERROR`` with what else it raised (a
-    plugin's bug deep in torch is that plugin's cell, not the end of the whole matrix)."""
+    plugin's bug deep in torch is that plugin's cell, not the end of the whole matrix); its detail
+    made run-independent by :func:`stable_text`."""
     try:
-        return FEATURES[feature](name)
+        got = FEATURES[feature](name)
     except (Unsupported, Unavailable) as exc:
-        return Cell("no", str(exc))
+        got = Cell("no", str(exc))
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return Cell("ERROR", f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+        got = Cell("ERROR", f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+    return Cell(got.status, stable_text(got.detail))
 
 
 def matrix(names: list[str] | None = None) -> dict[str, dict[str, Cell]]:
@@ -278,10 +293,26 @@ def markdown(cells: dict[str, dict[str, Cell]]) -> str:
         "",
     ]
     for name, row in cells.items():
-        notes = [(f, c) for f, c in row.items() if c.detail]
-        if notes:
-            lines.append(f"- `{name}`: " + "; ".join(f"**{f}** ({c.status}): {c.detail}" for f, c in notes))
+        if text := reasons(row):
+            lines.append(f"- `{name}`: {text}")
     return "\n".join(lines) + "\n"
+
+
+def reasons(row: dict[str, Cell]) -> str:
+    """A row's reasons (and findings), feature by feature; a row that refuses every feature, most of
+    them for one reason (xformers on a CPU: 11 features, one 400-character reason), says that reason
+    once: ``every feature (no): <reason>``, or ``every feature but **dropout** (no): <reason>``
+    followed by the features refused for another reason."""
+    notes = [f"**{f}** ({c.status}): {c.detail}" for f, c in row.items() if c.detail]
+    if row and all(c.status == "no" for c in row.values()):
+        details = [c.detail for c in row.values()]
+        common = max(details, key=details.count)
+        if common and details.count(common) > len(row) / 2:
+            others = {f: c for f, c in row.items() if c.detail != common and c.detail}
+            but = " but " + ", ".join(f"**{f}**" for f in others) if others else ""
+            notes = [f"every feature{but} (no): {common}"]
+            notes += [f"**{f}** ({c.status}): {c.detail}" for f, c in others.items()]
+    return "; ".join(notes)
 
 
 def main() -> None:
