@@ -17,10 +17,28 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, wit
     sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
     exit 0
 fi
-case "${PART:-lease}" in
-lease | train | h100_2026_11_26 | 34 | 37 | gpu) ;;
-*) echo "PART must be lease, train, h100_2026_11_26, 34, 37 or gpu, not $PART" >&2; exit 2 ;;
-esac
+# The parts: PART=NAME runs part_NAME, the steps below in that order. Their names are written here only:
+# the check that follows and the dispatch at the end both go by these functions.
+part_lease() {  # what issue 34 lacks after the H100 leases of 2026-11-26: sparse's auto tile at N=65536
+    # and in 64-wide tiles at B=4 H=16 D=128 (its first call autotunes for over a minute), then
+    # experiment=gpu's fp16 forward (CUDA-graph replay; bf16 is in results/gpu/h100/gpu_fwd_bf16) and
+    # pytest -m cuda in what time is left; PART=train follows
+    patterns_long 120; patterns_tile_large 200; gpu_fwd 150 dtype=float16
+    pytest_cuda $((SECONDS < 500 ? 560 - SECONDS : 30))
+}
+part_train() { gpu_train 300; }
+part_h100_2026_11_26() {  # the order that lease ran (issues 34 and 37)
+    chunked_triton; patterns_small; patterns_large; pytest_cuda 130; xformers_gpu 100; decode_chunked; decode_splitk
+}
+part_34() { chunked_triton; chunked_triton_large; decode_chunked; patterns_tile; patterns_large; pytest_cuda $((560 - SECONDS)); }
+part_37() { xformers_gpu; sdpa_gpu; decode_sdpa; decode_splitk; }
+part_gpu() { gpu_fwd; gpu_train; }
+PART=${PART:-lease}
+if ! declare -F "part_$PART" >/dev/null; then  # refused before any work
+    parts=$(declare -F | sed -n 's/^declare -f part_//p' | paste -sd, | sed 's/,/, /g; s/, \([^,]*\)$/ or \1/')
+    echo "PART must be $parts, not $PART" >&2
+    exit 2
+fi
 OUT=${OUT:-/tmp/out}
 W=${WORK:-/tmp/gpu}/$(date +%Y%m%d-%H%M%S)-$$  # this call's records and logs, packed into $OUT/gpu.tar.gz
 mkdir -p "$OUT" "$W" || exit 1
@@ -74,20 +92,7 @@ gpu_fwd() { step gpu_fwd "${1:-300}" python3 run.py -m experiment=gpu mode=fwd m
 # gpu_train in fwd_bwd mode only: it times the forward, the backward and both (what fwd mode adds is the
 # forward's CUDA-graph replay, which experiment=gpu has), so 64 jobs in bf16 instead of 128
 gpu_train() { step gpu_train "${1:-240}" python3 run.py -m experiment=gpu_train dtype=bfloat16 mode=fwd_bwd min_run_time=0.2 isolate=false records_dir=$R/gpu_train; }
-case "${PART:-lease}" in
-lease)  # what issue 34 lacks after the H100 leases of 2026-11-26: sparse's auto tile at N=65536 and in
-    # 64-wide tiles at B=4 H=16 D=128 (its first call autotunes for over a minute), then
-    # experiment=gpu's fp16 forward (CUDA-graph replay; bf16 is in results/gpu/h100/gpu_fwd_bf16) and
-    # pytest -m cuda in what time is left; PART=train follows
-    patterns_long 120; patterns_tile_large 200; gpu_fwd 150 dtype=float16
-    pytest_cuda $((SECONDS < 500 ? 560 - SECONDS : 30)) ;;
-train) gpu_train 300 ;;
-h100_2026_11_26)  # the order that lease ran (issues 34 and 37)
-    chunked_triton; patterns_small; patterns_large; pytest_cuda 130; xformers_gpu 100; decode_chunked; decode_splitk ;;
-34) chunked_triton; chunked_triton_large; decode_chunked; patterns_tile; patterns_large; pytest_cuda $((560 - SECONDS)) ;;
-37) xformers_gpu; sdpa_gpu; decode_sdpa; decode_splitk ;;
-gpu) gpu_fwd; gpu_train ;;
-esac
+"part_$PART"  # the steps of PART (checked above)
 cat "$W/summary.txt"
 if ((FAILED > 0)); then
     echo "$FAILED step(s) failed (rc != 0); logs in $W and $OUT/gpu.tar.gz" >&2

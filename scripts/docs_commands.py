@@ -12,8 +12,11 @@ and ``<old>`` become the checkout's two newest sweep folders. The README's first
 the quick sweep) runs with a longer cap; its second (unit tests and the regression benchmarks) is
 skipped: CI runs it. ``PYTHONUNBUFFERED=1`` is set so that a stopped command's output is complete.
 
-Output: a Markdown table (stdout and ``--out``) and, in ``logs/`` next to ``--out``, one log per
-command holding its header and its output's tail (at most 4 KB).
+Output: a Markdown table (stdout and ``--out``) headed by the machine it ran on (host name and CPU
+model), and, in ``logs/`` next to ``--out``, one log per command holding its header and its output's
+tail (at most 4 KB). The exit status is 1 when any command it ran failed (its verdict ``FAILED``: a
+non-zero exit, or an error job line or traceback before the cap), after the report, with one line on
+stderr naming them; 1 too when every selected command was skipped.
 
     python scripts/docs_commands.py --root /tmp/clone --out results/cpu/docs_commands/RESULTS.md
 """
@@ -24,6 +27,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +37,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from arg_types import output_file, positive_float
+
+from experiments.records.environment import cpu_model
 
 PREFIXES = ("python", "pip", ".", "MALLOC_")
 SHELL_FENCES = {"", "bash", "sh"}
@@ -210,6 +216,24 @@ def load() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def machine() -> str:
+    """The machine the commands ran on, as the other scripts name it: host name and CPU model."""
+    return f"`{socket.gethostname()}` ({cpu_model()})"
+
+
+def failures(rows: list[tuple[Command, Outcome | None]]) -> str:
+    """One line naming the commands that ran and failed ("" when none did)."""
+    failed = [
+        f"#{number} {command.where} {outcome.verdict}"
+        for number, (command, outcome) in enumerate(rows, 1)
+        if outcome is not None and outcome.verdict.startswith("FAILED")
+    ]
+    if not failed:
+        return ""
+    ran = sum(outcome is not None for _, outcome in rows)
+    return f"docs_commands.py: {len(failed)} of {ran} commands run failed: {', '.join(failed)}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -262,7 +286,7 @@ def main() -> int:
     report = [
         "# The documentation's commands, run",
         "",
-        f"Checkout `{root}` at `{commit}`, {began}; cap {args.cap_s:.0f} s a command "
+        f"Checkout `{root}` at `{commit}`, on {machine()}, {began}; cap {args.cap_s:.0f} s a command "
         f"(README's first: {max(args.cap_s, README_LONG_CAP_S):.0f} s); `scripts/docs_commands.py`. "
         "Jobs: the job lines ending `] ok:` / `] unsupported:` / `] unavailable:` / `] error:`. "
         "Logs (output tails): `logs/`.",
@@ -289,6 +313,9 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
+    if failed := failures(rows):  # the report is written first: it is the evidence of what failed
+        print(failed, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,6 +9,12 @@ agree): ``naive_chunk_simple_gla`` beside ``ssd``, ``naive_recurrent_gla`` besid
 pure-PyTorch chunked GLA), ``delta_rule_chunkwise`` beside ``deltanet`` (its chunk of 32, its ``q``
 scaling: ours is ``1/sqrt(D)`` too) and ``naive_chunk_gated_delta_rule`` beside ``gated_deltanet``.
 
+Both sides of each pair time the same work, gates included: ours compute their gates (and the delta
+rules' unit keys) inside the forward, so each fla call computes the same gates inside its timed call
+too (our module's ``_gates`` of the keys, put into fla's layout) and normalizes its keys there. Only
+q, k and v are put into fla's (B, N, H, D) layout once, outside the timed calls (ours take them as
+given). Without fla installed, a line says so and ours are timed against dense SDPA alone.
+
     python scripts/gated_vs_peers.py --out results/cpu/gated_peers/RESULTS.md --json /tmp/gated.json
     python scripts/gated_vs_peers.py --sizes 256 512 --rounds 2    # a quick check
 """
@@ -20,10 +26,11 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as fn
-from arg_types import non_negative_int, output_file, positive_float, positive_int
+from arg_types import non_negative_int
 from linear_vs_peers import (
     GEMM_N,
     B,
@@ -32,6 +39,7 @@ from linear_vs_peers import (
     D,
     H,
     cell,
+    comparison_parser,
     fmt_ratio,
     qkv,
     ratio,
@@ -51,8 +59,25 @@ def _bthd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous()  # (B, H, N, D) -> fla's (B, N, H, D)
 
 
-def contenders(n: int, fla_max: int) -> tuple[list[Contender], dict[str, str]]:
-    """The contenders at ``n`` and, for each of ours, the fla reference beside it."""
+def fla_references() -> tuple[dict[str, tuple[str, Callable]] | None, str]:
+    """fla's references by the name of ours each is beside (its name, its function), or None and why
+    fla could not be imported."""
+    try:
+        from fla.ops.delta_rule.naive import delta_rule_chunkwise
+        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+        from fla.ops.gla.naive import naive_recurrent_gla
+        from fla.ops.simple_gla.naive import naive_chunk_simple_gla
+    except ImportError as e:
+        return None, f"{type(e).__name__}: {e}"
+    refs = (naive_chunk_simple_gla, naive_recurrent_gla, delta_rule_chunkwise, naive_chunk_gated_delta_rule)
+    return {name: (f"fla {f.__name__}", f) for name, f in zip(OURS, refs, strict=True)}, ""
+
+
+def contenders(
+    n: int, fla_max: int, refs: dict[str, tuple[str, Callable]] | None
+) -> tuple[list[Contender], dict[str, str]]:
+    """The contenders at ``n`` and, for each of ours, the fla reference of ``refs`` beside it (none
+    above ``fla_max`` or without ``refs``). Each call, ours or fla's, computes its gates from the keys."""
     q, k, v = qkv(n)
     sdpa = variants.build("sdpa")
     cs = [Contender("sdpa (dense)", lambda: sdpa(q, k, v, causal=True), sdpa, causal=True)]
@@ -62,59 +87,46 @@ def contenders(n: int, fla_max: int) -> tuple[list[Contender], dict[str, str]]:
         ours[name] = variants.build(name, heads=H, head_dim=D)
         cs.append(Contender(name, lambda m=ours[name]: m(q, k, v, causal=True), ours[name], causal=True))
     peers: dict[str, str] = {}
-    if n > fla_max:
+    if n > fla_max or refs is None:
         return cs, peers
-    from fla.ops.delta_rule.naive import delta_rule_chunkwise
-    from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
-    from fla.ops.gla.naive import naive_recurrent_gla
-    from fla.ops.simple_gla.naive import naive_chunk_simple_gla
+    qt, kt, vt = (_bthd(x) for x in (q, k, v))  # fla's layout, once: ours take q, k, v as they are
 
-    with torch.no_grad():  # our gates, outside the timed calls, in each reference's layout
-        g_ssd = ours["ssd"]._gates(k)[0].transpose(1, 2).contiguous()  # (B, N, H)
-        g_gla = _bthd(ours["gla"]._gates(k)[0])  # (B, N, H, D)
-        beta_dn = ours["deltanet"]._gates(k)[1]  # (B, H, N)
-        g_gd, beta_gd = (x.transpose(1, 2).contiguous() for x in ours["gated_deltanet"]._gates(k))
-    kn = fn.normalize(k, dim=-1, eps=1e-6)  # the delta rules' unit keys
-    qt, kt, vt, knt = (_bthd(x) for x in (q, k, v, kn))
-    fla = [
-        ("ssd", "fla naive_chunk_simple_gla", lambda: naive_chunk_simple_gla(qt, kt, vt, g_ssd)[0]),
-        ("gla", "fla naive_recurrent_gla", lambda: naive_recurrent_gla(qt, kt, vt, g_gla)[0]),
-        ("deltanet", "fla delta_rule_chunkwise", lambda: delta_rule_chunkwise(q, kn, v, beta_dn)[0]),
-        (
-            "gated_deltanet",
-            "fla naive_chunk_gated_delta_rule",
-            lambda: naive_chunk_gated_delta_rule(qt, knt, vt, g_gd, beta_gd)[0],
-        ),
-    ]
-    for ours_name, peer, run in fla:
+    # inside each timed call, as in ours: our gates of the keys, in the reference's layout, and the
+    # delta rules' unit keys
+    def ssd() -> torch.Tensor:
+        g = ours["ssd"]._gates(k)[0].transpose(1, 2).contiguous()  # (B, N, H)
+        return refs["ssd"][1](qt, kt, vt, g)[0]
+
+    def gla() -> torch.Tensor:
+        return refs["gla"][1](qt, kt, vt, _bthd(ours["gla"]._gates(k)[0]))[0]  # g (B, N, H, D)
+
+    def deltanet() -> torch.Tensor:  # delta_rule_chunkwise takes (B, H, N, D), beta (B, H, N)
+        beta = ours["deltanet"]._gates(k)[1]
+        return refs["deltanet"][1](q, fn.normalize(k, dim=-1, eps=1e-6), v, beta)[0]
+
+    def gated_deltanet() -> torch.Tensor:
+        g, beta = (x.transpose(1, 2).contiguous() for x in ours["gated_deltanet"]._gates(k))  # (B, N, H)
+        return refs["gated_deltanet"][1](qt, fn.normalize(kt, dim=-1, eps=1e-6), vt, g, beta)[0]
+
+    for run in (ssd, gla, deltanet, gated_deltanet):
+        peer = refs[run.__name__][0]
         cs.append(Contender(peer, run, causal=True))
-        peers[ours_name] = peer
+        peers[run.__name__] = peer
     return cs, peers
 
 
+def parser() -> argparse.ArgumentParser:
+    fla_max = dict(type=non_negative_int, default=8192, help="largest N for fla's references")
+    return comparison_parser(
+        __doc__,
+        "sequence lengths N (multiples of 64 up to --fla-max)",
+        5,
+        after_rounds=[("--fla-max", fla_max)],
+    )
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    ap.add_argument(
-        "--sizes",
-        type=positive_int,
-        nargs="+",
-        default=[2048, 4096, 8192, 16384],
-        help="sequence lengths N (multiples of 64 up to --fla-max)",
-    )
-    ap.add_argument(
-        "--rounds", type=positive_int, default=5, help="interleaved rounds; a cell is their median"
-    )
-    ap.add_argument("--fla-max", type=non_negative_int, default=8192, help="largest N for fla's references")
-    ap.add_argument(
-        "--gemm-min-run-time",
-        type=positive_float,
-        default=0.5,
-        help="seconds per round timing the fp32 GEMM rate (the machine's ceiling)",
-    )
-    ap.add_argument("--out", type=output_file, help="write the Markdown tables here")
-    ap.add_argument("--json", type=output_file, help="write every cell here")
+    ap = parser()
     args = ap.parse_args()
     for n in args.sizes:  # refused here, not by an assert inside fla
         if n <= args.fla_max and n % 64:
@@ -124,11 +136,14 @@ def main() -> None:
             )
     run_under_job_allocator()
     torch.set_num_threads(1)
+    refs, why = fla_references()
+    if refs is None:
+        print(f"fla (flash-linear-attention) not importable ({why}): its references left out", flush=True)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load_start = os.getloadavg()[0]
     bench = Bench(args.rounds, args.gemm_min_run_time)
     for n in args.sizes:
-        cs, peers = contenders(n, args.fla_max)
+        cs, peers = contenders(n, args.fla_max, refs)
         print(f"causal forward, N={n}:", flush=True)
         outs = bench.time("gated", cs)
         by = {c.name: c for c in cs}
@@ -152,7 +167,13 @@ def main() -> None:
         f"Written by `scripts/gated_vs_peers.py` ({when}); {cpu_model()}, torch {torch.__version__}, "
         f"1 thread, fp32, B={B} H={H} D={D}, causal, {args.rounds} interleaved rounds; each time the median "
         "over the rounds [min-max], ms; a ratio `x / this` of the medians [range of the per-round ratios]. "
-        "fla's references get our gates, so their outputs must equal ours.",
+        + (
+            "fla's references get our gates, so their outputs must equal ours; every timed call includes "
+            "its gates (ours in the forward, fla's computed by our modules inside its call, with the delta "
+            "rules' unit keys), only q, k, v's layout for fla is made outside."
+            if refs is not None
+            else f"fla's references not run: fla not importable ({why})."
+        ),
         "",
         f"GEMM ceiling (fp32 {GEMM_N}x{GEMM_N}, one thread, once per round): median {gemm:.1f} GFLOP/s "
         f"[{min(bench.gemm) / 1e9:.1f}-{max(bench.gemm) / 1e9:.1f}]. Load: cores other processes kept busy "

@@ -29,11 +29,10 @@ import argparse
 import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +44,7 @@ from experiments.measure import machine_load
 from experiments.measure.accuracy import error_stats
 from experiments.measure.roofline import gemm_flops_per_s, gemm_n
 from experiments.measure.spec import JobSpec
+from experiments.records.environment import cpu_model
 from experiments.sweep.allocator import JOB_ALLOCATOR_ENV
 
 B, H, D = 1, 8, 64
@@ -499,35 +499,32 @@ def run_under_job_allocator() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
 
 
-def main() -> None:
+Option = tuple[str, dict]  # an option's flag and its add_argument keywords
+
+
+def comparison_parser(
+    doc: str,
+    sizes_help: str,
+    rounds: int,
+    after_sizes: Sequence[Option] = (),
+    after_rounds: Sequence[Option] = (),
+) -> argparse.ArgumentParser:
+    """The parser of this script and of ``scripts/gated_vs_peers.py``: the description (``doc``'s first
+    paragraph), ``--sizes``, ``after_sizes``, ``--rounds`` (default ``rounds``), ``after_rounds``, then
+    ``--gemm-min-run-time``, ``--out`` and ``--json``, in that order (the order of ``--help``)."""
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     ap.add_argument(
-        "--sizes", type=positive_int, nargs="+", default=[2048, 4096, 8192, 16384], help="causal part's N"
+        "--sizes", type=positive_int, nargs="+", default=[2048, 4096, 8192, 16384], help=sizes_help
     )
-    ap.add_argument("--peer-n", type=positive_int, default=4096, help="N of the performer and low-rank parts")
+    for flag, options in after_sizes:
+        ap.add_argument(flag, **options)
     ap.add_argument(
-        "--rounds", type=positive_int, default=7, help="interleaved rounds; a cell is their median"
+        "--rounds", type=positive_int, default=rounds, help="interleaved rounds; a cell is their median"
     )
-    ap.add_argument(
-        "--features",
-        type=positive_int,
-        default=256,
-        help="random features of both performers (performer part)",
-    )
-    ap.add_argument(
-        "--draws", type=positive_int, default=3, help="feature draws the performer deviations average"
-    )
-    ap.add_argument(
-        "--fla-retention-max",
-        type=non_negative_int,
-        default=8192,
-        help="largest N for fla's naive_retention (0: never)",
-    )
-    # choices: a misspelt part would otherwise run nothing and fail on an empty GEMM list
-    parts = ["causal", "performer", "lowrank"]
-    ap.add_argument("--parts", nargs="+", choices=parts, default=parts, help="which parts to run")
+    for flag, options in after_rounds:
+        ap.add_argument(flag, **options)
     ap.add_argument(
         "--gemm-min-run-time",
         type=positive_float,
@@ -536,6 +533,45 @@ def main() -> None:
     )
     ap.add_argument("--out", type=output_file, help="write the Markdown tables here")
     ap.add_argument("--json", type=output_file, help="write every cell here")
+    return ap
+
+
+PARTS = ["causal", "performer", "lowrank"]
+
+
+def parser() -> argparse.ArgumentParser:
+    return comparison_parser(
+        __doc__,
+        "causal part's N",
+        7,
+        after_sizes=[
+            ("--peer-n", dict(type=positive_int, default=4096, help="N of the performer and low-rank parts"))
+        ],
+        after_rounds=[
+            (
+                "--features",
+                dict(
+                    type=positive_int, default=256, help="random features of both performers (performer part)"
+                ),
+            ),
+            (
+                "--draws",
+                dict(type=positive_int, default=3, help="feature draws the performer deviations average"),
+            ),
+            (
+                "--fla-retention-max",
+                dict(
+                    type=non_negative_int, default=8192, help="largest N for fla's naive_retention (0: never)"
+                ),
+            ),
+            # choices: a misspelt part would otherwise run nothing and fail on an empty GEMM list
+            ("--parts", dict(nargs="+", choices=PARTS, default=PARTS, help="which parts to run")),
+        ],
+    )
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     for n in args.sizes if "causal" in args.parts else []:  # refused here, not by einops inside fla
         if n % 64:
@@ -552,16 +588,11 @@ def main() -> None:
             versions[p] = "not installed"
     meta = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "load_start": os.getloadavg()[0],
         "allocator": {k: os.environ[k] for k in JOB_ALLOCATOR_ENV},
         "peers": versions,
     }
-    try:
-        with open("/proc/cpuinfo") as f:
-            meta["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     print(
         f"cpu ({meta['cpu']}), 1 thread, float32, B={B} H={H} D={D}, {args.rounds} rounds; peers {versions};"
         f" allocator {meta['allocator']}"

@@ -4,15 +4,18 @@ never pools runs of different machines or load settings."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments.records.environment import cpu_model
 from tests.test_scripts_cli import ROOT, run_script
@@ -222,3 +225,129 @@ def test_pattern_vs_flex_names_the_cpu(monkeypatch, capsys, tmp_path: Path) -> N
     cells = json.loads(out.read_text())
     assert cells["device_name"] == cpu_model() and cells["threads"] == 1 and cells["torch"]
     assert capsys.readouterr().out.startswith(f"cpu ({cpu_model()}, 1 threads), torch ")
+
+
+def test_docs_commands_exits_1_naming_the_commands_that_failed_and_names_the_machine(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "docs").mkdir(parents=True)
+    # the README's second command is skipped (CI runs it); docs/x.md's first fails, its second passes
+    (root / "README.md").write_text('```bash\npython3 -c "print(1)"\npython3 -c "print(2)"\n```\n')
+    fails = 'python3 -c "raise SystemExit(3)"'
+    (root / "docs" / "x.md").write_text(f'```bash\n{fails}\npython3 -c "print(4)"\n```\n')
+    out = tmp_path / "report" / "R.md"
+    p = run_script("scripts/docs_commands.py", "--root", str(root), "--out", str(out), "--cap-s", "60")
+    assert p.returncode == 1, p.stderr[-600:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last == "docs_commands.py: 1 of 3 commands run failed: #3 docs/x.md:2 FAILED (exit 3)", last
+    report = out.read_text()  # written before the exit: the evidence of what failed
+    assert "| FAILED (exit 3) |" in report and f"({cpu_model()})" in report
+    assert f"on `{socket.gethostname()}` ({cpu_model()})" in report
+
+
+def test_device_checks_names_its_parts_once_and_runs_every_part_it_accepts(tmp_path: Path) -> None:
+    code = "\n".join(
+        line.split("#", 1)[0] for line in (ROOT / "scripts" / "device_checks.sh").read_text().splitlines()
+    )
+    assert len(re.findall(r"h100_2026_11_26", code)) == 1, "a PART name is written in more than one place"
+    p = device_checks(tmp_path, stub_bin(tmp_path, 0), "bogus")
+    listed = re.fullmatch(r"PART must be (.+) or (\S+), not bogus", p.stderr.strip())
+    assert p.returncode == 2 and listed, p.stderr
+    parts = [*listed.group(1).split(", "), listed.group(2)]
+    assert {"lease", "train", "h100_2026_11_26", "34", "37", "gpu"} <= set(parts)
+    for part in parts:  # each name the check accepts is one the dispatch runs: it gets to a step
+        (tmp_path / part).mkdir()
+        run = device_checks(tmp_path / part, stub_bin(tmp_path / part, 0), part)
+        assert run.returncode == 0 and "step " in run.stdout, (part, run.stdout[-400:], run.stderr[-400:])
+
+
+def comparison_defaults(script: str) -> dict:
+    return {a.dest: (a.default, a.help) for a in importlib.import_module(script).parser()._actions}
+
+
+def test_the_peer_comparisons_share_one_parser_with_their_options_unchanged(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gated_vs_peers
+    import linear_vs_peers
+
+    assert gated_vs_peers.comparison_parser is linear_vs_peers.comparison_parser
+    rounds_help = "interleaved rounds; a cell is their median"
+    gemm = (0.5, "seconds per round timing the fp32 GEMM rate (the machine's ceiling)")
+    shared = {"out": (None, "write the Markdown tables here"), "json": (None, "write every cell here")}
+    sizes = [2048, 4096, 8192, 16384]
+    parts = ["causal", "performer", "lowrank"]
+    assert comparison_defaults("linear_vs_peers") == {
+        "help": ("==SUPPRESS==", "show this help message and exit"),
+        "sizes": (sizes, "causal part's N"),
+        "peer_n": (4096, "N of the performer and low-rank parts"),
+        "rounds": (7, rounds_help),
+        "features": (256, "random features of both performers (performer part)"),
+        "draws": (3, "feature draws the performer deviations average"),
+        "fla_retention_max": (8192, "largest N for fla's naive_retention (0: never)"),
+        "parts": (parts, "which parts to run"),
+        "gemm_min_run_time": gemm,
+        **shared,
+    }
+    assert comparison_defaults("gated_vs_peers") == {
+        "help": ("==SUPPRESS==", "show this help message and exit"),
+        "sizes": (sizes, "sequence lengths N (multiples of 64 up to --fla-max)"),
+        "rounds": (5, rounds_help),
+        "fla_max": (8192, "largest N for fla's references"),
+        "gemm_min_run_time": gemm,
+        **shared,
+    }
+    assert list(comparison_defaults("linear_vs_peers")) == [
+        "help", "sizes", "peer_n", "rounds", "features", "draws", "fla_retention_max", "parts",
+        "gemm_min_run_time", "out", "json",
+    ]  # fmt: skip
+
+
+def test_gated_vs_peers_times_the_same_work_on_both_sides(monkeypatch) -> None:
+    """Each fla reference's timed call computes the gates (and the delta rules' unit keys) as our
+    variant's forward does: it had them made beforehand, outside its timed call."""
+    pytest.importorskip("fla")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gated_vs_peers as gvp
+    import torch.nn.functional as fn
+
+    import variants
+
+    calls: list[str] = []
+    for name in gvp.OURS:
+        cls = variants.get(name)
+        gates = cls._gates
+        monkeypatch.setattr(cls, "_gates", lambda self, k, g=gates, n=name: calls.append(n) or g(self, k))
+    normalize = fn.normalize
+    monkeypatch.setattr(fn, "normalize", lambda *a, **kw: calls.append("normalize") or normalize(*a, **kw))
+    refs, why = gvp.fla_references()
+    assert refs is not None, why
+    calls.clear()
+    cs, peers = gvp.contenders(64, 64, refs)
+    assert set(peers) == set(gvp.OURS) and not calls  # building them computes no gates
+    by = {c.name: c for c in cs}
+    with torch.no_grad():
+        for ours, peer in peers.items():
+            did = {}
+            for who in (ours, peer):
+                calls.clear()
+                by[who].run()
+                did[who] = sorted(calls)
+            assert did[ours] == did[peer] and ours in did[ours], did
+
+
+def test_gated_vs_peers_without_fla_says_so_in_one_line(tmp_path: Path) -> None:
+    hidden = tmp_path / "hide" / "fla"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'fla' (hidden by the test)\")\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "hide"), "OMP_NUM_THREADS": "1"}
+    args = ["--sizes", "64", "--rounds", "1", "--gemm-min-run-time", "0.01"]
+    p = subprocess.run(
+        [sys.executable, "scripts/gated_vs_peers.py", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    said = [line for line in p.stdout.splitlines() if line.startswith("fla ")]  # the report's aside
+    assert said == [
+        "fla (flash-linear-attention) not importable (ImportError: No module named 'fla' (hidden by the "
+        "test)): its references left out"
+    ], said
+    assert "| 64 | gated_deltanet |" in p.stdout and "fla naive" not in p.stdout
