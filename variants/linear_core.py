@@ -485,20 +485,22 @@ def _first_of_group(x: torch.Tensor, group: int) -> torch.Tensor:
 def core_flops(nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weighted: bool) -> int:
     """FLOPs of (*) for one batch element and head, as the functions above compute it.
 
-    Non-causal: the state ``2 Nk F E`` and its reading ``2 Nq F E``. Causal, in chunks of
-    ``c = min(chunk, Nq)``: the intra-chunk products ``2 Nq c (F + E)`` (the whole ``c x c`` block, as
-    computed), each chunk's state ``2 Nq F E``, the reading ``2 Nq F E``, the carry ``(Nq / c) F E`` and
-    the keys before the first query ``2 (Nk - Nq) F E``. With weights, the weights themselves (a
-    difference and an exponential per weight) and the products with them.
+    Non-causal: the state ``2 Nk F E`` and its reading ``2 Nq F E``. Causal, in ``n`` chunks of
+    ``c = min(chunk, Nq)`` (``Nq`` padded to ``n c`` rows, as computed): the intra-chunk products
+    ``2 n c c (F + E)`` (the whole ``c x c`` block), each chunk's state ``2 n c F E``, the reading
+    ``2 n c F E``, the carry ``n F E`` and the keys before the first query ``2 (Nk - Nq) F E``.
+    With weights, the weights themselves (a difference and an exponential per weight) and the
+    products with them.
     """
     if not causal:
         return state_flops(nk, f, e, weighted) + 2 * nq * f * e
     c = max(1, min(chunk, nq))
     n = math.ceil(nq / c)
-    flops = 2 * nq * c * (f + e) + 4 * nq * f * e + n * f * e + state_flops(nk - nq, f, e, weighted)
+    rows = n * c  # the queries padded to whole chunks: every product runs on the padded rows
+    flops = 2 * rows * c * (f + e) + 4 * rows * f * e + n * f * e + state_flops(nk - nq, f, e, weighted)
     if weighted:
         # (c, c) weights and their product, key weights and products, query weights, the carry's scale
-        flops += 3 * nq * c + nq * (f + 2) + nq * (f + 2) + n * f * e
+        flops += 3 * rows * c + rows * (f + 2) + rows * (f + 2) + n * f * e
     return flops
 
 
