@@ -239,7 +239,9 @@ def test_identical_memory_series_take_turns_in_dashes(kept: list[plt.Figure], tm
 
 def test_identical_state_series_do_not_hide_each_other(kept: list[plt.Figure], tmp_path: Path) -> None:
     df = _store("decode_state")
-    plots.plot_state(df, tmp_path)
+    # a second variant with retention's state (two per-query-head states of one size, say)
+    twin = df[df["variant"] == "retention"].assign(variant="retention_twin", variant_key="retention_twin")
+    plots.plot_state(pd.concat([df, twin], ignore_index=True), tmp_path)
     pairs = 0
     for lines in _panel_lines(kept[0]):
         for i, a in enumerate(lines):
