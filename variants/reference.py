@@ -289,9 +289,19 @@ def _kernel_visible(
     return seen.double()
 
 
+def _grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a (B, H, Nq, X) @ b (B, Hkv, X, Y)`` with query head ``h`` against key head ``h // (H / Hkv)``,
+    the key heads broadcast, never repeated: a float64 copy of the keys per query head took 4 GiB at
+    128k keys and 32 heads, more than the memory of the variants it checks. ``(B, H, Nq, Y)``."""
+    h, hkv = a.shape[1], b.shape[1]
+    out = a.unflatten(1, (hkv, h // hkv)) @ b[:, :, None]  # (B, Hkv, g, Nq, X) @ (B, Hkv, 1, X, Y)
+    return out.flatten(1, 2)  # (B, Hkv, g, Nq, Y) -> (B, H, Nq, Y)
+
+
 def _kernel_sum(weights: torch.Tensor, v: torch.Tensor, normalize: bool) -> torch.Tensor:
-    """``weights (B, H, Nq, Nk) @ v``, divided by the row sums when ``normalize`` (a zero row: 0)."""
-    out = weights @ v  # (B, H, Nq, Dv)
+    """``weights (B, H, Nq, Nk) @ v (B, Hkv, Nk, Dv)`` (grouped heads, :func:`_grouped`), divided by
+    the row sums when ``normalize`` (a zero row: 0)."""
+    out = _grouped(weights, v)  # (B, H, Nq, Dv)
     if normalize:
         den = weights.sum(-1, keepdim=True)  # (B, H, Nq, 1)
         out = out / torch.where(den == 0, torch.ones_like(den), den)
@@ -313,9 +323,9 @@ def linear_attention_reference(
     the visible keys, ``sum_j w_ij v_j`` (divided by ``sum_j w_ij`` when ``normalize``); ``phi`` is
     ``elu1`` (x + 1 for x > 0, e^x otherwise), ``relu`` or ``identity``. ``(B, H, Nq, Dv)``."""
     phi = _FEATURE_MAPS[feature_map]
-    q, k, v = q.double(), repeat_kv(k, q.shape[1]).double(), repeat_kv(v, q.shape[1]).double()
+    q, k, v = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
     s = q.shape[-1] ** -0.5 if scale is None else scale
-    weights = s * (phi(q) @ phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
+    weights = s * _grouped(phi(q), phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
     return _kernel_sum(weights, v, normalize)
 
 
@@ -350,11 +360,10 @@ def window_linear_reference(
     near = ((j <= p) & (j >= p - window))[None, None] & real  # (B|1, 1, Nq, Nk)
     far = (j < p - window)[None, None] & real
     phi = _FEATURE_MAPS[feature_map]
-    qd, kd = q.double(), repeat_kv(k, q.shape[1]).double()
-    vd = repeat_kv(v, q.shape[1]).double()
+    qd, kd, vd = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
     s = q.shape[-1] ** -0.5 if scale is None else scale
     soft = reference_attention(q, k, v, allowed=near, scale=s)
-    weights = s * (phi(qd) @ phi(kd).transpose(-2, -1)) * far.double()
+    weights = s * _grouped(phi(qd), phi(kd).transpose(-2, -1)) * far.double()
     return soft + _kernel_sum(weights, vd, True)
 
 
@@ -396,7 +405,7 @@ def performer_reference(
     ``phi(x) = exp(W x - |x|^2 / 2) / sqrt(m)`` of ``x = sqrt(s) q`` and ``sqrt(s) k``, weights
     ``phi(q_i) . phi(k_j)`` over the visible keys, normalised by their sum. Unstabilised: for inputs
     of moderate size. ``(B, H, Nq, Dv)``."""
-    q, k, v = q.double(), repeat_kv(k, q.shape[1]).double(), repeat_kv(v, q.shape[1]).double()
+    q, k, v = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
     s = q.shape[-1] ** -0.5 if scale is None else scale
     w = projection.double().to(q.device)
 
@@ -404,7 +413,7 @@ def performer_reference(
         x = x * s**0.5
         return torch.exp(x @ w.T - (x * x).sum(-1, keepdim=True) / 2) / w.shape[0] ** 0.5  # (B, H, N, m)
 
-    weights = (phi(q) @ phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
+    weights = _grouped(phi(q), phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
     return _kernel_sum(weights, v, True)
 
 
