@@ -171,6 +171,11 @@ def causal_contenders(n: int, fla_retention_max: int) -> list[Contender]:
 
 
 def causal_part(bench: Bench, sizes: list[int], fla_retention_max: int) -> None:
+    try:  # the part compares against fla's references: without fla it has nothing to compare
+        import fla.ops.linear_attn.naive  # noqa: F401
+    except ImportError as e:
+        print(f"fla (flash-linear-attention) not importable ({type(e).__name__}: {e}): causal part skipped")
+        return
     for n in sizes:
         cs = causal_contenders(n, fla_retention_max)
         print(f"causal forward, N={n}:", flush=True)

@@ -351,3 +351,24 @@ def test_gated_vs_peers_without_fla_says_so_in_one_line(tmp_path: Path) -> None:
         "test)): its references left out"
     ], said
     assert "| 64 | gated_deltanet |" in p.stdout and "fla naive" not in p.stdout
+
+
+def test_linear_vs_peers_without_fla_says_so_in_one_line_and_exits_nonzero(tmp_path: Path) -> None:
+    """Its causal part needs fla's references: without fla it says so in one line (no traceback), and
+    a run of that part alone measured nothing, so it exits non-zero saying that."""
+    hidden = tmp_path / "hide" / "fla"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'fla' (hidden by the test)\")\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "hide"), "OMP_NUM_THREADS": "1"}
+    args = ["--parts", "causal", "--sizes", "64", "--rounds", "1", "--gemm-min-run-time", "0.01"]
+    p = subprocess.run(
+        [sys.executable, "scripts/linear_vs_peers.py", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    said = [line for line in p.stdout.splitlines() if line.startswith("fla ")]
+    assert said == [
+        "fla (flash-linear-attention) not importable (ImportError: No module named 'fla' (hidden by the "
+        "test)): causal part skipped"
+    ], said
+    assert "nothing was measured" in p.stderr
