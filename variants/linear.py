@@ -41,8 +41,7 @@ FEATURE_MAPS = {
 class LinearAttention(KernelizedAttention):
     """``phi(q) (sum_j phi(k_j) v_j^T)``, normalised by ``phi(q) . sum_j phi(k_j)``."""
 
-    grouped_state = True  # phi(k) is the key's alone: a group's query heads read one state
-    native_gqa = True  # so the keys' features are taken on the K/V heads as they are
+    native_gqa = True  # phi(k) is the key's alone: keys mapped on their K/V heads, one state a group
     # several chunks at the tests' 24 tokens (5 divides none of their lengths), and one chunk
     example_knobs = (
         {"feature_map": "elu1", "normalize": True, "chunk": 5},
@@ -104,7 +103,7 @@ class LinearAttention(KernelizedAttention):
 
     def _feature_flops(self, w: Workload) -> int:
         per = FEATURE_MAPS[self.feature_map][1]
-        maps = w.batch * (w.heads * w.nq + self._key_heads(w) * w.nk) * w.head_dim * per
+        maps = w.batch * (w.heads * w.nq + self.state_heads(w) * w.nk) * w.head_dim * per
         scale = w.batch * w.heads * w.nq * w.head_dim
         divide = w.batch * w.heads * w.nq * w.v_head_dim if self.normalize else 0
         return maps + scale + divide

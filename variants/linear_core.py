@@ -43,7 +43,7 @@ NEG_INF = float("-inf")
 class KernelState:
     """What a kernelized variant keeps while decoding, for ``B`` sequences and ``Hs`` heads of state:
     the ``H`` query heads, or the ``Hkv`` K/V heads where a group's query heads share one
-    (:attr:`KernelizedAttention.grouped_state`). Its size does not depend on how many positions it has
+    (:attr:`KernelizedAttention.native_gqa`). Its size does not depend on how many positions it has
     consumed.
     """
 
@@ -525,10 +525,10 @@ class KernelizedAttention(AttentionVariant):
     supports_state = True
     #: (*) has log weights (a decay, a stabiliser)
     weighted: ClassVar[bool] = False
-    #: the key features and log weights do not depend on the query head, so the query heads that share
-    #: a K/V head share one decoding state, as they share sdpa's cache (Hkv states, not H); False where
-    #: they do (retention's decay is per query head)
-    grouped_state: ClassVar[bool] = False
+    #: ``native_gqa`` here says the key features and log weights do not depend on the query head: the
+    #: keys are mapped on their K/V heads and the query heads of a group share one decoding state, as
+    #: they share sdpa's cache (Hkv states, not H). False where they do (retention's decay is per query
+    #: head): the keys are repeated and each query head keeps its state.
     normalize: bool = False
     chunk: int = 64
 
@@ -571,9 +571,9 @@ class KernelizedAttention(AttentionVariant):
         """FLOPs of the feature maps (and what else the variant adds to the core) for ``w``."""
         raise NotImplementedError
 
-    def _key_heads(self, w: Workload) -> int:
-        """The heads the keys' features are taken on: the K/V heads where :attr:`native_gqa`, else the
-        query heads (the base class repeats the keys before the call)."""
+    def state_heads(self, w: Workload) -> int:
+        """The heads the keys' features are taken on and one sequence's decoding state keeps: ``Hkv``
+        where :attr:`native_gqa`, else ``H`` (the base class repeats the keys before the call)."""
         return w.hkv if self.native_gqa else w.heads
 
     def _values(self, v: torch.Tensor) -> torch.Tensor:
@@ -638,7 +638,7 @@ class KernelizedAttention(AttentionVariant):
         :meth:`AttentionVariant.step`): the chunked form started from the state, ``O(T (c + F) E)``."""
         if state is None:
             state = self.prefill(k_new[:, :, :0], v_new[:, :, :0], heads=q.shape[1])
-        w = step_workload(self, q, k_new, v_new, state, self.grouped_state)
+        w = step_workload(self, q, k_new, v_new, state, self.native_gqa)
         work = state.kv.dtype
         hs = state.kv.shape[1]  # heads of state: H, or Hkv when grouped
         k, v = repeat_kv(k_new, hs), repeat_kv(v_new, hs)  # (B, Hs, T, D|Dv)
@@ -667,10 +667,6 @@ class KernelizedAttention(AttentionVariant):
             kv = _first_of_group(kv, group)
             ref = None if ref is None else _first_of_group(ref, group)
         return self._finish(out).to(q.dtype), KernelState(kv, ref, state.length + w.nk, state.scale)
-
-    def state_heads(self, w: Workload) -> int:
-        """How many heads of state one sequence keeps: ``Hkv`` when :attr:`grouped_state`, else ``H``."""
-        return w.hkv if self.grouped_state else w.heads
 
     def state_bytes(self, w: Workload) -> int:
         """:meth:`state_heads` heads of an ``F x E`` state (and its reference): independent of ``w.nk``."""

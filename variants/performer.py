@@ -57,8 +57,7 @@ class Performer(KernelizedAttention):
 
     weighted = True  # the keys' stabilisers are log weights of the core
     normalize = True  # it approximates softmax: always the ratio
-    grouped_state = True  # one draw for all heads: a key's features and log weight are the key's alone
-    native_gqa = True  # so the keys' features are taken on the K/V heads as they are
+    native_gqa = True  # one draw for all heads: keys mapped on their K/V heads, one state a group
     example_knobs = ({"features": 16, "seed": 0, "chunk": 5}, {"features": 32, "seed": 1, "chunk": 64})
 
     def __init__(self, features: int = 256, seed: int = 0, chunk: int = 64) -> None:
@@ -143,6 +142,6 @@ class Performer(KernelizedAttention):
         """Projections ``2 D m`` per row, the exponentials and maxima ``3 m`` per row, the keys' squared
         norms ``2 D`` per row, the division ``Dv`` per query."""
         m, d = self.features, w.head_dim
-        hk = self._key_heads(w)
+        hk = self.state_heads(w)
         rows = w.batch * (w.heads * w.nq + hk * w.nk)
         return rows * (2 * d * m + 3 * m + d) + w.batch * (hk * w.nk * 2 * d + w.heads * w.nq * w.v_head_dim)
