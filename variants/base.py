@@ -260,6 +260,18 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x[:, :, None].expand(b, hkv, heads // hkv, n, e).reshape(b, heads, n, e)
 
 
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a (B, H, Nq, X) @ b (B, Hkv, X, Y)`` with query head ``h`` against key head ``h // (H / Hkv)``,
+    the key heads broadcast, never repeated (:func:`repeat_kv` copies them: in float64 a copy of a
+    128k-key cache per query head took 4 GiB at 32 heads). ``(B, H, Nq, Y)``."""
+    n, h, nq, x = a.shape
+    hkv = b.shape[1]
+    # a group's query heads as rows: broadcasting b over a group dimension instead would make matmul
+    # copy b once per query head, the very copy this avoids
+    out = a.reshape(n, hkv, h // hkv * nq, x) @ b  # (B, H, Nq, X) -> (B, Hkv, g Nq, X); @ -> (.., Y)
+    return out.view(n, h, nq, -1)  # (B, Hkv, g Nq, Y) -> (B, H, Nq, Y)
+
+
 def causal_offset(nq: int, nk: int) -> int:
     """How far the causal diagonal is shifted right: query ``i`` sees keys ``j <= i + offset``
     (bottom-right alignment, ``Nq <= Nk``)."""
@@ -685,10 +697,19 @@ class AttentionVariant(nn.Module):
         )
 
     def oracle_bytes_per_pair(self) -> int:
-        """float64 bytes the oracle's scores take per (query, key) pair: 8 for a plain score. A job
-        checks gradients against the oracle only below a memory budget, so a variant whose
-        ``reference_scores`` build more per pair (additive: a hidden layer) says so here."""
+        """float64 bytes the oracle's scores take per (query, key) pair: 8 for a plain score. A variant
+        whose ``reference_scores`` build more per pair (additive: a hidden layer) says so here."""
         return 8
+
+    def oracle_bytes(self, w: Workload) -> int:
+        """Float64 bytes the oracle holds to check all of ``w``'s rows: :meth:`oracle_bytes_per_pair`
+        per query head and (query, key) pair, and float64 copies of ``q`` (per query head), ``k`` and
+        ``v`` (per K/V head: the oracle reads grouped heads without repeating them). A job checks
+        gradients, and an ``oracle_forward`` variant's whole output, only below a budget of this; a
+        reference that keeps more per key (performer's random features) adds it."""
+        pairs = w.batch * w.heads * w.nq * w.nk * self.oracle_bytes_per_pair()
+        tokens = w.heads * w.nq * w.head_dim + w.hkv * w.nk * (w.head_dim + w.v_head_dim)
+        return pairs + 8 * w.batch * tokens
 
     def cache_len(self, nk: int) -> int:
         """Cached keys a decoding step reads after a context of ``nk`` positions: all of them, unless
@@ -777,10 +798,11 @@ class AttentionVariant(nn.Module):
 
     # ------------------------------------------------------------------ oracle hooks
     def reference_scores(self, q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """Float64 ``(B, H, Nq, Nk)`` scores the oracle softmaxes; default ``q k^T * scale`` (``k`` has
-        as many heads as ``q`` here: the oracle repeats grouped heads)."""
+        """Float64 ``(B, H, Nq, Nk)`` scores the oracle softmaxes; default ``q k^T * scale``, ``k (B, Hkv,
+        Nk, D)`` read by grouped heads (:func:`grouped_matmul`). An override gets ``k`` with as many
+        heads as ``q``: the oracle repeats them for it."""
         s = q.shape[-1] ** -0.5 if scale is None else scale
-        return (q.double() @ k.double().transpose(-2, -1)) * s
+        return grouped_matmul(q.double(), k.double().transpose(-2, -1)) * s
 
     def describe(self) -> dict[str, object]:
         """The variant's name, knobs and facts, for records."""

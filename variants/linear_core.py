@@ -154,15 +154,18 @@ def causal_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Causal (*) in chunks of ``chunk`` positions, bottom-right aligned.
 
-    ``qf (B, H, Nq, F)`` are the last ``Nq`` of the ``Nk`` positions of ``kf (B, H, Nk, F)``,
-    ``v (B, H, Nk, E)``; ``log_k``, ``log_ref (B|1, H, Nk)`` (both or neither) are per position;
-    ``kv0 (B, H, F, E)``, ``ref0 (B|1, H)`` a state the keys follow (decoding), or None. The first
+    ``qf (B, H, Nq, F)`` are the last ``Nq`` of the ``Nk`` positions of ``kf (B, Hk, Nk, F)``,
+    ``v (B, Hk, Nk, E)``; ``Hk`` divides ``H``, query head ``h`` reading key head ``h // g``
+    (``g = H / Hk``); ``log_k``, ``log_ref (B|1, Hk, Nk)`` (both or neither) are per position;
+    ``kv0 (B, Hk, F, E)``, ``ref0 (B|1, Hk)`` a state the keys follow (decoding), or None. The first
     ``Nk - Nq`` keys go straight into the state (:func:`absorb`); then, per chunk, the intra-chunk
     ``(c, c)`` products masked to ``j <= i`` and the state from the chunks before, scaled to each
-    query's reference. Returns ``(out (B, H, Nq, E), kv, ref)``: the state after all ``Nk`` keys.
-    ``den``: the output gets the denominator as column ``E + 1`` (and so does the state, except on
-    the unweighted path from an empty state, whose state is then the values' alone).
-    Time ``O(Nq c (F + E) + Nk F E)``; memory ``O(Nq c + (Nq / c) F E)`` per batch and head (the
+    query's reference. Returns ``(out (B, H, Nq, E), kv, ref)``: the state after all ``Nk`` keys, one
+    per key head. ``den``: the output gets the denominator as column ``E + 1`` (and so does the
+    state, except on the unweighted path from an empty state, whose state is then the values' alone).
+    A group's ``g`` query heads share their key head's chunk states and weights: they are its
+    ``(g c, c)`` chunk products' rows (:func:`_group_rows`), never ``g`` copies of the keys.
+    Time ``O(H Nq c (F + E) + Hk Nk F E)``; memory ``O(H Nq c + Hk (Nq / c) F E)`` per batch (the
     state before each chunk is kept for the queries and for backward). With weights the state is
     carried chunk by chunk (a loop over ``Nq / c`` chunks of ``O(F E)`` work each); without, by a sum.
 
@@ -174,7 +177,8 @@ def causal_attention(
     chunks then restarts there: a segmented sum).
     """
     b, h, nq, _ = qf.shape
-    nk, e = kf.shape[2], v.shape[-1]
+    hk, nk, e = kf.shape[1], kf.shape[2], v.shape[-1]
+    group = h // hk
     if starts is not None and kv0 is not None:
         raise ValueError("packed documents start from an empty state: no kv0 beside starts")
     weighted = log_k is not None
@@ -184,14 +188,14 @@ def causal_attention(
     off = nk - nq
     if off:  # keys before the first query: state only
         log_off = log_k[..., :off] if weighted else None  # (B|1, H, off)
-        k_off = kf[:, :, :off]  # (B, H, off, F)
+        k_off = kf[:, :, :off]  # (B, Hk, off, F)
         if starts is not None:  # only the document the first query follows from
             docs = starts[:, :off].cumsum(-1)  # (B, off): each key's document among them
             follows = (docs == docs[:, -1:])[:, None]  # (B, 1, off)
             if weighted:
-                log_off = torch.where(follows, log_off, NEG_INF)  # (B, H|1, off)
+                log_off = torch.where(follows, log_off, NEG_INF)  # (B, Hk|1, off)
             else:
-                k_off = k_off * follows[..., None]  # (B, H, off, F): the others' features zeroed
+                k_off = k_off * follows[..., None]  # (B, Hk, off, F): the others' features zeroed
             starts = starts[:, off:]  # (B, Nq)
         kv0, ref0 = absorb(
             k_off,
@@ -201,50 +205,50 @@ def causal_attention(
             kv0,
             ref0,
         )
-        kf, v = kf[:, :, off:], v[:, :, off:]  # (B, H, Nq, F|E)
+        kf, v = kf[:, :, off:], v[:, :, off:]  # (B, Hk, Nq, F|E)
         if weighted:
-            log_k, log_ref = log_k[..., off:], log_ref[..., off:]  # (B|1, H, Nq)
+            log_k, log_ref = log_k[..., off:], log_ref[..., off:]  # (B|1, Hk, Nq)
     c = max(1, min(chunk, nq))
     n = -(-nq // c)
     pad = n * c - nq
     if pad:  # zero features after the end: they change no earlier output and add nothing to the state
-        qf, kf, v = (fn.pad(x, (0, 0, 0, pad)) for x in (qf, kf, v))  # (B, H, n c, F|E)
+        qf, kf, v = (fn.pad(x, (0, 0, 0, pad)) for x in (qf, kf, v))  # (B, H|Hk, n c, F|E)
         if weighted:
-            log_k = fn.pad(log_k, (0, pad), value=NEG_INF)  # (B|1, H, n c)
+            log_k = fn.pad(log_k, (0, pad), value=NEG_INF)  # (B|1, Hk, n c)
             log_ref = torch.cat([log_ref, log_ref[..., -1:].expand(*log_ref.shape[:-1], pad)], -1)
         if starts is not None:
             starts = fn.pad(starts, (0, pad))  # (B, n c)
-    qc = qf.view(b, h, n, c, -1)  # (B, H, n c, F) -> (B, H, n, c, F)
-    kc = kf.view(b, h, n, c, -1)  # (B, H, n, c, F)
-    vc = v.view(b, h, n, c, e)  # (B, H, n, c, E)
+    qc = _group_rows(qf, hk, n, c)  # (B, Hk, n, g c, F): a group's queries as one chunk's rows
+    kc = kf.view(b, hk, n, c, -1)  # (B, Hk, n c, F) -> (B, Hk, n, c, F)
+    vc = v.view(b, hk, n, c, e)  # (B, Hk, n, c, E)
     if not weighted:
         segments = None if starts is None else chunk_segments(starts, n, c)
         out, state = _plain_chunks(qc, kc, vc, kv0, den, segments)
-        return out[:, :, :nq], state, None
+        return _ungroup_rows(out, group, c)[:, :, :nq], state, None
     lower = torch.ones(c, c, dtype=torch.bool, device=qf.device).tril()  # (c, c): key j <= query i
-    lk = log_k.view(*log_k.shape[:2], n, c)  # (B|1, H, n, c)
-    lr = log_ref.view(*log_ref.shape[:2], n, c)  # (B|1, H, n, c)
+    lk = log_k.view(*log_k.shape[:2], n, c)  # (B|1, Hk, n c) -> (B|1, Hk, n, c)
+    lr = log_ref.view(*log_ref.shape[:2], n, c)  # (B|1, Hk, n, c)
     first = keep = None  # packed documents: who reads the state before a chunk, whether it carries
     lk_out = lk  # the log weights of the keys the state after a chunk holds
     if starts is not None:
         same, first, last, keep = chunk_segments(starts, n, c)
         lower = lower & same  # (B, 1, n, c, c)
-        lk_out = torch.where(last, lk, NEG_INF)  # (B, H|1, n, c): the last segment writes on
+        lk_out = torch.where(last, lk, NEG_INF)  # (B, Hk|1, n, c): the last segment writes on
 
-    scores = qc @ kc.transpose(-1, -2)  # (B, H, n, c, c)
     # relative to the chunk's first reference before any float32 rounding: retention's absolute
     # log positions reach hundreds and more, where a float32 difference keeps ~4 significant digits
     base = lr[..., :1]
-    base = torch.where(base.isfinite(), base, 0.0)  # (B|1, H, n, 1); -inf: no real key yet
+    base = torch.where(base.isfinite(), base, 0.0)  # (B|1, Hk, n, 1); -inf: no real key yet
     rel_k, rel_r = (lk - base).to(qf.dtype), (lr - base).to(qf.dtype)
-    diff = rel_k[..., None, :] - rel_r[..., :, None]  # (B|1, H, n, c, c): l_j - r_i
-    scores = scores * _weight(diff.masked_fill(~lower, NEG_INF), qf.dtype)
-    ends = lr[..., -1]  # (B|1, H, n): each chunk's state is held relative to its last reference
-    kw = kc * _weight(lk_out - ends[..., None], qf.dtype)[..., None]  # (B, H, n, c, F)
-    out = scores @ vc  # (B, H, n, c, E): within each chunk
-    chunk_kv = kw.transpose(-1, -2) @ vc  # (B, H, n, F, E): each chunk's own keys
+    diff = rel_k[..., None, :] - rel_r[..., :, None]  # (B|1, Hk, n, c, c): l_j - r_i
+    pair_w = _weight(diff.masked_fill(~lower, NEG_INF), qf.dtype).repeat(1, 1, 1, group, 1)  # (.., g c, c)
+    scores = (qc @ kc.transpose(-1, -2)) * pair_w  # (B, Hk, n, g c, c)
+    ends = lr[..., -1]  # (B|1, Hk, n): each chunk's state is held relative to its last reference
+    kw = kc * _weight(lk_out - ends[..., None], qf.dtype)[..., None]  # (B, Hk, n, c, F)
+    out = scores @ vc  # (B, Hk, n, g c, E): within each chunk
+    chunk_kv = kw.transpose(-1, -2) @ vc  # (B, Hk, n, F, E): each chunk's own keys
     if kv0 is None:
-        kv0 = qf.new_zeros(b, h, qf.shape[-1], e)  # (B, H, F, E)
+        kv0 = qf.new_zeros(b, hk, qf.shape[-1], e)  # (B, Hk, F, E)
     state, ref = kv0, ref0 if ref0 is not None else torch.full_like(ends[..., 0], NEG_INF)
     befores, refs = [], []
     # unbind, not chunk_kv[:, :, t] in the loop: each indexing's backward would allocate the whole
@@ -256,13 +260,30 @@ def causal_attention(
         carry = _weight(ref - end_t, qf.dtype)  # (B|1, H)
         state = (carry if keep_t is None else carry * keep_t)[..., None, None] * state + kv_t
         ref = end_t
-    before = torch.stack(befores, 2)  # (B, H, n, F, E)
+    before = torch.stack(befores, 2)  # (B, Hk, n, F, E)
     # each query reads the state at its own reference: exp(ref_before - r_i) <= 1
-    qscale = _weight(torch.stack(refs, -1)[..., None] - lr, qf.dtype)  # (B|1, H, n, c)
+    qscale = _weight(torch.stack(refs, -1)[..., None] - lr, qf.dtype)  # (B|1, Hk, n, c)
     if first is not None:
-        qscale = qscale * first  # (B, H, n, c): only a chunk's first document reads the state before
-    out = out + (qc * qscale[..., None]) @ before
-    return out.reshape(b, h, n * c, e)[:, :, :nq], state, ref  # (B, H, n, c, E) -> (B, H, Nq, E)
+        qscale = qscale * first  # (B, Hk, n, c): only a chunk's first document reads the state before
+    out = out + (qc * qscale.repeat(1, 1, 1, group)[..., None]) @ before  # (B, Hk, n, g c, E)
+    return _ungroup_rows(out, group, c)[:, :, :nq], state, ref
+
+
+def _group_rows(x: torch.Tensor, hk: int, n: int, c: int) -> torch.Tensor:
+    """Queries ``x (B, Hk g, n c, F)`` as the rows of their key head's chunks, ``(B, Hk, n, g c, F)``:
+    row ``r`` of chunk ``t`` is query head ``r // c`` of the group at position ``t c + r % c``, so a
+    ``(c, c)`` mask or weight tiled ``g`` times along the rows fits. A copy only when ``g > 1``."""
+    b, h, _, f = x.shape
+    g = h // hk
+    x = x.view(b, hk, g, n, c, f).transpose(2, 3)  # (B, Hk, g, n, c, F) -> (B, Hk, n, g, c, F)
+    return x.reshape(b, hk, n, g * c, f)  # (B, Hk, n, g c, F)
+
+
+def _ungroup_rows(x: torch.Tensor, g: int, c: int) -> torch.Tensor:
+    """:func:`_group_rows` undone: ``(B, Hk, n, g c, E)`` -> ``(B, Hk g, n c, E)``."""
+    b, hk, n, _, e = x.shape
+    x = x.view(b, hk, n, g, c, e).transpose(2, 3)  # (B, Hk, n, g, c, E) -> (B, Hk, g, n, c, E)
+    return x.reshape(b, hk * g, n * c, e)  # (B, H, n c, E)
 
 
 class _ExclusivePrefixSum(torch.autograd.Function):
@@ -369,46 +390,51 @@ def _plain_chunks(
     den: bool,
     segments: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unweighted chunked form of (*): ``qc, kc (B, H, n, c, F)``, ``vc (B, H, n, c, E)``, the state
-    ``kv0 (B, H, F, E)`` before (None: empty) -> ``(out (B, H, n c, E'), state (B, H, F, E))``; with
+    """The unweighted chunked form of (*): ``qc (B, Hk, n, g c, F)`` (a group's ``g`` query heads as
+    rows, :func:`_group_rows`), ``kc (B, Hk, n, c, F)``, ``vc (B, Hk, n, c, E)``, the state ``kv0 (B,
+    Hk, F, E)`` before (None: empty) -> ``(out (B, Hk, n, g c, E'), state (B, Hk, F, E))``; with
     ``den`` (only without ``kv0``) the output gets the denominator column (E' = E + 1), summed as a
     vector beside the values rather than as a column of ones inside every product: ``E = 64`` keeps
     the batched matrix products at their fast sizes, where ``65`` cost a third more time.
 
-    Everything is a batched product over ``G = B H n`` chunks, the triangle masked in place; the
-    state before each chunk is one exclusive prefix sum over the chunks' own states. With packed
-    documents' ``segments`` (:func:`chunk_segments`: same, first, last, keep) the triangle keeps
-    pairs within a segment, only a chunk's first segment reads the state before it, only its last
-    writes the state after it, and the prefix sum restarts after a chunk where a document begins."""
-    b, h, n, c, f = qc.shape
-    e = vc.shape[-1]
+    Everything is a batched product over ``G = B Hk n`` chunks, the triangle masked in place; the
+    state before each chunk is one exclusive prefix sum over the chunks' own states, per key head.
+    With packed documents' ``segments`` (:func:`chunk_segments`: same, first, last, keep) the triangle
+    keeps pairs within a segment, only a chunk's first segment reads the state before it, only its
+    last writes the state after it, and the prefix sum restarts after a chunk where a document begins."""
+    b, hk, n, rows, f = qc.shape
+    c, e = kc.shape[3], vc.shape[-1]
+    g = rows // c
     hidden = torch.ones(c, c, dtype=torch.bool, device=qc.device).triu(1)  # (c, c): key j > query i
     q_in, k_out, keep = qc, kc, None  # who reads the state before a chunk, writes the one after it
     if segments is not None:
         same, first, last, keep_b = segments  # (B, 1, n, c, c), (B, 1, n, c) x 2, (B, 1, n)
-        hidden = (hidden | ~same).expand(b, h, n, c, c).reshape(-1, c, c)  # (G, c, c)
-        q_in, k_out = qc * first[..., None], kc * last[..., None]  # (B, H, n, c, F) each
-        keep = keep_b.expand(b, h, n).reshape(b * h, n).to(qc.dtype)  # (B H, n)
-    q2, k2 = qc.reshape(-1, c, f), kc.reshape(-1, c, f)  # (B, H, n, c, F) -> (G, c, F)
+        hidden = hidden | ~same  # (B, 1, n, c, c)
+        q_in, k_out = qc * first.repeat(1, 1, 1, g)[..., None], kc * last[..., None]  # (.., g c|c, F)
+        keep = keep_b.expand(b, hk, n).reshape(b * hk, n).to(qc.dtype)  # (B Hk, n)
+    hidden = hidden.repeat(*(1,) * (hidden.dim() - 2), g, 1)  # (.., g c, c): the tile for each row
+    if segments is not None:
+        hidden = hidden.expand(b, hk, n, rows, c).reshape(-1, rows, c)  # (G, g c, c)
+    q2, k2 = qc.reshape(-1, rows, f), kc.reshape(-1, c, f)  # (B, Hk, n, g c|c, F) -> (G, g c|c, F)
     v2 = vc.reshape(-1, c, e)  # (G, c, E)
-    scores = torch.bmm(q2, k2.transpose(1, 2)).masked_fill_(hidden, 0.0)  # (G, c, c)
+    scores = torch.bmm(q2, k2.transpose(1, 2)).masked_fill_(hidden, 0.0)  # (G, g c, c)
     kw = k_out.reshape(-1, c, f)  # (G, c, F)
-    chunk_kv = torch.bmm(kw.transpose(1, 2), v2).view(b * h, n, f, e)  # (G, F, E) -> (B H, n, F, E)
-    before = _exclusive_sum(chunk_kv, keep)  # (B H, n, F, E): the chunks before each
+    chunk_kv = torch.bmm(kw.transpose(1, 2), v2).view(b * hk, n, f, e)  # (G, F, E) -> (B Hk, n, F, E)
+    before = _exclusive_sum(chunk_kv, keep)  # (B Hk, n, F, E): the chunks before each
     if kv0 is not None:  # (with documents: only up to the first chunk where one begins)
-        reach = kv0.reshape(b * h, 1, f, e)  # (B H, 1, F, E)
+        reach = kv0.reshape(b * hk, 1, f, e)  # (B Hk, 1, F, E)
         if keep is not None:
-            reach = reach * fn.pad(keep.cumprod(1), (1, 0), value=1.0)[:, :n, None, None]  # (B H, n, F, E)
+            reach = reach * fn.pad(keep.cumprod(1), (1, 0), value=1.0)[:, :n, None, None]  # (B Hk, n, F, E)
         before = before + reach
-    carry = before[:, -1] if keep is None else keep[:, -1, None, None] * before[:, -1]  # (B H, F, E)
-    state = (carry + chunk_kv[:, -1]).view(b, h, f, e)
-    qs = q_in.reshape(-1, c, f)  # (G, c, F)
-    out = _add_product(torch.bmm(scores, v2), qs, before.view(-1, f, e))  # (G, c, E): intra + inter
+    carry = before[:, -1] if keep is None else keep[:, -1, None, None] * before[:, -1]  # (B Hk, F, E)
+    state = (carry + chunk_kv[:, -1]).view(b, hk, f, e)
+    qs = q_in.reshape(-1, rows, f)  # (G, g c, F)
+    out = _add_product(torch.bmm(scores, v2), qs, before.view(-1, f, e))  # (G, g c, E): intra + inter
     if den:
-        ksum = _exclusive_sum(k_out.sum(3).view(b * h, n, f, 1), keep)  # (B H, n, F, 1)
-        d = _add_product(scores.sum(-1, keepdim=True), qs, ksum.view(-1, f, 1))  # (G, c, 1)
-        out = torch.cat([out, d], -1)  # (G, c, E + 1)
-    return out.view(b, h, n * c, -1), state  # (G, c, E') -> (B, H, n c, E')
+        ksum = _exclusive_sum(k_out.sum(3).view(b * hk, n, f, 1), keep)  # (B Hk, n, F, 1)
+        d = _add_product(scores.sum(-1, keepdim=True), qs, ksum.view(-1, f, 1))  # (G, g c, 1)
+        out = torch.cat([out, d], -1)  # (G, g c, E + 1)
+    return out.view(b, hk, n, rows, -1), state  # (G, g c, E') -> (B, Hk, n, g c, E')
 
 
 def decode_workload(
@@ -471,37 +497,32 @@ def step_workload(
     return w
 
 
-def _per_query_head(x: torch.Tensor | None, group: int) -> torch.Tensor | None:
-    """A per-K/V-head tensor ``(B|1, Hkv, ...)`` repeated to the query heads, ``(B|1, Hkv g, ...)``
-    (query head ``h`` reads K/V head ``h // g``, as :func:`repeat_kv`); None, or ``g = 1``, as it is."""
-    return x if x is None or group == 1 else x.repeat_interleave(group, 1)
+def core_flops(
+    nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weighted: bool, group: int = 1
+) -> int:
+    """FLOPs of (*) for one batch element and key head with its ``group`` query heads, as the
+    functions above compute it: what builds the state once per key head, what reads it per query head.
 
-
-def _first_of_group(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``(B|1, Hkv g, ...)`` whose ``g`` heads of a group are equal -> ``(B|1, Hkv, ...)``, one each."""
-    return x.unflatten(1, (-1, group))[:, :, 0].contiguous()  # (B|1, Hkv, g, ...) -> (B|1, Hkv, ...)
-
-
-def core_flops(nq: int, nk: int, f: int, e: int, chunk: int, causal: bool, weighted: bool) -> int:
-    """FLOPs of (*) for one batch element and head, as the functions above compute it.
-
-    Non-causal: the state ``2 Nk F E`` and its reading ``2 Nq F E``. Causal, in ``n`` chunks of
-    ``c = min(chunk, Nq)`` (``Nq`` padded to ``n c`` rows, as computed): the intra-chunk products
-    ``2 n c c (F + E)`` (the whole ``c x c`` block), each chunk's state ``2 n c F E``, the reading
-    ``2 n c F E``, the carry ``n F E`` and the keys before the first query ``2 (Nk - Nq) F E``.
-    With weights, the weights themselves (a difference and an exponential per weight) and the
-    products with them.
+    Non-causal: the state ``2 Nk F E`` and its reading ``2 Nq F E`` per query head. Causal, in ``n``
+    chunks of ``c = min(chunk, Nq)`` (``Nq`` padded to ``n c`` rows, as computed): per query head the
+    intra-chunk products ``2 n c c (F + E)`` (the whole ``c x c`` block) and the reading ``2 n c F E``;
+    per key head each chunk's state ``2 n c F E``, the carry ``n F E`` and the keys before the first
+    query ``2 (Nk - Nq) F E``. With weights, the weights themselves (a difference and an exponential
+    per weight: per key head) and the products with them (per query head, except the keys').
     """
     if not causal:
-        return state_flops(nk, f, e, weighted) + 2 * nq * f * e
+        return state_flops(nk, f, e, weighted) + group * 2 * nq * f * e
     c = max(1, min(chunk, nq))
     n = math.ceil(nq / c)
     rows = n * c  # the queries padded to whole chunks: every product runs on the padded rows
-    flops = 2 * rows * c * (f + e) + 4 * rows * f * e + n * f * e + state_flops(nk - nq, f, e, weighted)
+    per_query = 2 * rows * c * (f + e) + 2 * rows * f * e
+    per_key = 2 * rows * f * e + n * f * e + state_flops(nk - nq, f, e, weighted)
     if weighted:
-        # (c, c) weights and their product, key weights and products, query weights, the carry's scale
-        flops += 3 * rows * c + rows * (f + 2) + rows * (f + 2) + n * f * e
-    return flops
+        # (c, c) weights and their product, key weights and products, query weights and products,
+        # the carry's scale
+        per_query += rows * c + rows * f
+        per_key += 2 * rows * c + rows * (f + 2) + 2 * rows + n * f * e
+    return group * per_query + per_key
 
 
 def state_flops(n: int, f: int, e: int, weighted: bool) -> int:
@@ -597,22 +618,8 @@ class KernelizedAttention(AttentionVariant):
         starts = None if documents is None else document_starts(documents)  # (B, Nk)
         if not causal:
             return self._finish(global_attention(qf, kf, vv, log_k, den)).to(q.dtype)
-        group, kv0, ref0 = q.shape[1] // k.shape[1], None, None
-        off = k.shape[2] - q.shape[2] if starts is None else 0  # keys before the first query
-        if group > 1 and off:
-            # keys no query sees alone go into one state per K/V head (a decode's whole context), which
-            # the query heads then share: the prefix is never repeated
-            pre_v = with_ones(vv[:, :, :off]) if den else vv[:, :, :off]  # (B, Hk, off, E): state layout
-            pre_log, end = None, None
-            if log_k is not None:  # (B|1, Hk, off) and the reference at the prefix's end (B|1, Hk)
-                pre_log, end = log_k[..., :off], log_ref[..., off - 1]
-                log_k, log_ref = log_k[..., off:], log_ref[..., off:]
-            kv0, ref0 = absorb(kf[:, :, :off], pre_v, pre_log, end, None, None)  # (B, Hk, F, E)
-            kf, vv = kf[:, :, off:], vv[:, :, off:]  # (B, Hk, Nq, F|Dv)
-        kf, vv, log_k, log_ref, kv0, ref0 = (
-            _per_query_head(x, group) for x in (kf, vv, log_k, log_ref, kv0, ref0)
-        )  # (B|1, H, ...) each
-        out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref, kv0, ref0, den, starts)
+        # grouped heads (native_gqa): a group's query heads read their key head's chunk states
+        out, _, _ = causal_attention(qf, kf, vv, self.chunk, log_k, log_ref, None, None, den, starts)
         return self._finish(out).to(q.dtype)
 
     # ------------------------------------------------------------------ the decoding state
@@ -648,24 +655,15 @@ class KernelizedAttention(AttentionVariant):
         )
         vals = self._values(v.to(work))  # (B, Hs, T, E)
         group = w.heads // hs
-        if group == 1:
-            out, kv, ref = causal_attention(qf, kf, vals, self.chunk, log_k, log_ref, state.kv, state.ref)
-        elif w.nq == 1:
+        if group > 1 and w.nq == 1:
             # one new key: the query reads the state that holds it, each group's queries one state
             # (exp(ref0 - r) kv0 + exp(l - r) kf v^T at the new reference r, what the chunked form reads)
             end = None if log_ref is None else log_ref[..., -1]  # (B|1, Hkv): the new reference r
             kv, ref = absorb(kf, vals, log_k, end, state.kv, state.ref)
             b, f, e = w.batch, kv.shape[-2], kv.shape[-1]
             out = (qf.view(b, hs, group, f) @ kv).view(b, w.heads, 1, e)  # (B, Hkv, g, E) -> (B, H, 1, E)
-        else:
-            # several new keys: the chunked form on the query heads (every head of a group holds the same
-            # state), then one state per group kept
-            kf_h, vals_h, lk_h, lr_h, kv0, ref0 = (
-                _per_query_head(x, group) for x in (kf, vals, log_k, log_ref, state.kv, state.ref)
-            )  # (B|1, H, ...) each
-            out, kv, ref = causal_attention(qf, kf_h, vals_h, self.chunk, lk_h, lr_h, kv0, ref0)
-            kv = _first_of_group(kv, group)
-            ref = None if ref is None else _first_of_group(ref, group)
+        else:  # the chunked form from the state, a group's queries reading its one state
+            out, kv, ref = causal_attention(qf, kf, vals, self.chunk, log_k, log_ref, state.kv, state.ref)
         return self._finish(out).to(q.dtype), KernelState(kv, ref, state.length + w.nk, state.scale)
 
     def state_bytes(self, w: Workload) -> int:
@@ -677,10 +675,7 @@ class KernelizedAttention(AttentionVariant):
         """The feature maps and the core's state updates and chunk products (:func:`core_flops`) for
         every batch element and head, not pairs; backward counts 2.5x forward as elsewhere."""
         f, e, _ = self._state_dims(w)
-        core = core_flops(w.nq, w.nk, f, e, self.chunk, w.causal, self.weighted)
-        fwd = w.batch * w.heads * core + self._feature_flops(w)
-        if self.native_gqa and w.kv_heads and not w.documents:
-            # the keys that only build the state are summed once per K/V head, not per query head (_attend)
-            shared = state_flops(w.nk - w.nq if w.causal else w.nk, f, e, self.weighted)
-            fwd -= w.batch * (w.heads - w.kv_heads) * shared
+        hs = self.state_heads(w)  # the key heads the state is built on, each read by H / Hs query heads
+        core = core_flops(w.nq, w.nk, f, e, self.chunk, w.causal, self.weighted, w.heads // hs)
+        fwd = w.batch * hs * core + self._feature_flops(w)
         return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode])

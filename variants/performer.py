@@ -82,6 +82,12 @@ class Performer(KernelizedAttention):
                 self._draws[head_dim] = orthogonal_features(self.features, head_dim, self.seed)
         return self._draws[head_dim]
 
+    def oracle_bytes(self, w: Workload) -> int:
+        """The base count plus the reference's random features: two float64 ``(.., m)`` tensors (the
+        projection and its exponential) per query row and query head and per key and K/V head."""
+        rows = w.batch * (w.heads * w.nq + w.hkv * w.nk)
+        return super().oracle_bytes(w) + 2 * 8 * self.features * rows
+
     def oracle_forward(
         self, q, k, v, *, causal=False, key_padding_mask=None, attn_mask=None, scale=None
     ) -> torch.Tensor:

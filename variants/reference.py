@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionVariant, repeat_kv
+from .base import AttentionVariant, grouped_matmul, repeat_kv
 from .masks import attend_each_document, combined_mask, document_mask, safe_softmax
 
 
@@ -29,26 +29,26 @@ def reference_attention(
     ``sinks`` (``(H,)`` or ``(B, H, Nq)``): each row's softmax runs over its allowed scores and the
     sink's logit, and the sink's share is dropped: ``p_j = e^{s_j} / (e^{sink} + sum_allowed e^{s_l})``.
 
-    ``k``, ``v`` may have fewer heads than ``q`` (grouped: each is repeated here, written plainly).
-    ``allowed`` (bool, broadcastable to ``(B, H, Nq, Nk)``) restricts the softmax; an empty row
-    gives zeros. Returns ``(B, H, Nq, Dv)`` float64.
+    ``k``, ``v`` may have fewer heads than ``q`` (grouped: each query head reads its key head by
+    broadcasting, :func:`grouped_matmul`; never a float64 copy per query head). ``allowed`` (bool,
+    broadcastable to ``(B, H, Nq, Nk)``) restricts the softmax; an empty row gives zeros. Returns
+    ``(B, H, Nq, Dv)`` float64.
     """
-    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, H, Nk, D|Dv)
     if scores is None:
         s = q.shape[-1] ** -0.5 if scale is None else scale
-        scores = (q.double() @ k.double().transpose(-2, -1)) * s
+        scores = grouped_matmul(q.double(), k.double().transpose(-2, -1)) * s  # (B, H, Nq, Nk)
     if bias is not None:
         scores = scores.double() + bias.double()
     scores = scores.double()
     if sinks is None:
-        return safe_softmax(scores, allowed) @ v.double()
+        return grouped_matmul(safe_softmax(scores, allowed), v.double())
     b, h, nq, nk = scores.shape
     sink = (sinks.view(1, h, 1) if sinks.dim() == 1 else sinks).double()  # (B|1, H, Nq|1)
     full = torch.cat([scores, sink.expand(b, h, nq)[..., None]], -1)  # (B, H, Nq, Nk + 1): the sink last
     if allowed is not None:
         seen = allowed.expand(b, h, nq, nk)
         allowed = torch.cat([seen, seen.new_ones(b, h, nq, 1)], -1)  # the sink is always there
-    return safe_softmax(full, allowed)[..., :nk] @ v.double()
+    return grouped_matmul(safe_softmax(full, allowed)[..., :nk], v.double())
 
 
 def _window_band(nq: int, nk: int, window: int, device: torch.device) -> torch.Tensor:
@@ -147,7 +147,8 @@ def oracle(
     if documents is not None:  # only the checked rows' ids against every key's
         allowed = allowed & document_mask(documents.to(q.device), nq, rows)  # (B, 1, R, Nk)
     q_rows = q if rows is None else q[:, :, rows]
-    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, H, Nk, D|Dv)
+    if type(variant).reference_scores is not AttentionVariant.reference_scores:
+        k = repeat_kv(k, q.shape[1])  # (B, H, Nk, D): a scorer of its own reads one key head per query head
     scores = variant.reference_scores(q_rows, k, **({} if scale is None else {"scale": scale}))
     if softcap is not None:
         scores = softcap * torch.tanh(scores.double() / softcap)
@@ -289,19 +290,10 @@ def _kernel_visible(
     return seen.double()
 
 
-def _grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a (B, H, Nq, X) @ b (B, Hkv, X, Y)`` with query head ``h`` against key head ``h // (H / Hkv)``,
-    the key heads broadcast, never repeated: a float64 copy of the keys per query head took 4 GiB at
-    128k keys and 32 heads, more than the memory of the variants it checks. ``(B, H, Nq, Y)``."""
-    h, hkv = a.shape[1], b.shape[1]
-    out = a.unflatten(1, (hkv, h // hkv)) @ b[:, :, None]  # (B, Hkv, g, Nq, X) @ (B, Hkv, 1, X, Y)
-    return out.flatten(1, 2)  # (B, Hkv, g, Nq, Y) -> (B, H, Nq, Y)
-
-
 def _kernel_sum(weights: torch.Tensor, v: torch.Tensor, normalize: bool) -> torch.Tensor:
-    """``weights (B, H, Nq, Nk) @ v (B, Hkv, Nk, Dv)`` (grouped heads, :func:`_grouped`), divided by
+    """``weights (B, H, Nq, Nk) @ v (B, Hkv, Nk, Dv)`` (grouped heads, :func:`grouped_matmul`), divided by
     the row sums when ``normalize`` (a zero row: 0)."""
-    out = _grouped(weights, v)  # (B, H, Nq, Dv)
+    out = grouped_matmul(weights, v)  # (B, H, Nq, Dv)
     if normalize:
         den = weights.sum(-1, keepdim=True)  # (B, H, Nq, 1)
         out = out / torch.where(den == 0, torch.ones_like(den), den)
@@ -325,7 +317,8 @@ def linear_attention_reference(
     phi = _FEATURE_MAPS[feature_map]
     q, k, v = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
     s = q.shape[-1] ** -0.5 if scale is None else scale
-    weights = s * _grouped(phi(q), phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
+    visible = _kernel_visible(q, k, causal, key_padding_mask)  # (B|1, 1, Nq, Nk)
+    weights = s * grouped_matmul(phi(q), phi(k).transpose(-2, -1)) * visible
     return _kernel_sum(weights, v, normalize)
 
 
@@ -363,7 +356,7 @@ def window_linear_reference(
     qd, kd, vd = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
     s = q.shape[-1] ** -0.5 if scale is None else scale
     soft = reference_attention(q, k, v, allowed=near, scale=s)
-    weights = s * _grouped(phi(qd), phi(kd).transpose(-2, -1)) * far.double()
+    weights = s * grouped_matmul(phi(qd), phi(kd).transpose(-2, -1)) * far.double()
     return soft + _kernel_sum(weights, vd, True)
 
 
@@ -381,14 +374,14 @@ def retention_reference(
     of the sum. Causal only. ``(B, H, Nq, Dv)``."""
     if not causal:
         raise ValueError("retention is causal only")
-    q, k, v = q.double(), repeat_kv(k, q.shape[1]).double(), repeat_kv(v, q.shape[1]).double()
+    q, k, v = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
     nq, nk, h = q.shape[2], k.shape[2], q.shape[1]
     s = q.shape[-1] ** -0.5 if scale is None else scale
     gamma = 1 - 2.0 ** (-5.0 - torch.arange(h, dtype=torch.float64, device=q.device))  # (H,)
     dist = (torch.arange(nq, device=q.device)[:, None] + (nk - nq)) - torch.arange(nk, device=q.device)
     decay = gamma[:, None, None] ** dist.clamp(min=0).double()  # (H, Nq, Nk); masked where dist < 0
     visible = _kernel_visible(q, k, True, key_padding_mask)  # (B|1, 1, Nq, Nk)
-    return (s * (q @ k.transpose(-2, -1)) * decay * visible) @ v
+    return grouped_matmul(s * grouped_matmul(q, k.transpose(-2, -1)) * decay * visible, v)
 
 
 def performer_reference(
@@ -413,7 +406,8 @@ def performer_reference(
         x = x * s**0.5
         return torch.exp(x @ w.T - (x * x).sum(-1, keepdim=True) / 2) / w.shape[0] ** 0.5  # (B, H, N, m)
 
-    weights = _grouped(phi(q), phi(k).transpose(-2, -1)) * _kernel_visible(q, k, causal, key_padding_mask)
+    visible = _kernel_visible(q, k, causal, key_padding_mask)  # (B|1, 1, Nq, Nk)
+    weights = grouped_matmul(phi(q), phi(k).transpose(-2, -1)) * visible
     return _kernel_sum(weights, v, True)
 
 
@@ -525,7 +519,7 @@ def gated_dense_reference(
     of keys of at most ``block_bytes`` of float64 per block. ``(B, H, Nq, Dv)``; ``O(Nq Nk D)`` time.
     """
     h = q.shape[1]
-    q, k, v = q.double(), repeat_kv(k, h).double(), repeat_kv(v, h).double()
+    q = q.double()  # k, v keep their Hkv heads: each block of keys is repeated to the query heads
     b, _, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     s = d**-0.5 if scale is None else scale
@@ -547,9 +541,11 @@ def gated_dense_reference(
         seen = pos[:, None] >= torch.arange(j0, j1, device=q.device)[None, :]  # (Nq, kb)
         diff = big[:, :, pos, None, :] - big[:, :, None, j0:j1, :]  # (B, H, Nq, kb, D|1): G_i - G_j
         decay = diff.masked_fill(~seen[..., None], float("-inf")).exp()  # 0 for a key after the query
+        kb = repeat_kv(k[:, :, j0:j1], h).double()  # (B, H, kb, D): this block's keys, per query head
+        vb = repeat_kv(v[:, :, j0:j1], h).double()  # (B, H, kb, Dv)
         if decay.shape[-1] == 1:  # scalar: (s q_i . k_j) e^{G_i - G_j}
-            weights = (qs @ k[:, :, j0:j1].transpose(-1, -2)) * decay[..., 0]  # (B, H, Nq, kb)
+            weights = (qs @ kb.transpose(-1, -2)) * decay[..., 0]  # (B, H, Nq, kb)
         else:
-            weights = (qs[:, :, :, None, :] * decay * k[:, :, None, j0:j1, :]).sum(-1)  # (B, H, Nq, kb)
-        out = out + weights @ v[:, :, j0:j1]
+            weights = (qs[:, :, :, None, :] * decay * kb[:, :, None, :, :]).sum(-1)  # (B, H, Nq, kb)
+        out = out + weights @ vb
     return out

@@ -222,7 +222,7 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         return
 
     # correctness first: figures of a wrong result are marked invalid
-    oracle_bytes = w.batch * w.heads * nq * nk * variant.oracle_bytes_per_pair()
+    oracle_bytes = variant.oracle_bytes(w)
     if getattr(variant, "oracle_forward", None) is not None and oracle_bytes > FULL_ORACLE_BYTES:
         fig["accuracy_skipped"] = "float64 oracle too large for this length"
         valid = True
