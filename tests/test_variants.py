@@ -485,8 +485,11 @@ def test_cross_attention_is_one_query_against_another_sequence(vp):
     attn = build(name, knobs, case)
     q, k, v, kw = make_inputs(case)
     if not type(attn).supports_cross:
-        with pytest.raises(Unsupported):  # the base check's reason, or the variant's own (axial's)
+        # the base check's reason, or the variant's own (axial's), about cross-attention: a causal-only
+        # variant said "causal only (pass causal=True)", which a cross call can never take
+        with pytest.raises(Unsupported, match="cross-attention") as exc:
             attn(q, k, v, **kw)
+        assert "pass causal=True" not in str(exc.value)
         return
     try:
         whole = attn(q, k, v, **kw)

@@ -457,6 +457,12 @@ class AttentionVariant(nn.Module):
                 f"causal attention needs Nq <= Nk (queries aligned to the last keys), got Nq={w.nq}, "
                 f"Nk={w.nk}"
             )
+        # before the causal refusal: a cross call is never causal, so "pass causal=True" would mislead
+        if w.cross and not self.supports_cross:
+            raise Unsupported(
+                f"{who} relates each query to key positions of its own sequence (its pattern or its "
+                "recurrence): it has no cross-attention form (cross=True)"
+            )
         if not w.causal and not self.supports_noncausal:
             raise Unsupported(f"{who} is causal only (pass causal=True)")
         if w.causal and not self.supports_causal:
@@ -465,11 +471,6 @@ class AttentionVariant(nn.Module):
             raise Unsupported(f"{who} does not support a key padding mask")
         if w.attn_mask and not self.supports_attn_mask:
             raise Unsupported(f"{who} does not support an arbitrary attn_mask")
-        if w.cross and not self.supports_cross:
-            raise Unsupported(
-                f"{who} relates each query to key positions of its own sequence (its pattern or its "
-                "recurrence): it has no cross-attention form (cross=True)"
-            )
         if w.nq > w.nk and not self.supports_cross:
             raise Unsupported(f"{who} does not support cross-attention (Nq={w.nq} > Nk={w.nk})")
         if w.nq < w.nk and not (self.supports_cross or self.supports_decode):

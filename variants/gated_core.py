@@ -253,7 +253,7 @@ class GatedRecurrence(AttentionVariant):
     def check(self, w: Workload) -> None:
         who = self.name or type(self).__name__
         refuse_pairwise(who, w)
-        if not w.causal:
+        if not w.causal and not w.cross:  # (cross: refused as such by the base class)
             raise Unsupported(f"{who} is a recurrence over the past: causal only (pass causal=True)")
         if w.head_dim != self.head_dim or w.heads != self.heads:
             raise Unsupported(

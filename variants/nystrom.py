@@ -141,7 +141,7 @@ class NystromAttention(AttentionVariant):
                 "nystrom has no causal form: each landmark is a mean over a segment of the whole "
                 "sequence, so every output row would see later tokens"
             )
-        if w.nq < w.nk:
+        if w.nq < w.nk and not w.cross:  # (cross: refused as such by the base class)
             raise Unsupported(
                 f"nystrom cannot decode against a cache (Nq={w.nq} < Nk={w.nk}): its query landmarks "
                 "are means over every query of the sequence, which a K/V cache does not keep"

@@ -55,7 +55,7 @@ class Retention(KernelizedAttention):
         return {"chunk": self.chunk}
 
     def check(self, w: Workload) -> None:
-        if not w.causal:
+        if not w.causal and not w.cross:  # (cross: refused as such by the base class)
             raise Unsupported(
                 "retention is causal only: its decay gamma^(i-j) weighs the past of each query "
                 "(pass causal=True)"

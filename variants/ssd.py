@@ -7,7 +7,9 @@ One scalar decay per head and position, learned: with the scale ``s`` (default `
 
 (Mamba-2's ``a_t = exp(dt_t A)`` with ``dt_t = softplus(x_t W + dt_bias)`` and ``A = -exp(A_log)``,
 one ``A`` per head; here the time step is a projection of the key, since the core is handed ``q, k,
-v``). Parameters per head: ``w (D,)``, ``b`` (Mamba's time-step bias: ``softplus(b)`` log-uniform in
+v``). Mamba-2 also multiplies the write by the time step (``dt_t B_t x_t``); this core writes
+``k_t v_t^T`` as ``simple_gla`` does, leaving that factor to whatever makes ``k`` or ``v``.
+Parameters per head: ``w (D,)``, ``b`` (Mamba's time-step bias: ``softplus(b)`` log-uniform in
 ``[0.001, 0.1]``) and ``A`` (``exp(A)`` uniform in ``[1, 16]``, Mamba-2's range): ``H (D + 2)`` in
 all. flash-linear-attention's ``naive_chunk_simple_gla(q, k, v, g)`` takes these ``g`` in its
 ``(B, N, H)`` layout.

@@ -97,7 +97,7 @@ class WindowLinear(AttentionVariant):
 
     def check(self, w: Workload) -> None:
         refuse_pairwise("window_linear", w)
-        if not w.causal:
+        if not w.causal and not w.cross:  # (cross: refused as such by the base class)
             raise Unsupported(
                 "window_linear is causal only: its far part is causal linear attention over the keys "
                 "left of the window (pass causal=True)"
