@@ -3,6 +3,7 @@ gradient's error where it failed, unstable times marked, legends whole and reada
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib
@@ -14,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import PowerNorm, SymLogNorm  # noqa: E402
 
-from experiments.report import model_section, plots, task_section  # noqa: E402
+from experiments.report import frontier_section, model_section, plots, pretrained_section, task_section  # noqa: E402
 
 STORES = Path(__file__).resolve().parents[1] / "results" / "cpu"
 
@@ -174,8 +175,9 @@ def test_recall_vs_distance_facets_by_task(kept: list[plt.Figure], tmp_path: Pat
     panels = [ax for ax in fig.axes if ax.get_visible()]
     assert len(panels) == rows.groupby(["task_label", "seq_len"]).ngroups
     assert all(len(ax.get_lines()) <= rows["variant_label"].nunique() + 2 for ax in panels)
-    assert len(fig.legends) == 1  # one legend for the figure, a line per variant
-    assert len(fig.legends[0].get_texts()) == rows["variant_label"].nunique()
+    assert len(fig.legends) == 1  # one legend for the figure, a line per variant, and how coinciding
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]  # lines are drawn where some do
+    assert len([lab for lab in labels if "lines that coincide" not in lab]) == rows["variant_label"].nunique()
     assert fig._suptitle is not None and "Associative recall" in fig._suptitle.get_text()
 
 
@@ -212,8 +214,7 @@ def _panel_lines(fig: plt.Figure) -> list[list[plt.Line2D]]:
 
 
 def _same_data(a: plt.Line2D, b: plt.Line2D) -> bool:
-    xa, ya = a.get_data()
-    xb, yb = b.get_data()
+    xa, ya, xb, yb = (np.asarray(v, float) for v in (*a.get_data(), *b.get_data()))  # (pandas: objects)
     return len(xa) == len(xb) and np.allclose(xa, xb) and np.allclose(ya, yb)
 
 
@@ -255,15 +256,25 @@ def test_identical_state_series_do_not_hide_each_other(kept: list[plt.Figure], t
 def test_coinciding_styles_leave_distinct_lines_solid() -> None:
     x = pd.Series([1024.0, 2048.0, 4096.0])
     near = pd.Series([10.0, 20.0, 40.0]) * (1 + plots.COINCIDE_RTOL / 2)
-    styles = plots._coinciding_styles(
+    styles = plots.coinciding_styles(
         [(x, pd.Series([10.0, 20.0, 40.0])), (x, pd.Series([1.0, 2.0, 4.0])), (x, near)]
     )
     assert styles[0] == "-" and styles[1] == "-" and styles[2] != "-"
     # a single shared length is no shared segment: markers tell those apart
-    assert plots._coinciding_styles([(x, pd.Series([1.0, 2.0, 4.0])), (x, pd.Series([1.0, 5.0, 9.0]))]) == [
+    assert plots.coinciding_styles([(x, pd.Series([1.0, 2.0, 4.0])), (x, pd.Series([1.0, 5.0, 9.0]))]) == [
         "-",
         "-",
     ]
+
+
+def test_coinciding_styles_on_a_linear_axis_use_an_absolute_tolerance() -> None:
+    # accuracies in %: 97 and 100 are 3% apart but 3 points of a 104-point axis (several line widths)
+    x = [16, 32, 48]
+    high, near_high, low, near_low = [100.0] * 3, [97.0] * 3, [20.0, 20.0, 20.0], [20.5, 20.5, 20.5]
+    lines = [(x, high), (x, near_high), (x, low), (x, near_low)]
+    assert plots.coinciding_styles(lines)[1] != "-"  # relative: 97 ~ 100, 20.5 ~ 20 (2.5%)
+    styles = plots.coinciding_styles(lines, rtol=0.0, atol=plots.COINCIDE_SPAN * 104)
+    assert styles[:3] == ["-", "-", "-"] and styles[3] != "-"  # absolute: 1.04 points
 
 
 # ------------------------------------------------------------------------------- decode marks
@@ -338,3 +349,138 @@ def test_symlog_colorbar_ticks_are_few_and_apart(
     assert np.diff(np.asarray(norm(ticks))).min() >= 0.1
     assert labels == ["−27", "−1", "−0.1", "0", "0.1", "1", "27"]  # compact, no 10^k mathtext
     assert not bar.yaxis.get_minorticklocs().size
+
+
+# ------------------------------------------------------------------------------- coinciding lines elsewhere
+def _data_lines(ax: plt.Axes) -> list[plt.Line2D]:
+    """``ax``'s data lines: with markers and a line (not an error bar's caps, not a window's rule)."""
+    return [
+        ln
+        for ln in ax.get_lines()
+        if ln.get_marker() not in ("", "None", None) and ln.get_linestyle() not in ("None", "", " ")
+    ]
+
+
+def _identical_pairs_not_both_solid(fig: plt.Figure) -> int:
+    """How many pairs of a panel's data lines draw the same points; fails where both of such a pair are
+    solid (the one drawn last would hide the other)."""
+    pairs = 0
+    for ax in fig.axes:
+        lines = _data_lines(ax)
+        for i, a in enumerate(lines):
+            for b in lines[i + 1 :]:
+                if _same_data(a, b):
+                    pairs += 1
+                    styles = (a.get_linestyle(), b.get_linestyle())
+                    assert styles != ("-", "-"), (a.get_label(), b.get_label())
+    return pairs
+
+
+def _legend_lines(fig: plt.Figure) -> list[tuple[str, object]]:
+    """(label, handle) of every legend of ``fig`` (the figure's and the panels')."""
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
+    return [
+        (t.get_text(), h) for leg in legends for t, h in zip(leg.get_texts(), leg.legend_handles, strict=True)
+    ]
+
+
+def _legend_says_lines_coincide(fig: plt.Figure) -> None:
+    """The legend names the dashes, and draws every other line it names solid, whatever a panel drew."""
+    entries = _legend_lines(fig)
+    assert any("lines that coincide" in label for label, _ in entries)
+    for label, h in entries:
+        if "lines that coincide" not in label and isinstance(h, plt.Line2D) and h.get_linestyle() != "None":
+            assert h.get_linestyle() == "-", label
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[plt.Figure]:
+    """The figures that section plots save with ``Figure.savefig`` (no file written)."""
+    figs: list[plt.Figure] = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda self, *a, **k: figs.append(self))
+    yield figs
+    plt.close("all")
+
+
+def test_recall_vs_distance_lines_that_coincide_take_turns(kept: list[plt.Figure], tmp_path: Path) -> None:
+    df = _store("recall_frontier")
+    recall = df[(df["kind"] == "task") & (df["variant"] == "sdpa")]
+    twin = recall.assign(variant="sdpa_twin", variant_name="sdpa_twin", variant_key="sdpa_twin")
+    task_section.plot_recall_vs_distance(pd.concat([df, twin], ignore_index=True), tmp_path / "r.png")
+    fig = kept[0]
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert _identical_pairs_not_both_solid(fig) >= len(panels)  # sdpa and its twin, in every panel
+    _legend_says_lines_coincide(fig)
+
+
+def test_recall_frontier_lines_that_coincide_take_turns(drawn: list[plt.Figure], tmp_path: Path) -> None:
+    table = frontier_section.frontier_table(_store("recall_frontier"))
+    twin = table[table["variant_name"] == "deltanet"].assign(variant_name="deltanet_twin")
+    frontier_section.plot_frontier(pd.concat([table, twin], ignore_index=True), tmp_path / "f.png")
+    fig = drawn[0]
+    assert _identical_pairs_not_both_solid(fig) >= 3  # the twins, in each number of pairs' panel
+    _legend_says_lines_coincide(fig)
+
+
+def test_model_context_lines_that_coincide_take_turns(drawn: list[plt.Figure], tmp_path: Path) -> None:
+    df = _store("llama_mix")
+    rows = df[df["kind"] == "model"]
+    assert model_section.plot_context(rows, tmp_path / "model_context.png") is not None
+    fig = drawn[0]
+    # from the records: lines (variant and model) whose K/V bytes are the same at every prompt length
+    # (a window's cache and exact attention's in a plain Llama keep the same bytes, say)
+    ok = rows[rows["status"] == "ok"]
+    ok = ok.assign(_line=ok["variant"] + ok["model"].map(_model_but_length), _n=ok["model"].map(_length))
+    expected = 0
+    for col in ("kv_bytes_kept", "kv_bytes_read_per_step"):
+        curves = pd.Series(
+            {line: tuple(sorted(zip(g["_n"], g[col], strict=True))) for line, g in ok.groupby("_line")}
+        )
+        curves = curves[curves.map(len) >= 2]  # a line of one point is not drawn
+        expected += sum(n * (n - 1) // 2 for n in curves.value_counts())
+    assert expected > 0
+    assert _identical_pairs_not_both_solid(fig) >= expected
+    _legend_says_lines_coincide(fig)
+
+
+def _length(model: str) -> int:
+    return int(json.loads(model)["prefill_len"])
+
+
+def _model_but_length(model: str) -> str:
+    return json.dumps({k: v for k, v in json.loads(model).items() if k != "prefill_len"}, sort_keys=True)
+
+
+def test_token_mass_lines_that_coincide_take_turns(drawn: list[plt.Figure], tmp_path: Path) -> None:
+    df = _store("pretrained")
+    rows = pretrained_section.pretrained_rows(df)
+    rows = rows[rows["seq_len"] == rows["seq_len"].max()]
+    twin = rows[rows["variant"] == "axial"].assign(variant="axial_twin")
+    pretrained_section.plot_token_mass(pd.concat([rows, twin]), "t", tmp_path / "m.png")
+    fig = drawn[0]
+    assert _identical_pairs_not_both_solid(fig) == 1
+    _legend_says_lines_coincide(fig)
+
+
+def test_pretrained_frontier_points_at_one_place_share_a_circle(
+    drawn: list[plt.Figure], tmp_path: Path
+) -> None:
+    df = _store("pretrained")
+    rows = pretrained_section.pretrained_rows(df)
+    rows = rows[rows["status"] == "ok"]
+    pretrained_section.plot_frontier(rows, "t", tmp_path / "f.png")
+    fig = drawn[0]
+    # the records' own: exact variants keep every pair at cosine 1, one place of the lower panels
+    exact = rows[np.isclose(rows["kept_pairs"], 1.0) & np.isclose(rows["cosine_mean"], 1.0)]
+    lower = [ax for ax in fig.axes if ax.get_xlabel() == "share of pairs kept"]
+    assert len(lower) == rows["seq_len"].nunique() and exact.groupby("seq_len").size().min() >= 2
+    for ax, (_, here) in zip(lower, exact.groupby("seq_len"), strict=True):
+        at = [c for c in ax.collections if np.allclose(c.get_offsets(), [[1.0, 1.0]])]
+        assert len(at) == len(here)
+        paths = [c.get_paths()[0].vertices for c in at]
+        # each variant its own sector of the circle: no marker the same as (and hidden by) another
+        assert all(not np.array_equal(a, b) for i, a in enumerate(paths) for b in paths[i + 1 :])
+        colours = {tuple(np.round(c.get_edgecolor()[0], 6)) for c in at}
+        assert len(colours) == len(here)
+    labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert any("variants at one point" in lab for lab in labels)

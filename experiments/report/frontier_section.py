@@ -140,11 +140,14 @@ def frontier_markdown(table: pd.DataFrame) -> str:
 def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
     """Test accuracy against state bytes per layer (log scale), a panel per N (rows) and number of
     pairs (columns), a line per variant (its configurations in order of state, error bars one std over
-    seeds); None when the table is empty."""
+    seeds; lines that coincide take turns in dashes of their colours,
+    :func:`~experiments.report.plots.coinciding_styles`); None when the table is empty."""
     table = table[table["seeds"] > 0]
     if not len(table):
         return None
     plt = _plt()
+    from .plots import COINCIDE_SPAN, coinciding_handle, coinciding_styles  # matplotlib: only to draw
+
     pairs = sorted(table["pairs"].unique())
     ns = sorted(table["N"].unique())
     fig, axes = plt.subplots(
@@ -158,6 +161,12 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
     colours = plt.get_cmap("tab10").colors
     markers = "osD^v<>pPX*h"
     names = sorted(table["variant_name"].unique())
+    style = {
+        name: {"color": colours[i % len(colours)], "marker": markers[i % len(markers)]}
+        for i, name in enumerate(names)
+    }
+    ylim = (-2, 102)  # linear: lines within a line's width of each other are one line there
+    merged = False  # some panel's lines coincide somewhere (the legend says how they are drawn)
     # a line joins one length's configurations: a point at another N is another state and task
     for ax, (n, p) in zip(axes.flat, [(n, p) for n in ns for p in pairs], strict=True):
         here = table[(table["N"] == n) & (table["pairs"] == p)]
@@ -165,28 +174,31 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
             ax.set_title(f"{p} key-value pairs, N={n}: no run")
             ax.axis("off")
             continue
-        for i, name in enumerate(names):
-            g = here[here["variant_name"] == name].sort_values(["state_bytes", "acc_mean"])
-            if not len(g):
-                continue
+        lines = [(name, here[here["variant_name"] == name]) for name in names]
+        lines = [(name, g.sort_values(["state_bytes", "acc_mean"])) for name, g in lines if len(g)]
+        atol = COINCIDE_SPAN * (ylim[1] - ylim[0])
+        turns = coinciding_styles(
+            [(g["state_bytes"] / 1024, 100 * g["acc_mean"]) for _, g in lines], rtol=0.0, atol=atol
+        )
+        merged |= any(turn != "-" for turn in turns)
+        for (name, g), turn in zip(lines, turns, strict=True):
             ax.errorbar(
                 g["state_bytes"] / 1024,
                 100 * g["acc_mean"],
                 yerr=100 * g["acc_std"].fillna(0.0),
                 label=name,
-                color=colours[i % len(colours)],
-                marker=markers[i % len(markers)],
                 markersize=5,
                 capsize=2,
                 linewidth=1.2,
+                linestyle=turn,
+                **style[name],
             )
             # every seed as a faint dot: a spread can be one seed that learned and two that did not
             seeds = g.explode("accs").dropna(subset=["accs"])
             ax.scatter(
                 seeds["state_bytes"] / 1024,
                 100 * seeds["accs"].astype(float),
-                color=colours[i % len(colours)],
-                marker=markers[i % len(markers)],
+                **style[name],
                 s=20,
                 alpha=0.5,
                 linewidths=0,
@@ -194,7 +206,7 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
         ax.set_xscale("log", base=2)
         ax.set_title(f"{p} key-value pairs, N={n}")
         ax.set_xlabel("state per layer (KiB, log scale)")
-        ax.set_ylim(-2, 102)
+        ax.set_ylim(*ylim)
         ax.grid(alpha=0.3)
     for row in axes:
         row[0].set_ylabel("test accuracy (%)")
@@ -204,14 +216,13 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
         f"Associative recall against decoding state (width {seq}; mean ± std over up to {most} seeds)",
         fontsize=10,
     )
-    # one legend for the figure: a variant missing from one panel is still named
-    handles = {}
-    for ax in axes.flat:
-        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(label, h)
+    # one legend for the figure: a variant missing from one panel is still named, its line solid
+    # whatever a panel drew it as
+    handles = [plt.Line2D([], [], markersize=5, lw=1.2, label=name, **style[name]) for name in names]
+    if merged:
+        handles.append(coinciding_handle(lw=1.2))
     axes[0][-1].legend(
-        [handles[k] for k in sorted(handles)],
-        sorted(handles),
+        handles=handles,
         fontsize=8,
         loc="center left",
         bbox_to_anchor=(1.02, 0.5),

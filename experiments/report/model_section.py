@@ -129,12 +129,15 @@ def model_table(rows: pd.DataFrame) -> Section:
 def plot_context(rows: pd.DataFrame, path: Path) -> Path | None:
     """Time per decoded token (median, IQR bars) and the K/V MiB one sequence's cache keeps (solid)
     and a step reads (dashed) against the prompt length, one line per model setting and variant
-    measured at two lengths or more. ``rows``: the model jobs' shown rows. None when no line has two
-    points."""
+    measured at two lengths or more; lines that coincide in a panel (the same cache in two variants)
+    take turns in dashes of their colours (:func:`~experiments.report.plots.coinciding_styles`).
+    ``rows``: the model jobs' shown rows. None when no line has two points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from .plots import COINCIDE_SPAN, coinciding_handle, coinciding_styles
 
     ok = rows[(rows["status"] == "ok")] if len(rows) else rows
     if ok.empty or "kv_bytes_kept" not in ok:
@@ -158,17 +161,30 @@ def plot_context(rows: pd.DataFrame, path: Path) -> Path | None:
     colors = dict(zip(lines, plt.get_cmap("tab10").colors * 3, strict=False))
     markers = dict(zip(lines, "osD^vP*Xh<>p" * 3, strict=False))  # overlapping lines stay visible
     fig, (ax_t, ax_kept, ax_read) = plt.subplots(1, 3, figsize=(15, 4.6))
-    for line in lines:
-        sub = ok[ok["_line"] == line].sort_values("_n")
+    style = {line: dict(marker=markers[line], color=colors[line], mfc="none", ms=7) for line in lines}
+    subs = [ok[ok["_line"] == line].sort_values("_n") for line in lines]
+    kept = [(sub["_n"], sub["kv_bytes_kept"].astype(float) / 2**20) for sub in subs]
+    read = [(sub["_n"], sub["kv_bytes_read_per_step"].astype(float) / 2**20) for sub in subs]
+    timed = []
+    for line, sub in zip(lines, subs, strict=True):
         n = sub["_n"].to_numpy()
         med = pd.to_numeric(sub["decode_ms_per_token"], errors="coerce").to_numpy()
         steps = [pd.Series(obj(v), dtype=float) for v in sub["decode_ms_steps"]]
         lo = med - [s.quantile(0.25) for s in steps]
         hi = [s.quantile(0.75) for s in steps] - med
-        style = dict(marker=markers[line], color=colors[line], mfc="none", ms=7)
-        ax_t.errorbar(n, med, yerr=[lo, hi], capsize=3, label=line, **style)
-        ax_kept.plot(n, sub["kv_bytes_kept"].astype(float) / 2**20, **style)
-        ax_read.plot(n, sub["kv_bytes_read_per_step"].astype(float) / 2**20, **style)
+        timed.append(ax_t.errorbar(n, med, yerr=[lo, hi], capsize=3, label=line, **style[line]).lines[0])
+    # lines that coincide take turns in dashes of their colours: the K/V panels' on their log axes, the
+    # time panel's within a line's width of its linear axis (known once every line is drawn)
+    bottom, top = ax_t.get_ylim()
+    turns = coinciding_styles([ln.get_data() for ln in timed], rtol=0.0, atol=COINCIDE_SPAN * (top - bottom))
+    for ln, turn in zip(timed, turns, strict=True):
+        ln.set_linestyle(turn)
+    merged = any(turn != "-" for turn in turns)
+    for ax, series in ((ax_kept, kept), (ax_read, read)):
+        turns = coinciding_styles(series)
+        merged |= any(turn != "-" for turn in turns)
+        for line, (n, mib), turn in zip(lines, series, turns, strict=True):
+            ax.plot(n, mib, ls=turn, **style[line])
     ns = sorted(ok["_n"].unique())
     for ax in (ax_t, ax_kept, ax_read):
         ax.set_xscale("log", base=2)
@@ -181,10 +197,13 @@ def plot_context(rows: pd.DataFrame, path: Path) -> Path | None:
     ax_t.set_title("ms per decoded token (median, IQR)", fontsize=10)
     ax_kept.set_title("K/V MiB the cache keeps (one sequence)", fontsize=10)
     ax_read.set_title("K/V MiB a decoding step reads", fontsize=10)
-    # below the panels, kept whole in the file by bbox_inches="tight"
-    handles, labels = ax_t.get_legend_handles_labels()
+    # below the panels, kept whole in the file by bbox_inches="tight"; a line solid whatever a panel
+    # drew it as
+    handles = [plt.Line2D([], [], label=line, **style[line]) for line in lines]
+    if merged:
+        handles.append(coinciding_handle(lw=1.5))
     fig.legend(
-        handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=2, frameon=False
+        handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=2, frameon=False
     )
     first = ok.iloc[0]
     fig.suptitle(

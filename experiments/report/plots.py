@@ -24,6 +24,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.colors import Normalize, PowerNorm, SymLogNorm  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
+from numpy.typing import ArrayLike  # noqa: E402
 
 from ..measure.spec import Kind  # noqa: E402
 from ..records.store import is_false, is_true  # noqa: E402
@@ -99,21 +100,28 @@ def _spans_decades(values: pd.Series) -> bool:
 #: two lines whose values at two neighbouring lengths both lie within this ratio of each other draw one
 #: segment on top of the other (a 1.6-point line on a log axis of a few decades is about 5% thick)
 COINCIDE_RTOL = 0.03
+#: on a linear y axis the same test in absolute terms: within this share of the axis's span (a 1.5-point
+#: line on a panel about 3 inches tall is about 1% of it)
+COINCIDE_SPAN = 0.01
 #: the length of one colour's dash where coinciding lines take turns (in line widths)
 TURN_DASH = 3.0
 
 
-def _coinciding_styles(series: list[tuple[pd.Series, pd.Series]]) -> list[str | tuple]:
+def coinciding_styles(
+    series: list[tuple[ArrayLike, ArrayLike]], rtol: float = COINCIDE_RTOL, atol: float = 0.0
+) -> list[str | tuple]:
     """The line style of each of a panel's ``series`` ((x, y) in drawing order, x sorted): solid, except
-    where lines coincide. Lines that share a segment (two neighbouring x with y within
-    :data:`COINCIDE_RTOL`), directly or through another, form a set of ``k``; its first line stays solid
-    and the others are dashed, each its own ``1/k`` of a period of ``k`` dashes, so that along the common
-    stretch the ``k`` colours take turns (a line striped blue and red: the blue and the red series are
-    one line there) instead of the last one drawn hiding the others."""
-    points = [dict(zip(x.to_numpy(float), y.to_numpy(float), strict=True)) for x, y in series]
+    where lines coincide. Lines that share a segment (two neighbouring x with y within ``rtol`` of each
+    other, or within ``atol``: a linear axis passes ``rtol=0`` and :data:`COINCIDE_SPAN` of its span),
+    directly or through another, form a set of ``k``; its first line stays solid and the others are
+    dashed, each its own ``1/k`` of a period of ``k`` dashes, so that along the common stretch the ``k``
+    colours take turns (a line striped blue and red: the blue and the red series are one line there)
+    instead of the last one drawn hiding the others. The plots of other sections call it too; their
+    legends add :func:`coinciding_handle`. ``O(lines^2 * points)``."""
+    points = [dict(zip(np.asarray(x, float), np.asarray(y, float), strict=True)) for x, y in series]
 
     def close(a: float, b: float) -> bool:
-        return abs(a - b) <= COINCIDE_RTOL * max(abs(a), abs(b))
+        return abs(a - b) <= max(rtol * max(abs(a), abs(b)), atol)
 
     def shared(i: int, j: int) -> bool:  # a segment of line i (x sorted) that line j draws too
         pi, pj = points[i], points[j]
@@ -145,6 +153,12 @@ def _coinciding_styles(series: list[tuple[pd.Series, pd.Series]]) -> list[str | 
     return styles
 
 
+def coinciding_handle(lw: float = 1.6) -> plt.Line2D:
+    """The legend entry of a plot some of whose lines take turns in dashes (:func:`coinciding_styles`)."""
+    turns = "dashes of two or more colours:\nlines that coincide there"
+    return plt.Line2D([], [], color="0.45", ls=(0, (TURN_DASH, TURN_DASH)), lw=lw, label=turns)
+
+
 def _save(fig: plt.Figure, path: Path) -> Path:
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
@@ -166,7 +180,7 @@ def _plot_vs_n(
     ``ceiling`` names a column drawn as a dashed line at its median per panel (e.g. the GEMM rate);
     ``flag`` names a boolean column whose true points get a red ring (and the legend says why); points
     whose ``unstable`` column is true (the tables' ``unstable`` mark) get a gray square ring. Lines that
-    coincide (:func:`_coinciding_styles`) take turns in dashes of their colours, in any of these plots.
+    coincide (:func:`coinciding_styles`) take turns in dashes of their colours, in any of these plots.
     ``coinciding``: series that may be identical (memory, state): hollow markers, each variant's smaller
     than the one before, so that a marker under another still shows, and a log y axis as x is."""
     data = df.dropna(subset=[y])
@@ -204,7 +218,7 @@ def _plot_vs_n(
             series = [(key, pts.sort_values("_x")) for key, pts in sub.groupby(by)]
             # lines with the same values (two variants keeping the same state, or the same peak memory)
             # take turns in dashes of their colours instead of the last one hiding the others
-            turns = _coinciding_styles([(pts["_x"], pts[y]) for _, pts in series])
+            turns = coinciding_styles([(pts["_x"], pts[y]) for _, pts in series])
             merged |= any(t != "-" for t in turns)
             for (key, pts), turn in zip(series, turns, strict=True):
                 name = key[0] if isinstance(key, tuple) else key
@@ -271,8 +285,7 @@ def _plot_vs_n(
         square = "unstable: the timed runs' spread\nnever settled (the tables' 'unstable')"
         handles.append(plt.Line2D([], [], ls="", marker="s", mfc="none", mec="0.45", ms=10, label=square))
     if merged:
-        turns = "dashes of two or more colours:\nlines that coincide there"
-        handles.append(plt.Line2D([], [], color="0.45", ls=(0, (TURN_DASH, TURN_DASH)), lw=1.6, label=turns))
+        handles.append(coinciding_handle())
     fig.legend(handles=handles, title="variant", loc="outside right center", frameon=False)
     fig.suptitle(title, fontsize=12)
     return _save(fig, path)

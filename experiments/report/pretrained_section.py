@@ -28,13 +28,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.path import Path as MarkerPath  # noqa: E402
 
 from ..measure.pretrained.job import DEFAULTS as ENCODER_DEFAULTS  # noqa: E402
 from ..measure.spec import Kind  # noqa: E402
 from ..records.store import newest_mask, of_kind  # noqa: E402
 from .format import markdown, num, obj  # noqa: E402
 from .grouping import varying_text  # noqa: E402
-from .plots import palette  # noqa: E402
+from .plots import COINCIDE_SPAN, coinciding_handle, coinciding_styles, palette  # noqa: E402
 
 DPI = 110
 # one measurement: the same values here are the same configuration (the newest one is shown)
@@ -291,15 +292,48 @@ def _suffix(keys: dict[str, Any], sets: int, several: set[str]) -> str:
     return "_" + "_".join("".join(c if c.isalnum() else "-" for c in str(b)) for b in bits)
 
 
+def _same_place(x: np.ndarray, y: np.ndarray, x_span: float, y_span: float) -> list[list[int]]:
+    """The points ``(x[i], y[i])`` grouped by place: a point joins the first group whose first point lies
+    within :data:`~experiments.report.plots.COINCIDE_SPAN` of the axes' spans on both axes (a marker
+    there would hide it), else starts its own; groups in order of their first point. ``O(P^2)``."""
+    groups: list[list[int]] = []
+    for i in range(len(x)):
+        for g in groups:
+            dx, dy = abs(x[i] - x[g[0]]), abs(y[i] - y[g[0]])
+            if dx <= COINCIDE_SPAN * x_span and dy <= COINCIDE_SPAN * y_span:
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
+
+
+def _sector(k: int, j: int) -> MarkerPath:
+    """A marker: the ``j``-th of ``k`` equal sectors of a circle (the first from 12 o'clock, then
+    counterclockwise), its apex on the point: ``k`` points at one place draw one circle of ``k``
+    colours."""
+    return MarkerPath.wedge(90 + 360 * j / k, 90 + 360 * (j + 1) / k)
+
+
+#: scatter marker area (pt^2) of a point alone, and of a circle shared by points at one place (larger:
+#: each colour's sector must still show)
+_POINT_S, _SHARED_S = 42, 90
+
+
 def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     """Mean cosine against time per batch (top) and against the share of pairs kept (bottom), one
     column per length, one point per variant and knobs; the cost-fidelity frontier (points nothing
-    beats on both axes) filled and joined. ``rows``: one comparable set (:func:`pretrained_rows`).
-    None when no record is usable."""
+    beats on both axes) filled and joined. Points at one place (:func:`_same_place`: exact variants
+    at cosine 1 keeping every pair, say) share one circle, a sector each in its colour, instead of the
+    last drawn hiding the others. ``rows``: one comparable set (:func:`pretrained_rows`). None when no
+    record is usable."""
     rows = rows[rows["status"] == "ok"]
     if rows.empty:
         return None
     ns = sorted(int(n) for n in rows["seq_len"].unique())
+    cosine = pd.to_numeric(rows["cosine_mean"], errors="coerce")
+    y_span = float(cosine.max() - cosine.min())  # one y axis for every panel (sharey)
+    shared = False  # some panel has points at one place (the legend says how they are drawn)
     names = sorted(rows["variant"].unique())
     colors = palette(names)
     # room for the legend: about 0.062 inch per character of the longest label at font size 8 (a
@@ -319,9 +353,19 @@ def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
             front = _pareto(x, y)
             order = np.argsort(x[front])
             ax.plot(x[front][order], y[front][order], color="0.6", lw=1, zorder=1, drawstyle="steps-post")
-            for xi, yi, on, name in zip(x, y, front, sub["variant"], strict=True):
-                c = colors[name]
-                ax.scatter(xi, yi, s=42, color=c if on else "white", edgecolor=c, lw=1.5, zorder=2)
+            x_span = 1.05 if xcol == "kept_pairs" else float(np.nanmax(x) - np.nanmin(x))
+            variants = sub["variant"].to_numpy()
+            for group in _same_place(x, y, x_span, y_span):
+                shared |= len(group) > 1
+                for j, i in enumerate(group):
+                    c = colors[variants[i]]
+                    look = (
+                        {"s": _POINT_S}
+                        if len(group) == 1
+                        else {"s": _SHARED_S, "marker": _sector(len(group), j)}
+                    )
+                    face = c if front[i] else "white"
+                    ax.scatter(x[i], y[i], color=face, edgecolor=c, lw=1.5, zorder=2, **look)
             ax.set_xlabel(xlabel)
             if xcol == "kept_pairs":
                 ax.set_xlim(0, 1.05)
@@ -330,9 +374,16 @@ def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
             if col == 0:
                 ax.set_ylabel("mean cosine to the unmodified model")
             ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], ls="", marker="o", color=colors[nm], label=nm) for nm in names]
-    handles.append(plt.Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="not on the frontier"))
-    fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
+    handles: list = [plt.Line2D([], [], ls="", marker="o", color=colors[nm]) for nm in names]
+    handles.append(plt.Line2D([], [], ls="", marker="o", mfc="white", mec="0.3"))
+    labels = [*names, "not on the frontier"]
+    if shared:  # a circle of three gray sectors, as such a point is drawn
+        grays = ("0.25", "0.5", "0.75")
+        handles.append(
+            tuple(plt.Line2D([], [], ls="", marker=_sector(3, j), ms=9, color=g) for j, g in enumerate(grays))
+        )
+        labels.append("sectors of one circle:\nvariants at one point")
+    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
     fig.suptitle(
         f"{title}: fidelity against cost (filled: on the frontier, nothing is both cheaper and closer)",
         fontsize=10,
@@ -341,6 +392,24 @@ def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
+
+
+#: the y axis of the attention-mass panels (a share, linear)
+_MASS_YLIM = (0.0, 1.02)
+
+
+def _mass_lines(ax: plt.Axes, lines: list[tuple[str, list[float], object]]) -> list[plt.Line2D]:
+    """Draw ``lines`` (label, a value per layer, colour) on ``ax``, lines that coincide taking turns in
+    dashes of their colours (:func:`~experiments.report.plots.coinciding_styles`, within a line's width
+    of the linear axis); returns the legend's handles: a solid line each, and the dashes' entry where
+    some coincide."""
+    atol = COINCIDE_SPAN * (_MASS_YLIM[1] - _MASS_YLIM[0])
+    layers = [np.arange(1, len(vals) + 1) for _, vals, _ in lines]
+    turns = coinciding_styles([(x, vals) for x, (_, vals, _) in zip(layers, lines, strict=True)], 0.0, atol)
+    for x, (label, vals, color), turn in zip(layers, lines, turns, strict=True):
+        ax.plot(x, vals, marker="o", color=color, ls=turn, label=label)
+    handles = [plt.Line2D([], [], marker="o", color=color, label=label) for label, _, color in lines]
+    return handles + ([coinciding_handle(lw=1.5)] if any(t != "-" for t in turns) else [])
 
 
 def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
@@ -354,11 +423,12 @@ def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     ns = sorted(int(n) for n in rows["seq_len"].unique())
     shades = dict(zip(ns, sns.color_palette("viridis", len(ns)), strict=True))
     band = int(pd.to_numeric(rows["band"], errors="coerce").dropna().iloc[0])
-    for n in ns:
-        r = rows[rows["seq_len"] == n].iloc[0]  # the reference's figures: the same in every job of a length
-        for ax, col in zip(axes[:2], ("mass_first_token", "mass_band"), strict=True):
-            vals = obj(r[col])
-            ax.plot(range(1, len(vals) + 1), vals, marker="o", color=shades[n], label=f"N={n}")
+    # the reference's figures: the same in every job of a length
+    first = [rows[rows["seq_len"] == n].iloc[0] for n in ns]
+    legends = [
+        _mass_lines(ax, [(f"N={n}", obj(r[col]), shades[n]) for n, r in zip(ns, first, strict=True)])
+        for ax, col in zip(axes[:2], ("mass_first_token", "mass_band"), strict=True)
+    ]
     axes[0].set_title("mass on the first token ([CLS])", fontsize=10)
     axes[1].set_title(f"mass on the diagonal band |i-j| <= {band}", fontsize=10)
     longest = rows[rows["seq_len"] == ns[-1]].sort_values("variant")
@@ -366,20 +436,19 @@ def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     full = longest["kept_pairs"].astype(float) >= 1.0
     longest = longest[~full]
     colors = palette(longest["variant"].tolist())
-    for _, r in longest.iterrows():
-        vals = obj(r["mass_inside"])
-        axes[2].plot(
-            range(1, len(vals) + 1), vals, marker="o", color=colors[r["variant"]], label=r["variant"]
-        )
+    inside = [(r["variant"], obj(r["mass_inside"]), colors[r["variant"]]) for _, r in longest.iterrows()]
+    handles = _mass_lines(axes[2], inside)
     axes[2].set_title(f"mass inside each pattern, N={ns[-1]} (full attention: 1)", fontsize=10)
     for ax in axes:
         ax.set_xlabel("layer")
-        ax.set_ylim(0, 1.02)
+        ax.set_ylim(*_MASS_YLIM)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    axes[1].legend(fontsize=7)
+    axes[0].legend(handles=legends[0], fontsize=7)
+    axes[1].legend(handles=legends[1], fontsize=7)
     if len(longest):
-        axes[2].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        axes[2].legend(
+            handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False
+        )
     axes[0].set_ylabel("share of the unmodified model's attention")
     fig.suptitle(
         f"{title}: where the unmodified model attends (mean over heads, queries, texts)", fontsize=10

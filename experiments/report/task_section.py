@@ -366,13 +366,16 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     Bins are pooled over seeds weighted by their query counts; a dotted line marks a local_window
     model's window: a query farther from its key than that cannot see it in one hop. (Stacked layers
     could relay up to layers x window, but a relay token cannot know which pair a later query
-    will ask for, so in practice recall stops at the window.)
+    will ask for, so in practice recall stops at the window.) Lines that coincide (exact variants at
+    100%, say) take turns in dashes of their colours (:func:`~experiments.report.plots.coinciding_styles`).
     """
     sub = task_rows(df)
     sub = sub[(sub["task_name"] == "recall") & (sub["status"] == "ok")] if len(sub) else sub
     if not len(sub) or "acc_by_distance" not in sub:
         return None
     plt = _plt()
+    from .plots import COINCIDE_SPAN, coinciding_handle, coinciding_styles  # matplotlib: only to draw
+
     facets = sorted({(str(t), int(n)) for t, n in zip(sub["task_label"], sub["seq_len"], strict=True)})
     cols = min(3, len(facets))
     rows = -(-len(facets) // cols)
@@ -383,42 +386,40 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     # a colour and a marker per variant, the same in every panel: 20 colours, so no two lines look alike
     colours, markers = plt.get_cmap("tab20").colors, "osD^v<>pPX*h"
     style = {v: {"color": colours[i % 20], "marker": markers[i % len(markers)]} for i, v in enumerate(names)}
-    handles: dict[str, Any] = {}
+    ylim = (-2, 102)  # linear: lines within a line's width of each other are one line there
+    drawn: set[str] = set()
+    merged = False  # some panel's lines coincide somewhere (the legend says how they are drawn)
     several_n = sub["seq_len"].nunique() > 1
     for ax, (t, n) in zip(axes.flat, facets, strict=False):
         here = sub[(sub["task_label"].astype(str) == t) & (sub["seq_len"] == n)]
-        for v, g in here.groupby(here["variant_label"].astype(str), sort=True):
-            hits: dict[int, float] = {}
-            counts: dict[int, float] = {}
-            for _, r in g.iterrows():
-                acc = obj(r["acc_by_distance"]) or {}
-                cnt = obj(r.get("n_by_distance")) or {}
-                for k, a in acc.items():
-                    c = float(cnt.get(k, 1))
-                    hits[int(k)] = hits.get(int(k), 0.0) + a * c
-                    counts[int(k)] = counts.get(int(k), 0.0) + c
-            xs = sorted(hits)
-            if not xs:
-                continue
-            ys = [100 * hits[x] / counts[x] for x in xs]
-            (handles[v],) = ax.plot(xs, ys, label=v, markersize=5, **style[v])
+        lines = [(v, g, *_recall_curve(g)) for v, g in here.groupby(here["variant_label"].astype(str))]
+        lines = [line for line in lines if line[2]]
+        atol = COINCIDE_SPAN * (ylim[1] - ylim[0])
+        turns = coinciding_styles([(xs, ys) for _, _, xs, ys in lines], rtol=0.0, atol=atol)
+        merged |= any(turn != "-" for turn in turns)
+        for (v, g, xs, ys), turn in zip(lines, turns, strict=True):
+            ax.plot(xs, ys, label=v, markersize=5, linestyle=turn, **style[v])
+            drawn.add(v)
             window = _window_size(g.iloc[0])
             if window is not None and window < n:  # a window past the sequence blinds nothing
                 ax.axvline(window, color=style[v]["color"], linestyle=":", linewidth=1)
         ax.set_title(f"{t}, N={n}" if several_n else t, fontsize=9)
         ax.set_xlabel("key-to-query distance (tokens, upper edge of bin)", fontsize=8)
-        ax.set_ylim(-2, 102)
+        ax.set_ylim(*ylim)
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel("test accuracy (%)")
     for ax in axes.flat[len(facets) :]:
         ax.set_visible(False)
-    if not handles:
+    if not drawn:
         plt.close(fig)
         return None
+    # the legend's lines solid, whatever a panel drew them as
+    handles = [plt.Line2D([], [], markersize=5, label=v, **style[v]) for v in names if v in drawn]
+    if merged:
+        handles.append(coinciding_handle(lw=1.5))
     fig.legend(
-        [handles[v] for v in names if v in handles],
-        [v for v in names if v in handles],
+        handles=handles,
         fontsize=8,
         loc="outside right center",
         frameon=False,
@@ -426,6 +427,23 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     )
     fig.suptitle("Associative recall: accuracy vs distance (dotted: local window size)")
     return save_figure(fig, path)
+
+
+def _recall_curve(g: pd.DataFrame) -> tuple[list[int], list[float]]:
+    """One variant's recall accuracy (%) per distance bin over the records ``g`` (its seeds): each
+    bin's accuracies pooled, weighted by their query counts (a record without counts weighs 1 per
+    bin). Bins sorted by distance; empty lists when no record has per-distance accuracies."""
+    hits: dict[int, float] = {}
+    counts: dict[int, float] = {}
+    for _, r in g.iterrows():
+        acc = obj(r["acc_by_distance"]) or {}
+        cnt = obj(r.get("n_by_distance")) or {}
+        for k, a in acc.items():
+            c = float(cnt.get(k, 1))
+            hits[int(k)] = hits.get(int(k), 0.0) + a * c
+            counts[int(k)] = counts.get(int(k), 0.0) + c
+    xs = sorted(hits)
+    return xs, [100 * hits[x] / counts[x] for x in xs]
 
 
 def _distinct_maps(one: pd.DataFrame, min_corr: float = 0.98) -> pd.DataFrame:
