@@ -369,3 +369,165 @@ def test_task_model_and_pretrained_jobs_refuse_the_kernel_only_settings_they_wou
         name, value = next(iter(setting.items()))
         with pytest.raises(ValueError, match=f"{name}={value} apply to kernel jobs only"):
             validate(BenchConfig.from_config({**base, **setting}))
+
+
+# ------------------------------------------------------------------------------------ the floor
+@pytest.fixture
+def floor(monkeypatch):
+    """scripts/pretrained_floor.py as a module."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import pretrained_floor
+
+    return pretrained_floor
+
+
+def _value(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return module.value(hidden)  # (B, N, E): every head's v, heads side by side
+
+
+# what each floor's self-attention output (B, N, E) is, from the layer's input and the padding mask
+# (B, N), written apart from the script: per layer, not per head (the mean over keys is the same)
+FLOOR_ORACLE = {
+    "zeros": lambda m, h, mask: torch.zeros_like(_value(m, h)),
+    "uniform": lambda m, h, mask: (
+        (_value(m, h) * mask[..., None]).sum(1, keepdim=True) / mask.sum(1)[:, None, None]
+    ).expand_as(_value(m, h)),
+    "first_key": lambda m, h, mask: _value(m, h)[:, :1].expand_as(_value(m, h)),
+    "itself": lambda m, h, mask: _value(m, h),
+}
+
+
+def _keep_output(module, hidden, mask) -> None:  # a hook that keeps the layer's own output
+    return None
+
+
+def _hooked_embed(enc, seqs, replace, width: int | None = None) -> torch.Tensor:
+    """Embeddings of ``seqs`` (one padded batch) under eager attention, every layer's self-attention
+    output replaced by ``replace(module, hidden (B, N, E), mask (B, N) float)`` through forward hooks
+    (None: kept as it is); transformers' attention interface is not involved."""
+    ids, mask = padded(seqs, enc.tokenizer.pad_token_id, width=width)
+
+    def hook(module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        new = replace(module, hidden, mask.to(hidden.dtype))
+        return output if new is None else (new, *output[1:])
+
+    layers = [m for name, m in enc.model.named_modules() if name.endswith("attention.self")]
+    assert len(layers) == 6
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in layers]
+    enc.model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            hidden = enc.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    finally:
+        for h in handles:
+            h.remove()
+    return mean_pool(hidden, mask)
+
+
+def test_the_floors_are_the_model_with_its_attention_output_replaced(enc, floor):
+    seqs = _sentences(enc, [40, 9, 23])  # a padded batch: uniform's mean must skip the padding
+    oracles = {name: _hooked_embed(enc, seqs, fn) for name, fn in FLOOR_ORACLE.items()}
+    assert set(oracles) == set(floor.FLOORS)
+    for name, want in oracles.items():
+        got = _embed(enc, seqs, floor.implementation(name))
+        assert torch.allclose(got, want, atol=1e-5), (name, _cos(got, want))
+    # the hooks are the check: an identity hook gives the unmodified model, and the floors differ
+    same = _hooked_embed(enc, seqs, _keep_output)
+    assert _cos(same, _embed(enc, seqs, "eager")).min() >= SAME
+    assert _cos(oracles["zeros"], oracles["uniform"]).max() < 0.99
+
+
+def test_floor_figures_are_the_jobs_figures_of_the_hooked_model(enc, floor):
+    tok = enc.tokenizer
+    pieces = corpus.tokenized_sentences(lambda s: tok(s, add_special_tokens=False)["input_ids"])
+    texts = corpus.pack_texts(pieces, 64, tok.cls_token_id, tok.sep_token_id, count=6)
+    got = floor.floor_figures(enc, texts, batch=3, names=["zeros", "uniform"])
+    width = -(-max(len(q) for q in texts.queries) // 8) * 8
+    ref_t = _embed(enc, texts.texts, "eager")
+    ref_q = _hooked_embed(enc, texts.queries, _keep_output, width=width)
+    for name in ("zeros", "uniform"):
+        t = _hooked_embed(enc, texts.texts, FLOOR_ORACLE[name])
+        q = _hooked_embed(enc, texts.queries, FLOOR_ORACLE[name], width=width)
+        want = {**cosine_stats(ref_t, t), **retrieval_agreement(ref_q, ref_t, q, t, k=5)}
+        assert got["floors"][name] == pytest.approx(want, abs=1e-5), name
+    # the references: cosine between different texts, and retrieval by word-piece counts by hand
+    sim = [float(_cos(ref_t[i], ref_t[j])) for i in range(6) for j in range(6) if i != j]
+    assert got["cosine_between_texts"] == pytest.approx(sum(sim) / len(sim), abs=1e-6)
+    hits = 0
+    for i, query in enumerate(texts.queries):
+        qc = {t: query[1:-1].count(t) for t in query[1:-1]}
+        scores = []
+        for text in texts.texts:
+            tc = {t: text[1:-1].count(t) for t in text[1:-1]}
+            dot = sum(c * tc.get(t, 0) for t, c in qc.items())
+            scores.append(dot / (sum(c * c for c in qc.values()) * sum(c * c for c in tc.values())) ** 0.5)
+        hits += max(range(len(scores)), key=lambda j: (scores[j], -j)) == i
+    assert got["retrieval_top1_word_pieces"] == pytest.approx(hits / 6)
+    assert got["texts_sha256"] == texts.digest()
+
+
+def test_the_floor_takes_the_committed_stores_settings_and_refuses_a_mixed_store(floor, tmp_path):
+    s = floor.store_settings(ROOT / "results" / "cpu" / "pretrained" / "records")
+    assert (s.package, s.dtype, s.texts, s.batch, s.trained_len) == (PACKAGE, "float32", 64, 8, 128)
+    assert sorted(s.texts_sha256) == [64, 128, 256, 512]
+    records = sorted((ROOT / "results" / "cpu" / "pretrained" / "records").glob("*.json"))[:2]
+    for i, path in enumerate(records):  # two records, one with other texts per length
+        r = json.loads(path.read_text())
+        r["config"]["pretrained"]["texts"] = 64 + i
+        (tmp_path / path.name).write_text(json.dumps(r))
+    with pytest.raises(ValueError, match=r"the records differ in texts \(64, 65\)"):
+        floor.store_settings(tmp_path)
+    mask = torch.tensor([[0.0, torch.finfo(torch.float32).min]]).expand(1, 1, 1, 2)
+    assert floor.allowed_keys(mask, 1, 1, 2).tolist() == [[[[True, False]]]]
+
+
+def _floor_file(texts_sha256: str, cosines: dict[str, float]) -> dict:
+    """A floor.json as scripts/pretrained_floor.py writes it, at N=128 only, with the given cosines."""
+    figures = {"top1_agreement": 0.8, "top5_agreement": 0.5, "retrieval_top1": 0.86, "cosine_p5": 0.3}
+    return {
+        "settings": {"package": PACKAGE, "dtype": "float32"},
+        "names": {"zeros": "attention removed", "uniform": "uniform weights", "itself": "itself"},
+        "main": ["zeros", "uniform"],
+        "lengths": {
+            "128": {
+                "texts_sha256": texts_sha256,
+                "floors": {k: {**figures, "cosine_mean": c} for k, c in cosines.items()},
+            }
+        },
+    }
+
+
+def test_the_report_ranks_the_floor_rows_among_the_variants_on_the_same_texts(tmp_path):
+    from experiments.records import store
+    from experiments.report import pretrained_section as ps
+
+    committed = ROOT / "results" / "cpu" / "pretrained" / "records"
+    picked = {}
+    for path in sorted(committed.glob("*.json")):
+        r = json.loads(path.read_text())
+        if r["config"]["seq_len"] == 128 and r["variant_name"] in ("sdpa", "linear", "performer"):
+            picked[r["variant_name"]] = (path, r)
+    (tmp_path / "records").mkdir()
+    for path, _ in picked.values():
+        (tmp_path / "records" / path.name).write_text(path.read_text())
+    texts = picked["sdpa"][1]["figures"]["texts_sha256"]
+    cos = {k: r["figures"]["cosine_mean"] for k, (_, r) in picked.items()}
+    # zeros between performer and linear, uniform under linear; "itself" is not a main floor
+    floors = {"zeros": (cos["linear"] + cos["performer"]) / 2, "uniform": cos["linear"] - 0.01, "itself": 0.9}
+    (tmp_path / "floor.json").write_text(json.dumps(_floor_file(texts, floors)))
+    df = store.load([tmp_path / "records"])
+    [(title, tab)] = ps.fidelity_table(df)
+    assert list(tab.index) == [
+        "sdpa", "performer", "floor: attention removed", "linear", "floor: uniform weights"
+    ]  # fmt: skip
+    assert tab.loc["floor: attention removed", "cosine mean"] == f"{floors['zeros']:.5f}"
+    assert tab.loc["floor: uniform weights", "retrieval top-1 %"] == "86"
+    assert tab.loc["floor: uniform weights", "pairs kept %"] == "n/a"
+    assert ps.FLOOR_NOTE in ps.report_markdown(df)
+    assert ps.floor_by_n(ps.load_floors(df), ps.pretrained_rows(df)) == {128: floors["zeros"]}
+    # a floor measured on other texts (another corpus, or N) is not shown beside these records
+    (tmp_path / "floor.json").write_text(json.dumps(_floor_file("0" * 64, floors)))
+    [(_, tab)] = ps.fidelity_table(df)
+    assert list(tab.index) == ["sdpa", "performer", "linear"]
+    assert ps.FLOOR_NOTE not in ps.report_markdown(df)

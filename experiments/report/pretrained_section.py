@@ -2,7 +2,9 @@
 
 - :func:`fidelity_table`: one table per (device, dtype, encoder, N): kept pairs, the model's attention
   mass inside the pattern, embedding cosine (mean, 5th percentile), retrieval agreement, time per batch
-  and peak memory; a length beyond what the model was trained on says so in the table's title.
+  and peak memory; a length beyond what the model was trained on says so in the table's title. The
+  floors of ``<store>/floor.json`` (``scripts/pretrained_floor.py``: attention removed, uniform
+  weights) on the same texts are rows too, and a dashed line in the frontier plot.
 - :func:`ablation_table`: variants with a global block (sparse's ``global_blocks``) beside the same
   layout without it.
 - :func:`plot_frontier`: the cost-quality frontier per length (mean cosine against time per batch, and
@@ -163,22 +165,75 @@ COLUMNS = {
 }
 
 
+#: the floor file (``scripts/pretrained_floor.py``): next to a records folder, ``<store>/floor.json``
+FLOOR_FILE = "floor.json"
+
+
+def load_floors(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """The floor files of the store's records: ``<store>/floor.json`` beside each folder ``<store>/<x>/``
+    that holds records (``path``), each read once, in path order. ``O(record folders)``."""
+    if "path" not in df:
+        return []
+    stores = sorted({Path(str(p)).parent.parent for p in df["path"].dropna().unique()})
+    return [json.loads((d / FLOOR_FILE).read_text()) for d in stores if (d / FLOOR_FILE).is_file()]
+
+
+def floor_rows(floors: list[dict[str, Any]], sub: pd.DataFrame) -> list[tuple[str, dict[str, Any]]]:
+    """``(label, figures)`` of the main floors (attention removed, uniform) measured on the very texts
+    of ``sub``'s ok records (one N, one comparable set): the same texts' SHA-256, the same encoder
+    package and dtype; none when no floor file matches (another corpus, N or encoder)."""
+    ok = sub[sub["status"] == "ok"]
+    hashes = set(ok["texts_sha256"].dropna().astype(str))
+    if len(hashes) != 1 or len(ok) == 0:
+        return []
+    r = ok.iloc[0]
+    n, package = int(r["seq_len"]), (obj(r["pretrained"]) or {}).get("package", ENCODER_DEFAULTS["package"])
+    out = []
+    for floor in floors:
+        at = floor.get("lengths", {}).get(str(n))
+        settings = floor.get("settings", {})
+        if at is None or at.get("texts_sha256") not in hashes:
+            continue
+        if settings.get("package") != package or settings.get("dtype") != r["dtype"]:
+            continue
+        out += [(f"floor: {floor['names'][k]}", at["floors"][k]) for k in floor.get("main", [])]
+    return out
+
+
 def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     """``(title, table)`` per comparable set and N, rows by variant (best mean cosine first; jobs that
-    did not run show their status); a length beyond the model's training says so in its title."""
+    did not run show their status); a length beyond the model's training says so in its title. The
+    floors of :func:`load_floors` measured on the same texts (:func:`floor_rows`) are rows too, ranked
+    by their cosine among the variants, their pairs, mass, time and memory ``n/a``."""
     rows = pretrained_rows(df)
     if rows.empty:
         return []
+    floors = load_floors(df)
     several = _several(rows)
     out = []
     for keys, grp in _groups(rows):
         for n, sub in grp.groupby("seq_len", sort=True):
             # ranked by the cosine as shown (5 decimals), so exact variants tie and list by name
-            sub = sub.assign(_order=pd.to_numeric(sub["cosine_mean"], errors="coerce").round(5).fillna(-1))
-            sub = sub.sort_values(["_order", "variant"], ascending=[False, True])
-            tab = pd.DataFrame(index=pd.Index(sub["variant"].tolist(), name="variant"))
-            for col, fmt in COLUMNS.items():
-                tab[col] = [fmt(r) if r["status"] == "ok" else str(r["status"]) for _, r in sub.iterrows()]
+            entries = [
+                (
+                    r["cosine_mean"],
+                    r["variant"],
+                    [fmt(r) if r["status"] == "ok" else str(r["status"]) for fmt in COLUMNS.values()],
+                )
+                for _, r in sub.iterrows()
+            ]
+            entries += [
+                (f["cosine_mean"], label, [fmt(f) for fmt in COLUMNS.values()])
+                for label, f in floor_rows(floors, sub)
+            ]
+            order = [pd.to_numeric(e[0], errors="coerce") for e in entries]
+            order = [-1.0 if pd.isna(v) else round(float(v), 5) for v in order]
+            ranked = sorted(zip(order, entries, strict=True), key=lambda oe: (-oe[0], oe[1][1]))
+            tab = pd.DataFrame(
+                [e[2] for _, e in ranked],
+                index=pd.Index([e[1] for _, e in ranked], name="variant"),
+                columns=list(COLUMNS),
+            )
             title = f"{_group_title(keys, several)} · N={int(n)}"
             trained = _beyond(sub)
             if trained is not None:
@@ -320,14 +375,29 @@ def _sector(k: int, j: int) -> MarkerPath:
 _POINT_S, _SHARED_S = 42, 90
 
 
-def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
+def floor_by_n(floors: list[dict[str, Any]], rows: pd.DataFrame) -> dict[int, float]:
+    """Per N of ``rows`` (one comparable set), the highest mean cosine among its matching floors
+    (:func:`floor_rows`): the line a variant must clear; Ns with no floor are left out."""
+    out = {}
+    for n, sub in rows.groupby("seq_len"):
+        found = [f["cosine_mean"] for _, f in floor_rows(floors, sub)]
+        if found:
+            out[int(n)] = max(found)
+    return out
+
+
+def plot_frontier(
+    rows: pd.DataFrame, title: str, path: Path, floor: dict[int, float] | None = None
+) -> Path | None:
     """Mean cosine against time per batch (top) and against the share of pairs kept (bottom), one
     column per length, one point per variant and knobs; the cost-fidelity frontier (points nothing
     beats on both axes) filled and joined. Points at one place (:func:`_same_place`: exact variants
     at cosine 1 keeping every pair, say) share one circle, a sector each in its colour, instead of the
-    last drawn hiding the others. ``rows``: one comparable set (:func:`pretrained_rows`). None when no
-    record is usable."""
+    last drawn hiding the others. ``floor``: per N, the cosine of attention that never reads q or k
+    (:func:`floor_by_n`), drawn as a dashed line. ``rows``: one comparable set (:func:`pretrained_rows`).
+    None when no record is usable."""
     rows = rows[rows["status"] == "ok"]
+    floor = floor or {}
     if rows.empty:
         return None
     ns = sorted(int(n) for n in rows["seq_len"].unique())
@@ -366,6 +436,8 @@ def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
                     )
                     face = c if front[i] else "white"
                     ax.scatter(x[i], y[i], color=face, edgecolor=c, lw=1.5, zorder=2, **look)
+            if n in floor:
+                ax.axhline(floor[n], color="0.35", ls="--", lw=1, zorder=0)
             ax.set_xlabel(xlabel)
             if xcol == "kept_pairs":
                 ax.set_xlim(0, 1.05)
@@ -377,6 +449,9 @@ def plot_frontier(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     handles: list = [plt.Line2D([], [], ls="", marker="o", color=colors[nm]) for nm in names]
     handles.append(plt.Line2D([], [], ls="", marker="o", mfc="white", mec="0.3"))
     labels = [*names, "not on the frontier"]
+    if floor:
+        handles.append(plt.Line2D([], [], color="0.35", ls="--", lw=1))
+        labels.append("no attention (floor.json:\nbest of output 0, uniform)")
     if shared:  # a circle of three gray sectors, as such a point is drawn
         grays = ("0.25", "0.5", "0.75")
         handles.append(
@@ -475,11 +550,24 @@ NOTE = (
 )
 
 
+FLOOR_NOTE = (
+    "Rows `floor: ...` (`floor.json` beside the records, from `scripts/pretrained_floor.py` on the same "
+    "texts): every layer's attention replaced by a function that never reads q or k, attention removed "
+    "(output 0) or uniform weights (the mean of v). A variant's cosine says it keeps something of the "
+    "model only above them. Top-1 agreement and retrieval top-1 do not separate a variant from no "
+    "attention on this corpus: each query is a sentence copied from its text, so embeddings that keep "
+    "only which word pieces a text holds still find it."
+)
+
+
 def report_markdown(df: pd.DataFrame) -> str:
     """The whole report as Markdown: the note, one table per length, the ablation, the corpus."""
     parts = ["## Fidelity inside a pretrained model", "", NOTE, ""]
-    for title, tab in fidelity_table(df):
+    tables = fidelity_table(df)
+    for title, tab in tables:
         parts += [f"**{title}**", "", markdown(tab), ""]
+    if any(str(i).startswith("floor: ") for _, tab in tables for i in tab.index):
+        parts += [FLOOR_NOTE, ""]
     for setting in ABLATIONS:
         abl = ablation_table(df, setting)
         if len(abl):
@@ -511,12 +599,13 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
     written = [out / "pretrained.md", out / "pretrained.csv"]
     if plots:
         rows = pretrained_rows(df)
+        floors = load_floors(df)
         sets = _groups(rows)
         several = _several(rows)
         for keys, sub in sets:
             title, tag = _group_title(keys, several), _suffix(keys, len(sets), several)
             for p in (
-                plot_frontier(sub, title, out / f"pretrained_frontier{tag}.png"),
+                plot_frontier(sub, title, out / f"pretrained_frontier{tag}.png", floor_by_n(floors, sub)),
                 plot_token_mass(sub, title, out / f"pretrained_token_mass{tag}.png"),
             ):
                 if p is not None:
