@@ -91,8 +91,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """In an update run, write the baseline: this run's entries plus old ones for cases not run now.
 
-    Keeping unmeasured entries lets ``-k`` refresh one variant; entries of cases that no longer exist
-    (a variant removed, knobs changed) are dropped. Nothing is written if a case errored.
+    Keeping unmeasured entries (every key of :func:`gates.baseline_keys`: the cases' and the call-path
+    gate's) lets ``-k`` refresh one variant; entries of cases that no longer exist (a variant removed,
+    knobs changed) are dropped. Nothing is written if a case errored.
     """
     config = session.config
     if not config.getoption("--update-baseline", default=False):
@@ -105,7 +106,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter is not None:
             reporter.write_line(f"baseline NOT written: {session.testsfailed} case(s) failed", red=True)
         return
-    keys = {c.key for c in gates.cases()}
+    keys = gates.baseline_keys()
     old = gates.load_baseline()
     same_config = old.get("config") == gates.config()
     # each entry says which CPU measured it: a -k refresh adds entries from this machine beside

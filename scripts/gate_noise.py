@@ -6,13 +6,16 @@ gate's first measurement does:
 - the pattern gates (``benchmarks/pattern_gates.py``): ``local_window`` and ``sparse`` forward over
   dense SDPA (gated), and over compiled flex with the same pattern (the goal, tracked);
 - with ``--regression``, the regression gates' time ratios (``benchmarks/gates.py``): every case's
-  ratio to the ``sdpa`` reference, over its committed baseline ratio.
+  ratio to the ``sdpa`` reference, and the call-path gate's ratios (the reference through
+  ``AttentionVariant.forward`` over its bare torch call, per mode), each over its committed baseline
+  ratio.
 
 With ``--load`` the runs have a sweep of this suite and a CPU hog beside them (``busy_machine.py``).
 Appends to ``--out``/runs.jsonl (one line per run) and writes ``--out``/summary.md: per gated figure,
-the median, min and max over every run in that file, max / median, the gate's limit and how far the
-largest run stayed below it. Each run records its host, CPU model and commit (``+dirty``: the working
-tree); a folder's runs must share host, CPU and ``--load`` (else refused, before any run).
+the median, min and max over every run in that file, max / median, the gate's limit, how far the
+largest run stayed below it and (the two-sided regression gates) how far the smallest stayed above
+their low limit. Each run records its host, CPU model and commit (``+dirty``: the working tree); a
+folder's runs must share host, CPU and ``--load`` (else refused, before any run).
 
     python scripts/gate_noise.py --runs 20 --load --out results/cpu/gate_noise/loaded
     python scripts/gate_noise.py --runs 20 --out results/cpu/gate_noise/quiet
@@ -55,18 +58,32 @@ def measure_once(regression: bool) -> dict[str, float]:
                 continue
             m = gates.measure_time(gates.build(case.name, dict(case.knobs)), case.mode)
             out[f"regression/{case.key}"] = m["time_ratio"] / b["time_ratio"]
+        for key, mode in gates.call_path_keys().items():
+            b = base.get(key)
+            if not b or b.get("status") != "ok":
+                continue
+            # as test_call_path's first measurement: planned rounds, not the refresh's doubled ones
+            out[f"regression/{key}"] = gates.measure_call_path(mode)["time_ratio"] / b["time_ratio"]
     return out
 
 
 def limit_of(figure: str) -> float | None:
-    """The gate's limit for a figure (pattern: the ratio; regression: the factor over the baseline)."""
+    """The gate's limit for a figure (pattern: the ratio; regression: the factor over the baseline, the
+    call-path gate's own for its keys)."""
     from benchmarks import gates, pattern_gates
 
     kind, name = figure.split("/", 1)
     if kind == "pattern":  # the gate is against dense SDPA; flex is the goal, not gated
         variant, _, against = name.partition("_vs_")
         return pattern_gates.LIMIT[variant] if against == "dense_sdpa" else None
-    return gates.TIME_FACTOR
+    return gates.time_factor(name)
+
+
+def low_limit_of(figure: str) -> float | None:
+    """The smallest value that passes (regression: 1 / the factor, as the ratio may fall by it too);
+    None for the one-sided pattern gates."""
+    lim = limit_of(figure)
+    return 1 / lim if lim and figure.startswith("regression/") else None
 
 
 def mix_of(runs: list[dict]) -> str | None:
@@ -96,16 +113,17 @@ def summarize(runs: list[dict], title: str) -> str:
         f"commit {', '.join(commits) or '(not recorded)'}; load average over the runs "
         f"{min(r['load_avg'] for r in runs):.2f}-{max(r['load_avg'] for r in runs):.2f}.",
         "",
-        "| gated figure | median | min | max | max / median | limit | limit / max |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| gated figure | median | min | max | max / median | limit | limit / max | min / low limit |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for fig in figures:
         vals = [r["figures"][fig] for r in runs if fig in r["figures"]]
-        med, hi = statistics.median(vals), max(vals)
-        lim = limit_of(fig)
+        med, lo, hi = statistics.median(vals), min(vals), max(vals)
+        lim, low = limit_of(fig), low_limit_of(fig)
         lim_s = f"{lim:.2f}" if lim else "(goal, not gated)"
         room = f"{lim / hi:.2f}" if lim else ""
-        cells = [fig, f"{med:.3f}", f"{min(vals):.3f}", f"{hi:.3f}", f"{hi / med:.3f}", lim_s, room]
+        low_room = f"{lo / low:.2f}" if low else ""
+        cells = [fig, f"{med:.3f}", f"{lo:.3f}", f"{hi:.3f}", f"{hi / med:.3f}", lim_s, room, low_room]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -169,7 +187,11 @@ def main() -> None:
             runs.append(run)
             with open(args.out / "runs.jsonl", "a") as f:
                 f.write(json.dumps(run) + "\n")
-            shown = ", ".join(f"{k} {v:.2f}" for k, v in run["figures"].items() if k.startswith("pattern/"))
+            shown = ", ".join(
+                f"{k} {v:.2f}"
+                for k, v in run["figures"].items()
+                if k.startswith(("pattern/", "regression/" + gates.CALL_PATH))
+            )
             head = f"run {i + 1}/{args.runs} ({run['seconds']} s, load {run['load_avg']:.1f})"
             print(f"{head}: {shown}", flush=True)
     # every run in the folder, this call's and earlier ones' (runs can be gathered over several calls)
