@@ -4,6 +4,7 @@ against the records it was made from."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -156,3 +157,66 @@ def test_the_training_cost_table_compares_each_row_with_sdpa_in_the_same_model()
     assert t.loc["ssd (causal)", "memory_ratio"] == pytest.approx(2.0)
     assert t.loc["sdpa", "steps_per_s"] == pytest.approx(2.0)  # the record without peak_memory is not in it
     assert t.loc["naive", "runs"] == 0 and t.loc["naive", "status"].startswith("oom")
+
+
+def _recall_frame(pairs: tuple[int, ...] = (4, 8), seeds: tuple[int, ...] = (0, 1)):
+    """Recall task rows of sdpa and linear, as the store holds them (no floor in the records)."""
+    import pandas as pd
+
+    rows = []
+    for v in ("sdpa", "linear"):
+        for p in pairs:
+            task = {"name": "recall", "causal": True, "d_model": 16, "heads": 1, "num_pairs": p}
+            task |= {"test_size": 48, "num_queries": 4}
+            for s in seeds:
+                rows.append(
+                    {"kind": "task", "variant": v, "variant_name": v, "task": json.dumps(task)}
+                    | {"seq_len": 32, "seed": s, "status": "ok", "state_bytes": 4096, "test_accuracy": 0.5}
+                    | {"started_at": pd.Timestamp("2026-11-25", tz="UTC")}
+                )
+    return pd.DataFrame(rows)
+
+
+def _floor_of(pairs: int, seeds: tuple[int, ...]) -> float:
+    """The floor on the test sets a job at each seed draws (measure_task: generator 2 * seed + 1)."""
+    import torch
+
+    from experiments.measure.tasks.data import context_floor, draw, make_task
+
+    task = make_task("recall", 32, num_pairs=pairs, num_queries=4)
+    sets = [draw(task, 48, torch.Generator().manual_seed(2 * s + 1), "test") for s in seeds]
+    return sum(context_floor(task, b) for b in sets) / len(sets)
+
+
+def test_the_frontier_shows_the_floor_of_its_test_sets_in_table_markdown_and_plot(tmp_path, monkeypatch):
+    """The records carry no floor: the report computes it from their task settings and seeds, puts it
+    in the table, adds a floor row per N to the Markdown and a dashed line per panel to the plot."""
+    from experiments.report import frontier_section as fs
+
+    table = fs.frontier_table(_recall_frame())
+    for p in (4, 8):
+        want = _floor_of(p, (0, 1))
+        assert 0.2 < want < 0.9  # far above 1 / num_values = 1/16
+        assert list(table.loc[table["pairs"] == p, "floor"]) == pytest.approx([want, want]), p
+    last = fs.frontier_markdown(table).strip().splitlines()[-1]
+    cells = [c.strip() for c in last.strip("|").split("|")]
+    assert cells[0] == fs.FLOOR_LABEL and cells[2] == "32"
+    assert cells[4:6] == [f"{100 * _floor_of(4, (0, 1)):.1f}", f"{100 * _floor_of(8, (0, 1)):.1f}"]
+
+    figs = []
+    monkeypatch.setattr(fs, "save_figure", lambda fig, path: figs.append(fig) or Path(path))
+    fs.plot_frontier(table, tmp_path / "f.png")
+    for ax, p in zip(figs[0].axes, (4, 8), strict=False):
+        assert _floor_lines(ax) == pytest.approx([100 * _floor_of(p, (0, 1))]), p
+    assert fs.FLOOR_LABEL in figs[0]._suptitle.get_text()  # the legend's lines are the variants'
+
+
+def _floor_lines(ax) -> list[float]:
+    """The heights (%) of the dashed horizontal lines across ``ax`` (line collections)."""
+    from matplotlib.collections import LineCollection
+
+    out = []
+    for c in ax.collections:
+        if isinstance(c, LineCollection) and c.get_linestyle()[0][1] is not None:  # dashed
+            out += [float(seg[0][1]) for seg in c.get_segments() if seg[0][1] == seg[1][1]]
+    return out

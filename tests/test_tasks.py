@@ -21,14 +21,26 @@ from omegaconf import OmegaConf
 import variants
 from experiments.measure.kernel import measure
 from experiments.measure.spec import Device, JobSpec
-from experiments.measure.tasks.data import IGNORE, TASKS, Copy, Recall, Reverse, draw, is_test, make_task
+from experiments.measure.tasks.data import (
+    IGNORE,
+    TASKS,
+    Batch,
+    Copy,
+    Recall,
+    Reverse,
+    context_floor,
+    draw,
+    held_out_set,
+    is_test,
+    make_task,
+)
 from experiments.measure.tasks.model import (
     TaskTransformer,
     count_params,
     recorded_attention,
     sinusoidal_positions,
 )
-from experiments.measure.tasks.train import Settings, build_model
+from experiments.measure.tasks.train import Settings, build_model, job_context_floor
 from experiments.records.records import read_records
 from experiments.sweep.hydra_nodes import register_hydra_pieces
 
@@ -167,6 +179,88 @@ def test_seq2seq_target_is_the_reversed_or_sorted_source_with_other_length(op):
         assert ex["target"] == y + [Reverse.EOS]
         assert ex["dec_in"] == [Reverse.BOS] + y
         assert len(ex["target"]) == len(ex["src"]) + 1  # source and target lengths differ
+
+
+def _modal(tokens: list[int]) -> int:
+    """The most frequent token, the smallest of a tie (a plain count, apart from the module)."""
+    counts: dict[int, int] = {}
+    for t in tokens:
+        counts[t] = counts.get(t, 0) + 1
+    return max(sorted(counts), key=counts.__getitem__)  # max keeps the first of equal counts
+
+
+def _floor_by_hand(task, b) -> float:
+    """The context-only floor counted example by example in plain Python (see context_floor)."""
+    right = total = 0
+    k, v = getattr(task, "num_keys", 0), getattr(task, "num_values", 0)
+    for ex in rows(b):
+        src = ex["src"]
+        if isinstance(task, Recall) and task.pair_tokens:
+            values = [1 + k + divmod(t - (1 + k + v), v)[1] for t in src[: task.num_pairs]]
+        elif isinstance(task, Recall):
+            values = src[1 : 2 * task.num_pairs : 2]
+        else:
+            values = [t for t in src if t >= task.SYM0]
+        guess = [_modal(values)] * len(ex["target"])
+        if isinstance(task, Reverse):
+            guess[-1] = Reverse.EOS
+        for g, t in zip(guess, ex["target"], strict=True):
+            if t != IGNORE:
+                total += 1
+                right += g == t
+    return right / total
+
+
+def test_the_context_floor_of_a_hand_made_recall_batch():
+    """Two examples, 3 pairs over 3 values (value tokens 5, 6, 7; pair token 8 + 3 * key + value)."""
+    task = Recall(8, num_pairs=3, num_keys=4, num_values=3, num_queries=3)
+    src = torch.tensor(
+        [[8 + 0 + 2, 8 + 3 + 2, 8 + 9 + 0, 0, 2, 0, 4, 1], [8 + 0, 8 + 4, 8 + 8, 1, 0, 2, 0, 3]]
+    )
+    t = torch.full_like(src, IGNORE)
+    t[0, [4, 6, 7]] = torch.tensor([7, 5, 7])  # values 2, 2, 0: the guess is 7; 2 of 3 right
+    t[1, [3, 5, 7]] = torch.tensor([5, 6, 7])  # values 0, 1, 2 tie: the guess is 5; 1 of 3 right
+    assert context_floor(task, Batch(src=src, target=t)) == pytest.approx(3 / 6)
+
+
+@pytest.mark.parametrize(
+    "name, knobs",
+    [
+        ("recall", {"num_pairs": 6}),
+        ("recall", {"num_pairs": 5, "pair_tokens": False, "gap": 3}),
+        ("copy", {}),
+        ("copy", {"selective": True}),
+        ("reverse", {}),
+        ("reverse", {"op": "sort"}),
+    ],
+)
+def test_the_context_floor_matches_a_count_by_hand(name, knobs):
+    # few symbols, so ties and repeats are common
+    task = make_task(name, 32, **knobs) if name == "recall" else make_task(name, 32, num_symbols=4, **knobs)
+    b = held_out_set(task, 64, seed=3)
+    assert context_floor(task, b) == pytest.approx(_floor_by_hand(task, b), abs=1e-12)
+
+
+def test_the_context_floor_is_far_above_one_over_the_vocabulary():
+    """The review's figures (N=128, 4096 test examples): a model binding nothing scores 33.8 / 25.7 /
+    19.2% on recall at 4 / 8 / 16 pairs, 12.4% on copy and 11.2% on reversal, not 1/16."""
+    want = {4: 0.338, 8: 0.257, 16: 0.192}
+    for p, floor in want.items():
+        task = make_task("recall", 128, num_pairs=p)
+        assert context_floor(task, held_out_set(task, 4096, seed=0)) == pytest.approx(floor, abs=0.01), p
+    task = make_task("copy", 128)
+    assert context_floor(task, held_out_set(task, 4096, seed=0)) == pytest.approx(0.124, abs=0.01)
+    task = make_task("reverse", 128)
+    assert context_floor(task, held_out_set(task, 1024, seed=0)) == pytest.approx(0.112, abs=0.01)
+
+
+def test_a_jobs_floor_is_computed_on_the_test_set_the_job_evaluates_on():
+    cfg = {"name": "recall", "num_pairs": 4, "test_size": 40, "causal": True, "steps": 7}
+    task = make_task("recall", 24, num_pairs=4)
+    for seed in (0, 1):
+        test = draw(task, 40, torch.Generator().manual_seed(2 * seed + 1), "test")  # as measure_task
+        assert job_context_floor(cfg, 24, seed) == context_floor(task, test)
+    assert job_context_floor(cfg, 24, 0) != job_context_floor(cfg, 24, 1)  # another seed, another set
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -552,10 +646,41 @@ def test_a_core_the_budget_shrank_is_labelled_with_the_size_it_trained_at():
     )
     assert list(task_rows(df)["variant_label"]) == [
         "additive [trained at hidden=63]",
-        "additive",
-        "linformer [trained at proj_len=20]",
+        "additive(hidden=8)",  # away from its default (64): named, see the next test
+        "linformer(max_len=128) [trained at proj_len=20]",
         "sparse",
     ]
+
+
+def test_a_knob_set_away_from_its_default_is_named_even_when_the_store_holds_one_setting():
+    """The store names a knob only when it varies within it: a store of sparse at block 8 alone
+    labelled its rows plain ``sparse``, which reads as the default block (64). The default comes from
+    the class's signature; impl and the draw seed are never named; a knob the label names is not
+    repeated; the kernel columns still join on the unlabelled name."""
+    from experiments.report.task_section import task_rows
+
+    task = {"name": "copy", "causal": False}
+    rows = [
+        ("sparse", "sparse", {"block": 8, "window_blocks": 1, "seed": 3, "impl": "sdpa"}),
+        ("sparse", "sparse", {"block": 64}),
+        ("local_window", "local_window(window=16)", {"window": 16}),
+        ("linformer", "linformer(max_len=128)", {"max_len": 128, "proj_len": 32}),
+    ]
+    df = pd.DataFrame(
+        [
+            {"kind": "task", "variant": label, "variant_name": v, "task": task, "seq_len": 128}
+            | {"knobs": json.dumps(k)}
+            for v, label, k in rows
+        ]
+    )
+    out = task_rows(df)
+    assert list(out["variant_label"]) == [
+        "sparse(block=8)",
+        "sparse",
+        "local_window(window=16)",
+        "linformer(max_len=128, proj_len=32)",
+    ]
+    assert list(out["_variant_base"]) == [label for _, label, _ in rows]
 
 
 def test_a_decoder_layers_cross_attention_tells_its_core_the_keys_are_another_sequence():
@@ -576,3 +701,58 @@ def test_a_decoder_layers_cross_attention_tells_its_core_the_keys_are_another_se
     w = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8**0.5, dim=-1)  # every memory key
     ref = attn.out_proj((w @ v.double()).float().transpose(1, 2).reshape(1, 4, 16))
     assert torch.allclose(attn(h, memory, cross=True), ref, atol=1e-5)
+
+
+def test_the_task_table_and_recall_plot_show_each_tasks_floor(tmp_path, monkeypatch):
+    """The records carry no floor: the report computes it per run from its task settings and seed on
+    the test set that run drew, shows its mean over the seeds beside the accuracy, a floor row per N
+    in the combined table, and a dashed line in each recall-vs-distance panel."""
+    from experiments.report import task_section as ts
+
+    tasks = {
+        "recall": {"name": "recall", "num_pairs": 6, "test_size": 40},
+        "copy": {"name": "copy", "num_symbols": 4, "test_size": 40},
+        "reverse": {"name": "reverse", "num_symbols": 4, "test_size": 24},
+    }
+    df = pd.DataFrame(
+        [
+            {"kind": "task", "variant": "sdpa", "variant_name": "sdpa", "task": json.dumps(t)}
+            | {"seq_len": 24, "seed": s, "status": "ok", "test_accuracy": 0.9}
+            | {"started_at": pd.Timestamp("2026-11-25", tz="UTC")}
+            | (
+                {"acc_by_distance": {"12": 0.9, "24": 0.8}, "n_by_distance": {"12": 5, "24": 5}}
+                if n == "recall"
+                else {}
+            )
+            for n, t in tasks.items()
+            for s in (0, 1)
+        ]
+    )
+
+    def floor(name: str) -> float:  # the data module's count on the test sets measure_task draws
+        knobs = {k: v for k, v in tasks[name].items() if k not in ("name", "test_size")}
+        task = make_task(name, 24, **knobs)
+        sets = [
+            draw(task, tasks[name]["test_size"], torch.Generator().manual_seed(2 * s + 1), "test")
+            for s in (0, 1)
+        ]
+        return sum(context_floor(task, b) for b in sets) / 2
+
+    table = ts.task_table(df).set_index("task")
+    for name in tasks:
+        assert table.loc[name, "floor"] == pytest.approx(floor(name)), name
+    assert 0.3 < floor("copy") < 1 and 0.25 < floor("reverse") < 1  # 4 symbols: far above 1/4 - EOS
+    last = ts.combined_markdown(table.reset_index()).strip().splitlines()[-1]
+    cells = [c.strip() for c in last.strip("|").split("|")]
+    assert cells[:5] == [ts.FLOOR_LABEL, "24", *[f"{100 * floor(n):.1f}" for n in sorted(tasks)]]
+    assert "floor % (modal answer from the context)" in ts.markdown(table.reset_index())
+
+    figs = []
+    monkeypatch.setattr(ts, "save_figure", lambda fig, path: figs.append(fig) or Path(path))
+    ts.plot_recall_vs_distance(df, tmp_path / "d.png")
+    from matplotlib.collections import LineCollection
+
+    ax = figs[0].axes[0]
+    dashed = [c for c in ax.collections if isinstance(c, LineCollection) and c.get_linestyle()[0][1]]
+    assert [float(c.get_segments()[0][0][1]) for c in dashed] == pytest.approx([100 * floor("recall")])
+    assert ts.FLOOR_LABEL in figs[0]._suptitle.get_text()  # named where the window's dots are

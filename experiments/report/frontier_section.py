@@ -8,11 +8,14 @@ model configuration (variant and its knobs, width and heads) at one sequence len
 of key-value pairs (a cache grows with N and the task changes with it: lengths are never pooled):
 
 - :func:`frontier_table`: one row per configuration, N and number of pairs: state, test accuracy
-  (mean and std over seeds), training step time and inference time per token (medians over seeds).
-- :func:`frontier_markdown`: the same with the pair counts side by side, a row per configuration and N.
+  (mean and std over seeds), the context-only floor of the same test sets (what a model binding no
+  key scores by answering each example's most frequent pair value), training step time and
+  inference time per token (medians over seeds).
+- :func:`frontier_markdown`: the same with the pair counts side by side, a row per configuration and
+  N, and a floor row per N.
 - :func:`plot_frontier`: accuracy against state, one panel per N and number of pairs, one line per
   variant through its configurations in order of state, error bars one std over seeds, each seed a
-  faint dot.
+  faint dot, the floor a dashed grey line.
 
 Drawn when the store's recall records with ``state_bytes`` cover at least two variants.
 ``O(records)``.
@@ -29,7 +32,16 @@ import pandas as pd
 
 from .format import markdown as markdown_table
 from .format import obj
-from .task_section import _TRAINING_KEYS, _plt, newest_runs, save_figure, task_rows
+from .task_section import (
+    _TRAINING_KEYS,
+    FLOOR_LABEL,
+    _plt,
+    context_floors,
+    draw_floor,
+    newest_runs,
+    save_figure,
+    task_rows,
+)
 
 COLS = [
     "variant",
@@ -42,6 +54,7 @@ COLS = [
     "seeds",
     "acc_mean",
     "acc_std",
+    "floor",
     "accs",
     "step_ms",
     "infer_us_per_token",
@@ -67,7 +80,8 @@ def _recall_rows(df: pd.DataFrame) -> pd.DataFrame:
     vary = [k for k in keys if len({json.dumps(t.get(k), sort_keys=True) for t in task}) > 1]
     sub["variant_label"] += task.map(lambda t: "".join(f" · {k}={t.get(k)}" for k in vary))
     measured = pd.to_numeric(sub["state_bytes"], errors="coerce").notna()
-    return sub[measured | (sub["status"] != "ok")]
+    sub = sub[measured | (sub["status"] != "ok")]
+    return sub.assign(_floor=context_floors(sub))
 
 
 def frontier_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -95,6 +109,8 @@ def frontier_table(df: pd.DataFrame) -> pd.DataFrame:
                 "seeds": len(ok),
                 "acc_mean": acc.mean() if len(ok) else math.nan,
                 "acc_std": acc.std(ddof=1) if len(ok) > 1 else math.nan,
+                # what binding no key scores on the same test sets (mean over the runs' seeds)
+                "floor": num("_floor").mean() if len(ok) else math.nan,
                 "accs": [float(a) for a in acc],  # each seed's, for the plot
                 "step_ms": num("step_ms").median() if len(ok) else math.nan,
                 "infer_us_per_token": num("infer_us_per_token").median() if len(ok) else math.nan,
@@ -111,7 +127,8 @@ def frontier_table(df: pd.DataFrame) -> pd.DataFrame:
 def frontier_markdown(table: pd.DataFrame) -> str:
     """``table`` as Markdown: one row per configuration and N, test accuracy per number of pairs side
     by side (mean ± std over seeds, %), the state per layer, and the times (medians over every run of
-    the configuration at that N)."""
+    the configuration at that N); last, per N, the context-only floor per number of pairs
+    (:data:`~experiments.report.task_section.FLOOR_LABEL`, mean over the table's rows)."""
     if not len(table):
         return ""
     pairs = sorted(table["pairs"].unique())
@@ -134,6 +151,13 @@ def frontier_markdown(table: pd.DataFrame) -> str:
         row["train step ms"] = f"{g['step_ms'].median():.3g}"
         row["inference µs / token"] = f"{g['infer_us_per_token'].median():.3g}"
         out.append(row)
+    # a row per N: what a model that binds no key scores (the modal pair value of each example)
+    for n, g in table.groupby("N", sort=True):
+        floor = {p: g.loc[g["pairs"] == p, "floor"].dropna() for p in pairs}
+        if any(len(f) for f in floor.values()):
+            row = {"variant": FLOOR_LABEL, "model": "", "N": n, "state KiB / layer": ""}
+            row |= {f"{p} pairs": f"{100 * f.mean():.1f}" if len(f) else "" for p, f in floor.items()}
+            out.append(row | {"train step ms": "", "inference µs / token": ""})
     return markdown_table(pd.DataFrame(out).set_index("variant"))
 
 
@@ -141,7 +165,9 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
     """Test accuracy against state bytes per layer (log scale), a panel per N (rows) and number of
     pairs (columns), a line per variant (its configurations in order of state, error bars one std over
     seeds; lines that coincide take turns in dashes of their colours,
-    :func:`~experiments.report.plots.coinciding_styles`); None when the table is empty."""
+    :func:`~experiments.report.plots.coinciding_styles`), and a dashed grey line at the panel's
+    context-only floor (what binding no key scores; the title names it); None when the table is
+    empty."""
     table = table[table["seeds"] > 0]
     if not len(table):
         return None
@@ -167,6 +193,7 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
     }
     ylim = (-2, 102)  # linear: lines within a line's width of each other are one line there
     merged = False  # some panel's lines coincide somewhere (the legend says how they are drawn)
+    floored = False  # some panel has a floor line
     # a line joins one length's configurations: a point at another N is another state and task
     for ax, (n, p) in zip(axes.flat, [(n, p) for n in ns for p in pairs], strict=True):
         here = table[(table["N"] == n) & (table["pairs"] == p)]
@@ -174,6 +201,10 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
             ax.set_title(f"{p} key-value pairs, N={n}: no run")
             ax.axis("off")
             continue
+        floor = here["floor"].mean()  # the panel's floor: what binding no key scores
+        if math.isfinite(floor):
+            draw_floor(ax, floor)
+            floored = True
         lines = [(name, here[here["variant_name"] == name]) for name in names]
         lines = [(name, g.sort_values(["state_bytes", "acc_mean"])) for name, g in lines if len(g)]
         atol = COINCIDE_SPAN * (ylim[1] - ylim[0])
@@ -212,8 +243,12 @@ def plot_frontier(table: pd.DataFrame, path: str | Path) -> Path | None:
         row[0].set_ylabel("test accuracy (%)")
     most = int(table["seeds"].max())
     seq = ", ".join(str(x) for x in sorted({int(d) for d in table["d_model"]}))
+    # the floor is named in the title, as the distance plot names its window lines: the legend's
+    # lines are the variants' (solid) and the coinciding-dashes entry only
+    floor_text = f"; dashed grey: {FLOOR_LABEL}" if floored else ""
     fig.suptitle(
-        f"Associative recall against decoding state (width {seq}; mean ± std over up to {most} seeds)",
+        f"Associative recall against decoding state (width {seq}; mean ± std over up to {most} seeds"
+        f"{floor_text})",
         fontsize=10,
     )
     # one legend for the figure: a variant missing from one panel is still named, its line solid
@@ -245,7 +280,10 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
         "key-value pairs, beside the bytes one sequence keeps per attention layer to decode after N "
         "tokens (`state_bytes`: the K/V cache of exact attention, the cache a window reads, the fixed "
         "state of a recurrence), the training step time and the trained model's inference time per "
-        "token (medians over the configuration's runs; timings depend on the machine's load)."
+        "token (medians over the configuration's runs; timings depend on the machine's load). "
+        f"The last row per N, {FLOOR_LABEL}, is what a model that binds no key scores on the same "
+        "test sets by predicting each example's most frequent pair value at every query: every value "
+        "is in the context, so that, not 1 / num_values, is the floor, and it falls as the pairs grow."
     )
     (out / "recall_frontier.md").write_text(
         f"## Recall against state\n\n{note}\n\n{frontier_markdown(table)}\n"

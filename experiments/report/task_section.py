@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import textwrap
@@ -27,8 +29,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+import variants
+
 from ..measure.spec import Kind
-from ..measure.tasks.train import Settings
+from ..measure.tasks.train import Settings, job_context_floor
 from ..records.store import WORKLOAD, newest_mask, of_kind
 from .format import markdown as markdown_table
 from .format import obj
@@ -114,10 +118,46 @@ def task_rows(df: pd.DataFrame) -> pd.DataFrame:
     name = _variant_col(sub)
     sub["_variant_base"] = name.where(~causal, name + " (causal)")
     shrunk = _shrunk_text(sub)
-    sub["variant_label"] = (name + shrunk + sub["_where"]).where(
-        ~causal, name + shrunk + sub["_where"] + " (causal)"
+    named = _with_set_knobs(name, sub)  # the kernel columns still join on _variant_base
+    sub["variant_label"] = (named + shrunk + sub["_where"]).where(
+        ~causal, named + shrunk + sub["_where"] + " (causal)"
     )
     return sub
+
+
+#: knobs a task row's label never names: how a core is computed, or a draw that moves with the seed
+_UNNAMED_KNOBS = {"impl", "seed"}
+
+
+def _with_set_knobs(labels: pd.Series, sub: pd.DataFrame) -> pd.Series:
+    """``labels`` naming, too, each knob a row's record set away from its class's default that the
+    label leaves out: the store names only knobs that vary within it, so a store of sparse at block 8
+    alone said plain ``sparse``, which reads as the default block of 64 (``sparse(block=8)`` now)."""
+    if "knobs" not in sub or "variant_name" not in sub:
+        return labels
+    out = labels.copy()
+    for idx, label, name, knobs in zip(sub.index, labels, sub["variant_name"], sub["knobs"], strict=True):
+        knobs = obj(knobs)
+        if not isinstance(knobs, dict) or not isinstance(label, str):
+            continue
+        try:
+            defaults = inspect.signature(variants.get(str(name)).__init__).parameters
+        except (variants.UnknownVariant, TypeError, ValueError):  # not a registered class: as labelled
+            continue
+        extra = [
+            f"{k}={v}"
+            for k, v in sorted(knobs.items())
+            if k in defaults
+            and k not in _UNNAMED_KNOBS
+            and defaults[k].default is not inspect.Parameter.empty
+            and defaults[k].default != v
+            and f"{k}=" not in label
+        ]
+        if extra:
+            more = ", ".join(extra)
+            inside = label.endswith(")") and "(" in label  # the store named some: add to its list
+            out[idx] = f"{label[:-1]}, {more})" if inside else f"{label}({more})"
+    return out
 
 
 def _shrunk_text(sub: pd.DataFrame) -> pd.Series:
@@ -136,6 +176,50 @@ def _shrunk_text(sub: pd.DataFrame) -> pd.Series:
         return pd.Series("", index=sub.index, dtype=object)
     return pd.Series(
         [text(c, u) for c, u in zip(sub["knobs"], sub["core_knobs"], strict=True)], index=sub.index
+    )
+
+
+#: how the report names a task's context-only floor (:func:`~experiments.measure.tasks.data.context_floor`)
+FLOOR_LABEL = "floor (modal answer from the context)"
+#: how plots draw it: a horizontal line under the variants' lines, in long dark-grey dashes (the
+#: legend entry of coinciding lines, :func:`~experiments.report.plots.coinciding_handle`, is short
+#: light-grey dashes)
+FLOOR_STYLE = {"colors": "0.2", "linestyles": [(0, (7, 3))], "linewidths": 1.4, "zorder": 1}
+
+
+def draw_floor(ax: Any, floor: float) -> None:
+    """A dashed line across ``ax`` at ``100 * floor`` (%). A line collection, not a Line2D: it is
+    a reference level, not one of the panel's data lines (which the coinciding-line styling and the
+    plot tests walk)."""
+    ax.hlines(100 * floor, 0, 1, transform=ax.get_yaxis_transform(), **FLOOR_STYLE)
+
+
+@functools.lru_cache(maxsize=256)
+def _context_floor(task_json: str, seq_len: int, seed: int) -> float:
+    """The context-only floor of one task run (its config as :func:`task_rows`' ``_task_json``), on
+    the test set that run evaluated on; NaN for a task without one or a config this code cannot build.
+    Cached: every variant of a store shares its few (task, N, seed) test sets."""
+    cfg = {k: v for k, v in json.loads(task_json).items() if k not in _RETIRED_KEYS}
+    try:
+        floor = job_context_floor(cfg, seq_len, seed)
+    except (ValueError, TypeError):  # an old record's task this code no longer builds: no floor
+        return math.nan
+    return math.nan if floor is None else floor
+
+
+def context_floors(sub: pd.DataFrame) -> pd.Series:
+    """Per row of :func:`task_rows`' ``sub``: the accuracy of predicting, at every scored position of
+    its test set, the example's most frequent candidate answer seen in its input. Records do not carry
+    it; it is recomputed from the record's task settings and seed (milliseconds per test set)."""
+    if not len(sub) or "seed" not in sub or "seq_len" not in sub:
+        return pd.Series(math.nan, dtype=float, index=sub.index)
+    return pd.Series(
+        [
+            _context_floor(t, int(n), int(s)) if pd.notna(s) and pd.notna(n) else math.nan
+            for t, n, s in zip(sub["_task_json"], sub["seq_len"], sub["seed"], strict=True)
+        ],
+        index=sub.index,
+        dtype=float,
     )
 
 
@@ -188,7 +272,8 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (variant, task, N): accuracy over seeds beside cost, parameters, speed and memory.
 
     Numeric columns: ``seeds`` (ok runs), ``acc_mean``/``acc_std`` (test accuracy per answer token,
-    std with ddof=1, NaN for one seed), ``exact_mean`` (whole answers right), ``final_loss``,
+    std with ddof=1, NaN for one seed), ``floor`` (the context-only floor on the same runs' test sets,
+    mean over them: :func:`context_floors`), ``exact_mean`` (whole answers right), ``final_loss``,
     ``steps`` (mean), ``capped`` (runs the time cap stopped), ``train_s``, ``step_ms``, ``params``,
     ``params_baseline``, and from the timing records
     ``fwd_ms``, ``fwd_bwd_ms``, ``peak_mib``. Text columns: ``accuracy`` (``mean ± std`` in %) and
@@ -202,6 +287,7 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
         "accuracy",
         "acc_mean",
         "acc_std",
+        "floor",
         "exact_mean",
         "final_loss",
         "steps",
@@ -220,6 +306,7 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
     # a re-run replaces a seed's record, it does not add a seed; oldest first, so that a cell with no
     # ok run shows its newest run's status
     sub = sub[newest_runs(sub)].sort_values("started_at")
+    sub = sub.assign(_floor=context_floors(sub))
     rows = []
     for (v, t, n), g in sub.groupby(keys, sort=True):
         ok = g[g["status"] == "ok"]
@@ -235,6 +322,8 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
             return float(getattr(vals, how)()) if how != "std" else float(vals.std(ddof=1))
 
         row["acc_mean"], row["acc_std"] = stat("test_accuracy"), stat("test_accuracy", "std")
+        # what a model that binds nothing scores on the same test sets (the runs' own seeds)
+        row["floor"] = stat("_floor")
         row["exact_mean"] = stat("test_exact_match")
         row["final_loss"] = stat("final_loss")
         row["train_s"], row["step_ms"] = stat("train_s"), stat("step_ms")
@@ -265,10 +354,12 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def markdown(table: pd.DataFrame) -> str:
     """``table`` as a GitHub Markdown table of its display columns (numbers rounded)."""
-    show = ["variant", "task", "N", "seeds", "accuracy", "exact_mean", "steps", "train_s", "params"]
+    show = ["variant", "task", "N", "seeds", "accuracy", "floor", "exact_mean", "steps", "train_s", "params"]
     show += ["params_baseline"]
     show += ["fwd_ms", "fwd_bwd_ms", "peak_mib", "status"]
     t = table[[c for c in show if c in table]].copy()
+    if "floor" in t:
+        t["floor"] = t["floor"].map(lambda x: "" if pd.isna(x) else f"{100 * x:.1f}")
     if "exact_mean" in t:
         t["exact_mean"] = t["exact_mean"].map(lambda x: "" if pd.isna(x) else f"{100 * x:.1f}")
     if "steps" in t:  # mean steps, and how many runs the time cap stopped
@@ -284,6 +375,7 @@ def markdown(table: pd.DataFrame) -> str:
             t[c] = t[c].map(lambda x: "" if pd.isna(x) else f"{int(x)}")
     names = {
         "accuracy": "test acc % (mean ± std)",
+        "floor": "floor % (modal answer from the context)",
         "exact_mean": "exact match %",
         "train_s": "train s",
         "params_baseline": "params (exact baseline)",
@@ -297,7 +389,8 @@ def markdown(table: pd.DataFrame) -> str:
 def combined_markdown(table: pd.DataFrame) -> str:
     """Cost and quality in one Markdown table: one row per (variant, N), the test accuracy on every
     task side by side (mean ± std in %, with the mean training steps when the time cap cut a run
-    short), then the kernel's forward and forward+backward time and forward peak memory at that N.
+    short), then the kernel's forward and forward+backward time and forward peak memory at that N;
+    last, per N, the tasks' context-only floors (:data:`FLOOR_LABEL`).
     ``table`` is :func:`task_table`'s output."""
     if not len(table):
         return ""
@@ -319,6 +412,12 @@ def combined_markdown(table: pd.DataFrame) -> str:
             x = g[c].dropna()
             row[c] = f"{x.iloc[0]:.3g}" if len(x) else ""
         out.append(row)
+    # a row per N: what a model that binds nothing scores on each task there (mean over the rows' runs)
+    for n, g in table.groupby("N", sort=True):
+        floor = {t: g.loc[g["task"] == t, "floor"].dropna() for t in tasks}
+        if any(len(f) for f in floor.values()):
+            row = {"variant": FLOOR_LABEL, "N": n, "fwd_ms": "", "fwd_bwd_ms": "", "peak_mib": ""}
+            out.append(row | {t: f"{100 * f.mean():.1f}" if len(f) else "" for t, f in floor.items()})
     names = {t: f"{t} acc %" for t in tasks} | {
         "fwd_ms": "fwd ms",
         "fwd_bwd_ms": "fwd+bwd ms",
@@ -363,7 +462,8 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     (the same colour and marker in every panel, one legend for the figure); None if no recall record
     has per-distance accuracies.
 
-    Bins are pooled over seeds weighted by their query counts; a dotted line marks a local_window
+    Bins are pooled over seeds weighted by their query counts; a dashed grey line marks the panel's
+    context-only floor (:func:`context_floors`, mean over its records); a dotted line marks a local_window
     model's window: a query farther from its key than that cannot see it in one hop. (Stacked layers
     could relay up to layers x window, but a relay token cannot know which pair a later query
     will ask for, so in practice recall stops at the window.) Lines that coincide (exact variants at
@@ -392,6 +492,9 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
     several_n = sub["seq_len"].nunique() > 1
     for ax, (t, n) in zip(axes.flat, facets, strict=False):
         here = sub[(sub["task_label"].astype(str) == t) & (sub["seq_len"] == n)]
+        floor = context_floors(here).mean()  # the same at every distance: the guess ignores the key
+        if math.isfinite(floor):
+            draw_floor(ax, floor)
         lines = [(v, g, *_recall_curve(g)) for v, g in here.groupby(here["variant_label"].astype(str))]
         lines = [line for line in lines if line[2]]
         atol = COINCIDE_SPAN * (ylim[1] - ylim[0])
@@ -425,7 +528,11 @@ def plot_recall_vs_distance(df: pd.DataFrame, path: str | Path) -> Path | None:
         frameon=False,
         title="variant",
     )
-    fig.suptitle("Associative recall: accuracy vs distance (dotted: local window size)")
+    fig.suptitle(
+        "Associative recall: accuracy vs distance (dotted: local window size; dashed grey: "
+        + FLOOR_LABEL
+        + ")"
+    )
     return save_figure(fig, path)
 
 
@@ -538,14 +645,18 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, *, plots: bool = True) -
     written.append(out / "task_table.csv")
     note = (
         "Test accuracy: exact match per answer token on the held-out split, mean ± std over seeds "
-        "(std needs 2+ seeds). fwd/fwd+bwd ms and peak MiB: the same variant's kernel timing records "
+        "(std needs 2+ seeds). Floor: the accuracy of predicting, at every answer, the example's most "
+        "frequent candidate answer in its input (recall: the modal value among its pairs; copy and "
+        "reversal: the modal symbol, and EOS where reversal scores it), on the same test sets: a model "
+        "at or below it has learnt no lookup (1 / vocabulary is not the floor: every value is in the "
+        "context). fwd/fwd+bwd ms and peak MiB: the same variant's kernel timing records "
         "at that N, where the task ran, when the store has them for one call shape (batch, heads, head "
         "size...; of several, the Speed table shows each)."
     )
     combined = (
         "## Cost and quality\n\nTest accuracy per task (mean ± std over seeds, %; the mean steps "
         "in brackets when the time cap stopped training early) beside the kernel's time and memory "
-        "at that N.\n\n" + combined_markdown(table)
+        f"at that N; the last row per N is each task's {FLOOR_LABEL}.\n\n" + combined_markdown(table)
     )
     (out / "task_table.md").write_text(f"## Task accuracy\n\n{note}\n\n{markdown(table)}\n\n{combined}\n")
     written.append(out / "task_table.md")

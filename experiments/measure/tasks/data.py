@@ -124,10 +124,11 @@ class Recall(Task):
     pair tokens, ``K = num_keys``, ``V = num_values``.
 
     Knobs: ``num_pairs`` key-value pairs per example; ``num_keys`` the key vocabulary (keys are
-    distinct within an example, so ``>= num_pairs``); ``num_values`` the value vocabulary (chance
-    accuracy ``1 / num_values``); ``gap`` filler tokens between the pairs and the first possible query
-    (distance ``> gap``); ``num_queries`` queries per example (None: every position after the gap);
-    ``pair_tokens`` and ``pair_loss`` as above.
+    distinct within an example, so ``>= num_pairs``); ``num_values`` the value vocabulary (``1 /
+    num_values`` is not the floor: every value is in the context, and a model that binds no key
+    scores the modal pair value's accuracy, :func:`context_floor`); ``gap`` filler tokens between
+    the pairs and the first possible query (distance ``> gap``); ``num_queries`` queries per example
+    (None: every position after the gap); ``pair_tokens`` and ``pair_loss`` as above.
     """
 
     name = "recall"
@@ -210,7 +211,8 @@ class Copy(Task):
     symbols in order of appearance. Vocabulary: 0 filler, 1 SEP, 2 MARK, then ``num_symbols`` symbols.
 
     Knobs: ``copy_len`` symbols to copy (None: ``(seq_len - 1) // 2``, or ``seq_len // 8`` when
-    ``selective``); ``num_symbols`` the symbol vocabulary (chance accuracy ``1 / num_symbols``);
+    ``selective``); ``num_symbols`` the symbol vocabulary (the floor is the modal source symbol's
+    accuracy, :func:`context_floor`, above ``1 / num_symbols``);
     ``selective`` scatter the symbols among filler instead of a contiguous prefix.
     """
 
@@ -350,3 +352,41 @@ def draw(task: Task, n: int, g: torch.Generator, split: str) -> Batch:
         f"task '{task.name}' at seq_len={task.seq_len} with {task.knobs()} yields too few {split} examples: "
         "its example space is too small (a longer seq_len or more symbols)"
     )
+
+
+def held_out_set(task: Task, size: int, seed: int) -> Batch:
+    """The held-out test set a task job with ``seed`` evaluates on: ``size`` test examples drawn with
+    the generator seeded ``2 * seed + 1`` (training draws with ``2 * seed``, see ``train.measure_task``)."""
+    return draw(task, size, torch.Generator().manual_seed(2 * seed + 1), "test")
+
+
+def context_floor(task: Task, batch: Batch) -> float | None:
+    """Accuracy per answer token of a model that binds nothing: at every scored position of ``batch``
+    it predicts the example's most frequent candidate answer visible in its input (ties: the smallest
+    token), plus the end-of-sequence token where the task scores one.
+
+    The candidates are, for ``recall``, the values of the example's pairs (all of them are in the
+    context, pair tokens or not); for ``copy`` (plain or selective), the symbols of the source; for
+    ``reverse`` (reversal or sort), the source symbols at the ``N`` answer positions and EOS at the
+    last one. A trained model at or below this figure has learnt no lookup, whatever ``1 /
+    vocabulary`` is. None for a task kind without such a floor defined here. Time ``O(B * (N + V))``.
+    """
+    src, scored = batch.src, batch.target != IGNORE
+    if isinstance(task, Recall):
+        p, k_n, v_n = task.num_pairs, task.num_keys, task.num_values
+        if task.pair_tokens:  # pair token = 1 + K + V + key * V + value
+            cand = (src[:, :p] - (1 + k_n + v_n)) % v_n + 1 + k_n
+        else:  # key, value, key, value, ...
+            cand = src[:, 1 : 2 * p : 2]
+        weight = torch.ones_like(cand)
+    elif isinstance(task, Copy | Reverse):
+        cand, weight = src, (src >= task.SYM0).long()  # filler, SEP and MARK are never answers
+    else:
+        return None
+    counts = torch.zeros(src.shape[0], task.vocab_size, dtype=torch.long).scatter_add_(1, cand, weight)
+    guess = counts.argmax(dim=1)  # (B,): the first of the most frequent tokens
+    pred = guess[:, None].expand_as(batch.target).clone()
+    if isinstance(task, Reverse):
+        pred[:, -1] = task.EOS  # the target is y + [EOS]
+    right = (pred == batch.target) & scored
+    return int(right.sum()) / int(scored.sum())  # in float64: an exact count over an exact count

@@ -39,7 +39,7 @@ from variants.registry import config_knobs
 from ..common import build_variant, check_device, job_threads
 from ..memory import peak_bytes
 from ..spec import DType, JobSpec
-from .data import IGNORE, Batch, Task, draw, make_task
+from .data import IGNORE, Batch, Task, context_floor, draw, held_out_set, make_task
 from .model import TaskTransformer, VariantSpec, attention_cores, count_params, recorded_attention
 
 # training and model settings in conf/task/*.yaml; every other key there is a knob of the task
@@ -344,6 +344,15 @@ def attention_heatmap(model: TaskTransformer, task: Task, example: Batch, size: 
     }
 
 
+def job_context_floor(task_cfg: dict[str, Any], seq_len: int, seed: int) -> float | None:
+    """:func:`~.data.context_floor` on the test set of the task job ``task_cfg`` (a ``conf/task`` dict,
+    settings included) at ``seq_len`` and ``seed``: the same examples the job evaluates on, so a
+    record's task settings are enough to compute it afterwards (milliseconds at N=128)."""
+    name, s, knobs = Settings.split(task_cfg)
+    task = make_task(name, int(seq_len), **knobs)
+    return context_floor(task, held_out_set(task, s.test_size, int(seed)))
+
+
 def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
     """Train on ``spec.task`` at ``spec.seq_len`` with ``spec.variant``; fill ``result``.
 
@@ -388,8 +397,7 @@ def measure_task(spec: JobSpec, result: dict[str, Any]) -> None:
 
     # train and test examples come from separate generators and are kept apart by hash (data.draw)
     g_train = torch.Generator().manual_seed(2 * seed)
-    g_test = torch.Generator().manual_seed(2 * seed + 1)
-    test = draw(task, s.test_size, g_test, "test").to(device)
+    test = held_out_set(task, s.test_size, seed).to(device)  # its generator is seeded 2 * seed + 1
 
     # one tiny step before the clock starts: Unsupported (and compile time, if any) show up here
     loss_of(model, test.rows(slice(0, 1))).backward()
