@@ -39,6 +39,17 @@ class WrongAttention(NaiveAttention):
         )
 
 
+class LateRowsLostAttention(NaiveAttention):
+    """Right on the first eighth of the queries, zero on the rest (a split-K merge that drops every
+    block after the first, say): causal, the late rows are 10-100x smaller than the first, so the
+    error over the whole output's scale stays small; figures must still be marked invalid."""
+
+    def _attend(self, q, k, v, **kw):
+        out = super()._attend(q, k, v, **kw).clone()
+        out[:, :, out.shape[2] // 8 :] = 0
+        return out
+
+
 class _ScaledGrad(torch.autograd.Function):
     """The identity forward; its backward multiplies the gradient by ``factor``."""
 

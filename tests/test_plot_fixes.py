@@ -123,6 +123,11 @@ def test_failed_check_names_the_figure_over_its_tolerance() -> None:
     assert plots._failed_check(row) == "grad_rel_err"
     row = pd.Series({"dtype": "float32", "out_rel_err": 0.3, "grad_rel_err": np.nan})
     assert plots._failed_check(row) == "out_rel_err"
+    # the worst row's error alone over the tolerance (late causal rows lost): still the output's check
+    row = pd.Series(
+        {"dtype": "bfloat16", "out_rel_err": 0.037, "out_row_rel_err": 1.0, "grad_rel_err": np.nan}
+    )
+    assert plots._failed_check(row) == "out_rel_err"
 
 
 # ------------------------------------------------------------------------------- unstable marks

@@ -19,7 +19,7 @@ import torch
 
 from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
-from .accuracy import grad_tolerance, gradient_accuracy, output_accuracy, tolerance
+from .accuracy import grad_tolerance, gradient_accuracy, output_accuracy, tolerance, within_tolerance
 from .canary import canary_ms
 from .common import build_variant, check_device, check_threads, forget_compiled_code, job_threads
 from .inputs import Inputs, make_inputs
@@ -228,7 +228,7 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         valid = True
     else:
         fig.update(output_accuracy(variant, q, k, v, out, kw, max_rows=spec.accuracy_rows))
-        valid = fig["out_rel_err"] <= tolerance(dtype)
+        valid = within_tolerance(fig, "out", tolerance(dtype))
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(spec.seed + 1))
     grad_out = grad_out.to(device=device, dtype=out.dtype)
     params = [p for p in variant.parameters() if p.requires_grad]
@@ -242,7 +242,7 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
             return
         if oracle_bytes <= GRAD_ORACLE_BYTES:
             fig.update(gradient_accuracy(variant, q, k, v, grads, grad_out, kw))
-            valid = valid and fig["grad_rel_err"] <= grad_tolerance(dtype)
+            valid = valid and within_tolerance(fig, "grad", grad_tolerance(dtype))
         else:  # said in the record: a gradient not checked is not a gradient found right
             fig["grad_check_skipped"] = (
                 f"float64 oracle {oracle_bytes / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB"

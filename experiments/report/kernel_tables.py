@@ -470,7 +470,16 @@ def accuracy_table(df: pd.DataFrame) -> Section:
             sec.parts.append(
                 (f"{title}: gradient rel. error vs oracle", pivot_cells(sub, err_cell("grad_rel_err")))
             )
-    cols = ["out_rel_err", "out_max_err", "out_mean_err", "out_scale", "dev_full_rel_err", "grad_rel_err"]
+    cols = [
+        "out_rel_err",
+        "out_row_rel_err",
+        "out_max_err",
+        "out_mean_err",
+        "out_scale",
+        "dev_full_rel_err",
+        "grad_rel_err",
+        "grad_row_rel_err",
+    ]
     ident = _unique(
         [*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid", "exact"]
     )

@@ -469,8 +469,9 @@ FAILED_WHAT = {"out_rel_err": "fwd", "grad_rel_err": "grad"}
 
 def _failed_check(row: pd.Series) -> str | None:
     """Which figure of an invalid record failed its check, ``out_rel_err`` (the output) or
-    ``grad_rel_err`` (the gradients), by the tolerances of the record's dtype; None if neither is
-    above its tolerance (a check the records do not say)."""
+    ``grad_rel_err`` (the gradients), by the tolerances of the record's dtype, on the whole error or
+    its worst row's (``out_row_rel_err``, ``grad_row_rel_err``); None if none is above its tolerance
+    (a check the records do not say)."""
     import torch
 
     from ..measure.accuracy import grad_tolerance, tolerance
@@ -478,8 +479,11 @@ def _failed_check(row: pd.Series) -> str | None:
     dtype = getattr(torch, str(row.get("dtype")), None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
     for col, tol in (("out_rel_err", tolerance(dtype)), ("grad_rel_err", grad_tolerance(dtype))):
-        v = pd.to_numeric(row.get(col), errors="coerce")
-        if pd.notna(v) and v > tol:
+        # the whole output's error or its worst row's (records since 2026-11-27): either fails the check
+        worst = pd.to_numeric(
+            pd.Series([row.get(col), row.get(col.replace("_rel", "_row_rel"))]), errors="coerce"
+        )
+        if (worst > tol).any():
             return col
     return None
 
