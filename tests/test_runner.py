@@ -178,6 +178,37 @@ def test_wrong_result_marks_figures_invalid():
     assert "invalid" in res["reason"]
 
 
+def test_late_causal_rows_lost_are_caught_by_the_worst_rows_error():
+    """sdpa's own output rounded to bf16, causal, N=16384, its rows from N/8 on zeroed: the error over
+    the whole output's scale is 0.037, within bf16's 0.05 (the first rows are 10-100x the late
+    ones), so the job called it valid; the worst row's error over its own scale is 1."""
+    from experiments.measure.accuracy import check_rows, output_accuracy, tolerance, within_tolerance
+    from experiments.measure.inputs import make_inputs
+
+    n, dtype = 16384, torch.bfloat16
+    attn = variants.build("sdpa")
+    inp = make_inputs(1, 2, n, n, 64, 64, dtype=dtype, device="cpu", seed=0, causal=True)
+    q, k, v = inp.tensors()
+    kw = inp.kwargs(True)
+    rows = check_rows(n, 256)  # only the checked rows are read: the others can stay empty
+    right = torch.zeros(1, 2, n, 64, dtype=dtype)
+    right[:, :, rows] = variants.oracle(attn, q.double(), k.double(), v.double(), rows=rows, **kw).to(dtype)
+    lost = right.clone()
+    lost[:, :, n // 8 :] = 0
+    good, bad = output_accuracy(attn, q, k, v, right, kw), output_accuracy(attn, q, k, v, lost, kw)
+    assert within_tolerance(good, "out", tolerance(dtype)) and good["out_row_rel_err"] < 1e-2
+    assert bad["out_rel_err"] <= tolerance(dtype)  # what the whole-output error let through
+    assert bad["out_row_rel_err"] > 0.5 and not within_tolerance(bad, "out", tolerance(dtype))
+
+
+def test_late_causal_rows_lost_mark_a_jobs_figures_invalid():
+    spec = job_spec(
+        "tests.faulty.LateRowsLostAttention", variant="naive", dtype="bfloat16", causal=True, **SMALL
+    )
+    f = measure(spec)["figures"]
+    assert f["valid"] is False and f["out_row_rel_err"] > 0.5
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_wrong_gradient_marks_figures_invalid(dtype):
     """The gradient gate was 10x the output's tolerance: a bf16 dV 45% off passed as valid."""
@@ -1426,3 +1457,117 @@ def test_the_defaults_docs_list_are_the_composed_config_s():
         return "null" if v is None else v if isinstance(v, str) else json.dumps(v)
 
     assert pairs == {k: shown(v) for k, v in cfg.items() if k != "variant"}
+
+
+#: run.py with every write of a diagnostic file in the sweep folder (``argv[1]``) failing as on a full
+#: disk; the records folder and the manifest (appended, not written whole) are left working
+_FULL_SWEEP_FOLDER = """
+import errno, runpy, sys
+from pathlib import Path
+import experiments.records.records as records
+import experiments.sweep.retry as retry
+import experiments.sweep.runner as runner
+sweep, real = Path(sys.argv[1]), records.write_json_atomic
+def full(final, obj):
+    if Path(final).parent == sweep:
+        raise OSError(errno.ENOSPC, "No space left on device", str(final))
+    return real(final, obj)
+retry.write_json_atomic = runner.write_json_atomic = full
+sys.argv = ["run.py", *sys.argv[2:]]
+runpy.run_path("run.py", run_name="__main__")
+"""
+
+
+def test_a_sweep_folder_that_cannot_be_written_loses_no_measured_record(tmp_path):
+    """The canary and GEMM-ceiling files are written into the sweep folder after the job measured and
+    before its record: a failure there (a full disk) once raised out of the job and lost the result."""
+    sweep, records = tmp_path / "sweep", tmp_path / "records"
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    args = ["-m", "variant=naive", *small, "threads=1", "roofline=true", "settle_s=0", "retry_unstable=0"]
+    args += [f"records_dir={records}", f"hydra.sweep.dir={sweep}", "report=false"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-c", _FULL_SWEEP_FOLDER, str(sweep), *args]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (rec,) = read_records(records)
+    assert rec["status"] == "ok" and rec["figures"]["fwd_median_s"] > 0
+    # the job's own ceiling is kept in its record, though no file could hold it for the sweep
+    assert rec["roofline"]["gemm_flops_per_s"] > 0
+    assert rec["figures"]["canary_ratio"] == 1.0  # compared with itself: no earlier canary survived
+    out = p.stdout + p.stderr
+    assert "warning: could not write the canary file" in out and "No space left on device" in out
+    assert "warning: could not write the GEMM ceiling file in the sweep folder" in out
+    assert "Traceback" not in out and not list(sweep.glob("*.json"))
+
+
+def _local_window_note(monkeypatch, cache: Path, dtype: torch.dtype) -> dict:
+    """The description of ``local_window`` (impl=auto) after one CPU call in ``dtype``, its C kernel
+    built afresh with ``cache`` as the kernel cache."""
+    from variants import sparse_kernel
+    from variants.ckernel import CKernel
+    from variants.local_window import LocalWindowAttention
+
+    monkeypatch.setenv("ATTNBENCH_CACHE", str(cache))
+    fresh = CKernel("sparse_kernel.c", "the block-sparse kernel", sparse_kernel._declare)
+    monkeypatch.setattr(sparse_kernel, "_KERNEL", fresh)  # not the one this process may have built
+    attn = LocalWindowAttention(window=4)
+    q = torch.randn(1, 2, 16, 8, dtype=dtype)
+    attn(q, q, q)
+    return attn.describe()
+
+
+def test_resume_measures_again_a_record_whose_c_kernel_could_not_be_built(tmp_path, monkeypatch, capsys):
+    """A record measured on the PyTorch fallback because the C kernel could not be built (here: the
+    kernel cache is a file, as an unwritable or full cache would fail) was reused by a later sweep
+    where the kernel builds, and its figures shown as the kernel's."""
+    from experiments.sweep.runner import not_reusable
+
+    (tmp_path / "blocked").write_text("a file, not a folder")
+    broken = _local_window_note(monkeypatch, tmp_path / "blocked" / "cache", torch.float32)
+    assert broken["impl_ran"] == "sdpa" and "could not be built or loaded" in broken["impl_note"]
+    # a call shape the kernel refuses is no build failure: it would fall back the same way again
+    refused = _local_window_note(monkeypatch, tmp_path / "blocked" / "cache", torch.float64)
+    assert refused["impl_ran"] == "sdpa" and "float64" in refused["impl_note"]
+    path, env = _record(tmp_path / "records", "ok")
+    rec = {**json.loads(path.read_text()), "config": {"mode": "fwd"}, "figures": {"fwd_median_s": 0.01}}
+    path.write_text(json.dumps({**rec, "variant": refused}))
+    assert find_existing(tmp_path / "records", "abc", env, not_reusable) == path
+    path.write_text(json.dumps({**rec, "variant": broken}))
+    assert find_existing(tmp_path / "records", "abc", env, not_reusable) is None
+    out = capsys.readouterr().out
+    assert f"warning: not reusing {path}: it ran a fallback because a C kernel could not be built" in out
+    # a compiler that fails says so in other words; the record is not reused either
+    monkeypatch.setenv("CC", "false")
+    failed = _local_window_note(monkeypatch, tmp_path / "cache", torch.float32)
+    assert "false could not build sparse_kernel.c" in failed["impl_note"]
+    path.write_text(json.dumps({**rec, "status": "ok", "variant": failed}))
+    assert find_existing(tmp_path / "records", "abc", env, not_reusable) is None
+
+
+def test_a_hydra_output_folder_that_cannot_be_made_is_one_line_before_work(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    cases = [
+        (["-m", "variant=naive"], "hydra.sweep.dir", blocker / "sweep", "Not a directory"),
+        (["variant=naive"], "hydra.run.dir", blocker / "run", "Not a directory"),
+        (["-m", "variant=naive"], "hydra.sweep.dir", blocker, "it is a file, not a folder"),
+    ]
+    for args, setting, target, why in cases:
+        cmd = [
+            sys.executable,
+            "run.py",
+            *args,
+            *small,
+            f"records_dir={tmp_path / 'records'}",
+            f"{setting}={target}",
+        ]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1, p.stderr[-2000:]
+        assert p.stderr.strip() == f"error: {setting} {target} cannot be created: {why}"
+        assert "[naive" not in p.stdout  # nothing was measured
+    # a folder that can be made is left for Hydra to make, as it was
+    from experiments.sweep.preflight import check_output_dir
+
+    check_output_dir([f"hydra.sweep.dir={tmp_path / 'a' / 'b'}"], multirun=True)
+    assert not (tmp_path / "a").exists()

@@ -92,14 +92,47 @@ def read_json(path: Path) -> dict[str, Any] | None:
 STATUSES = ("ok", "unsupported", "unavailable", "oom", "killed", "timeout", "nan", "error")
 
 
+#: a record's parts that are JSON objects where present (null allowed): the store flattens them
+_OBJECT_PARTS = ("figures", "variant", "roofline")
+#: config fields that hold a whole number or null: tables group, sort and plot by them
+_WHOLE_CONFIG = (
+    "batch", "tokens", "heads", "seq_len", "kv_len", "kv_heads", "head_dim", "v_head_dim", "threads",
+    "seed", "round", "documents",
+)  # fmt: skip
+#: figures that are numbers or null wherever they appear: the timings the tables and plots divide
+_TIME_FIGURES = ("_median_s", "_iqr_s")
+
+
+def _kind_of_value(v: object) -> str:
+    return "null" if v is None else type(v).__name__
+
+
 def record_problem(rec: dict[str, Any]) -> str | None:
     """Why ``rec``, a JSON object with a ``config_hash`` and a ``status``, is not a whole record (None
-    when it is): a record holds its config and environment, and a status of :data:`STATUSES`."""
+    when it is): a record holds its config and environment, and a status of :data:`STATUSES`; its
+    figures, variant description, ceiling and ``config.variant`` are objects, its sizes whole numbers
+    and its timings numbers (a hand-edited or foreign file would otherwise break a report midway)."""
     missing = [k for k in ("config", "env") if not isinstance(rec.get(k), dict)]
     if missing:
         return f"a record's hash and status, but no {' or '.join(missing)}"
     if rec["status"] not in STATUSES:
         return f"status {rec['status']!r} is none of {', '.join(STATUSES)}"
+    cfg = rec["config"]
+    parts = {**{k: rec.get(k) for k in _OBJECT_PARTS}, "config.variant": cfg.get("variant")}
+    for name, part in parts.items():
+        if part is not None and not isinstance(part, dict):
+            return f"its {name} is a {_kind_of_value(part)}, not an object"
+    for k in _WHOLE_CONFIG:
+        v = cfg.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            return f"its config.{k} is {v!r}, not a whole number"
+    for k, v in (rec.get("figures") or {}).items():
+        if (
+            k.endswith(_TIME_FIGURES)
+            and v is not None
+            and (isinstance(v, bool) or not isinstance(v, (int, float)))
+        ):
+            return f"its figures.{k} is {v!r}, not a number"
     return None
 
 

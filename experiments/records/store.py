@@ -463,7 +463,7 @@ def read_store(path: str | Path) -> pd.DataFrame:
     """A saved store (``.parquet`` or ``.csv``) back as a DataFrame."""
     path = Path(path)
     df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    if len(df) and (lacks := [c for c in ("status", "config_hash", *RECORD_IDENTITY) if c not in df]):
+    if len(df) and (lacks := [c for c in ("status", *RECORD_IDENTITY) if c not in df]):
         # a report's table (speed.csv) or another file: no store (load lists it as unreadable)
         raise ValueError(f"not a saved store (store.csv / store.parquet): no column {', '.join(lacks)}")
     if "kind" not in df and len(df):  # saved before records stored their kind

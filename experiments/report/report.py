@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -189,14 +190,28 @@ def build_sections(df: pd.DataFrame, shown: pd.DataFrame, base: pd.DataFrame | N
 
 
 def _unwritable(out: Path) -> str | None:
-    """Why the report could not be written under ``out`` (checked before any work), or None."""
+    """Why the report could not be written under ``out`` (checked before any work), or None. Tried
+    for real (the folder made, a file written and removed), not asked of ``os.access``, which says
+    yes to root on a read-only mount or ``/proc``; the folders it made are removed again."""
     existing = out
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file, not a folder"
-    if not os.access(existing, os.W_OK):
-        return f"{existing} is not writable"
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        return f"{out} cannot be written: {exc.strerror or exc}"
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # never made, or filled meanwhile
+                pass
     return None
 
 
@@ -315,6 +330,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.out and (why := _unwritable(Path(args.out))):
         print(f"error: --out {args.out}: {why}", file=sys.stderr)
+        return 1
+    if not args.out and (why := _unwritable(out := default_out_dir(args.paths or [DEFAULT_INPUT]))):
+        # a shared, read-only results folder: the report goes elsewhere
+        print(
+            f"error: the report's default folder {out}: {why}; write it elsewhere with --out", file=sys.stderr
+        )
         return 1
     try:
         written = report_paths(

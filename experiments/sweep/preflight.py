@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import fnmatch
 import itertools
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -221,7 +222,44 @@ def preflight(argv: list[str]) -> list[str]:
             arg = "++" + arg  # add or override: the runner checks the knob against the variant
         out.append(arg)
     check_jobs(out[1:])
+    check_output_dir(out[1:], multirun)
     return out
+
+
+def check_output_dir(args: list[str], multirun: bool) -> None:
+    """One line and exit 1 when the folder Hydra will write this run's files to, ``hydra.sweep.dir``
+    (a sweep) or ``hydra.run.dir`` (a single run) as the command line sets it, cannot be made or
+    written: Hydra itself answers with two chained tracebacks. A value Hydra interpolates is left to it."""
+    wanted = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+") == wanted and "${" not in value and (why := unwritable_dir(Path(value))):
+            _fail(f"{wanted} {value} cannot be created: {why}")
+
+
+def unwritable_dir(path: Path) -> str | None:
+    """Why a file cannot be written in folder ``path`` (made with its parents if missing), or None.
+    Tried for real, not asked of ``os.access``, which says yes to root on any mount; the folders it
+    made are removed again (Hydra makes them once the run starts)."""
+    import tempfile
+
+    if path.exists() and not path.is_dir():
+        return "it is a file, not a folder"
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".tmp-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:  # never made, or another process filled it meanwhile
+                pass
+    return None
 
 
 def _job_overrides(args: list[str]) -> list[list[str]] | None:

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -90,16 +91,46 @@ def headline_figure(record: dict[str, Any]) -> str:
     return rules(record.get("kind") or kind_of(cfg)).objective or f"{cfg.get('mode', 'fwd')}_median_s"
 
 
+#: what :attr:`variants.ckernel.CKernel.error` says when a C kernel could not be built or loaded (the
+#: compiler failed, timed out, or the kernel cache could not be written), as opposed to a call shape the
+#: kernel refuses
+_BUILD_FAILED = ("could not be built or loaded", "could not build ")
+
+
+def kernel_build_failure(description: Any) -> str | None:
+    """The note in a record's variant description (an ``impl_note``, ``decode_note``, ... at any depth)
+    that says a C kernel could not be built or loaded, so its PyTorch fallback ran; None if none says so."""
+    if isinstance(description, dict):
+        for key, value in description.items():
+            if isinstance(value, str) and key.endswith("_note") and any(m in value for m in _BUILD_FAILED):
+                return f"{key}: {value}"
+            if isinstance(value, (dict, list)) and (found := kernel_build_failure(value)):
+                return found
+    elif isinstance(description, list):
+        return next((f for v in description if (f := kernel_build_failure(v))), None)
+    return None
+
+
 def not_reusable(record: dict[str, Any]) -> str | None:
-    """Why resume must not reuse this ``ok`` record (a copy cut short, edited, or from a broken
-    writer): its headline figure is missing or not a finite number. None when it may be reused."""
+    """Why resume must not reuse this record. An ``ok`` record cut short, edited, or from a broken
+    writer: its headline figure is missing or not a finite number. Any record measured on a fallback
+    because a C kernel could not be built then (a transient cause: a full or unwritable cache, the
+    compile timeout on a busy machine): the kernel may build now, and its figures would differ. None
+    when it may be reused."""
+    if failed := kernel_build_failure(record.get("variant")):
+        return f"it ran a fallback because a C kernel could not be built then ({failed})"
     if record.get("status") != "ok":
         return None
+    if not isinstance(record.get("config"), dict):
+        return f"its config is a {type(record.get('config')).__name__}, not an object"
     try:
         figure = headline_figure(record)
     except ValueError as exc:  # a config that selects two kinds
         return str(exc)
-    value = (record.get("figures") or {}).get(figure)
+    figures = record.get("figures")
+    if figures is not None and not isinstance(figures, dict):
+        return f"its figures are a {type(figures).__name__}, not an object"
+    value = (figures or {}).get(figure)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return f"its status is ok but its {figure} is {value!r}, not a number"
     return None
@@ -173,15 +204,21 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
         canary_path = sweep_dir / f"canary-cpu-{job_threads(spec)}.json"
         result = measure_with_retries(spec, conf, label, want_roof, canary_path)
     roof = result.get("roofline")
+    ceiling = None
     if roof and "error" not in roof:
-        write_json_atomic(roof_path, roof)
+        ceiling = roof
+        _try_write(label, "the GEMM ceiling file", lambda: write_json_atomic(roof_path, roof))
     elif roof:
         log.warning("[%s] roofline not measured: %s", label, roof["error"])
-    ceiling = read_json(roof_path)  # the record keeps the ceiling this job was compared with
+    # the record keeps the ceiling this job was compared with (its own when the file could not be written)
+    ceiling = read_json(roof_path) or ceiling
     figures = result.get("figures") or {}
     if implausible(figures.get("gflops_per_s"), ceiling, figures.get("threads")):
-        roof_path.unlink(missing_ok=True)  # the report marks this job's share; the next job re-measures
-        say(f"[{label}] ran faster than the sweep's GEMM ceiling: the next job measures the ceiling again")
+        # the report marks this job's share; the next job re-measures
+        if _try_write(label, "the GEMM ceiling file", lambda: roof_path.unlink(missing_ok=True)):
+            say(
+                f"[{label}] ran faster than the sweep's GEMM ceiling: the next job measures the ceiling again"
+            )
     # what torch saw in a CUDA job's child fills in what nvidia-smi could not tell (resume compares
     # the sweep's own view, so it is not overwritten)
     for k, v in (result.get("env") or {}).items():
@@ -215,6 +252,18 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     log.debug("record: %s", path)  # the manifest lists it; the terminal shows the summary line
     _end_single_run(record)
     return record
+
+
+def _try_write(label: str, what: str, write: Callable[[], object]) -> bool:
+    """Run ``write``, a change to one of the sweep folder's diagnostic files (a ceiling or canary); on
+    ``OSError`` (the sweep folder full, read-only or gone) warn in one line and return False, so the job
+    goes on to write its record: a measurement is never lost to a diagnostic."""
+    try:
+        write()
+    except OSError as exc:
+        say(f"[{label}] warning: could not write {what} in the sweep folder: {exc}; the record is kept")
+        return False
+    return True
 
 
 def _end_single_run(record: dict[str, Any]) -> None:
