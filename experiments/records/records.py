@@ -205,3 +205,26 @@ def find_existing(
             continue
         return path
     return None
+
+
+def unwritable_dir(path: Path) -> str | None:
+    """Why a file cannot be written in folder ``path`` (made with its parents if missing), or None.
+    Tried for real, not asked of ``os.access``, which says yes to root on any mount; the folders it
+    made are removed again (whoever writes there makes them then: Hydra, the report)."""
+    if path.exists() and not path.is_dir():
+        return "it is a file, not a folder"
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".tmp-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:  # never made, or another process filled it meanwhile
+                pass
+    return None

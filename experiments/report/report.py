@@ -21,9 +21,7 @@ Each kind of job has its section (the store's ``kind`` column says which rows ar
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -34,6 +32,7 @@ import pandas as pd
 from ..measure.canary import SLOW_RATIO, job_canaries, machine_keys
 from ..measure.spec import Kind
 from ..records import store
+from ..records.records import unwritable_dir
 from . import efficiency_section, frontier_section, pretrained_section, task_section
 from . import kernel_tables as K
 from .compare import baseline_table, nothing_to_compare
@@ -198,21 +197,8 @@ def _unwritable(out: Path) -> str | None:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file, not a folder"
-    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-probe-")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as exc:
-        return f"{out} cannot be written: {exc.strerror or exc}"
-    finally:
-        for folder in made:
-            try:
-                folder.rmdir()
-            except OSError:  # never made, or filled meanwhile
-                pass
-    return None
+    why = unwritable_dir(out)
+    return None if why is None else f"{out} cannot be written: {why}"
 
 
 class NoBaseline(Exception):

@@ -26,7 +26,6 @@ import dataclasses
 import difflib
 import fnmatch
 import itertools
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..measure.spec import CHOICES
+from ..records.records import unwritable_dir
 from .schema import BenchConfig
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -235,31 +235,6 @@ def check_output_dir(args: list[str], multirun: bool) -> None:
         key, eq, value = arg.partition("=")
         if eq and key.lstrip("+") == wanted and "${" not in value and (why := unwritable_dir(Path(value))):
             _fail(f"{wanted} {value} cannot be created: {why}")
-
-
-def unwritable_dir(path: Path) -> str | None:
-    """Why a file cannot be written in folder ``path`` (made with its parents if missing), or None.
-    Tried for real, not asked of ``os.access``, which says yes to root on any mount; the folders it
-    made are removed again (Hydra makes them once the run starts)."""
-    import tempfile
-
-    if path.exists() and not path.is_dir():
-        return "it is a file, not a folder"
-    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=".tmp-probe-")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    finally:
-        for p in made:
-            try:
-                p.rmdir()
-            except OSError:  # never made, or another process filled it meanwhile
-                pass
-    return None
 
 
 def _job_overrides(args: list[str]) -> list[list[str]] | None:
