@@ -74,15 +74,18 @@ def test_the_recall_frontier_keeps_each_sequence_length_apart(tmp_path, monkeypa
     recs = [recall(v, n, seed, a) for (v, n), a in accs.items() for seed in (0, 1)]
     table = frontier_table(store.to_frame(recs))
     md = frontier_markdown(table)
-    assert len(md.splitlines()) == 2 + 4  # a row per variant and N
+    assert len(md.splitlines()) == 2 + 4 + 2  # a row per variant and N, and a floor row per N
     assert len(table) == 4
     by = table.assign(variant=table["variant"].str.removesuffix(" (causal)")).set_index(["variant", "N"])
     for (v, n), a in accs.items():
         assert by.loc[(v, n), "acc_mean"] == pytest.approx(a)
         assert by.loc[(v, n), "seeds"] == 2
     assert by.loc[("sdpa", 512), "state_bytes"] == 256 * 512  # not the median of both lengths
-    rows = {tuple(c.strip() for c in line.split("|")[1:4]) for line in md.splitlines()[2:]}
+    lines = [line for line in md.splitlines()[2:] if "floor" not in line]
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]) for line in lines}
     assert rows == {(f"{v} (causal)", "32 = 2 x 16", str(n)) for v, n in accs}
+    floors = [line for line in md.splitlines()[2:] if "floor" in line]
+    assert sorted(line.split("|")[3].strip() for line in floors) == ["128", "512"]  # one per N
     assert "| 30.0 ± 0.0 |" in md.replace("  ", " ")  # sdpa at N=512
     # the plot: a panel per N, each line through one length's points only
     from matplotlib.axes import Axes

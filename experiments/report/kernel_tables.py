@@ -442,7 +442,9 @@ def accuracy_table(df: pd.DataFrame) -> Section:
         "Accuracy",
         "Relative error = max |out − ref| / max |ref|. `vs oracle`: against float64 attention over the "
         "variant's own pattern (is it computed right?). `vs full`: approximate variants against float64 "
-        "full attention (how far is the approximation?). FAIL = above the dtype's tolerance.",
+        "full attention (how far is the approximation?). FAIL = above the dtype's tolerance, over the "
+        "whole output or in its worst row (accuracy.csv's `out_row_rel_err`: each row's error over its "
+        "own scale; records since 2026-11-27).",
     )
 
     def err_cell(col: str) -> Callable[[pd.Series], str]:
