@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from variants.linear import LinearAttention
 from variants.naive import NaiveAttention
 
 
@@ -131,3 +132,11 @@ class WritesParentAttention(NaiveAttention):
         with open(os.environ["ATTNBENCH_TEST_PARENT_FILE"], "w") as f:
             f.write(str(os.getppid()))
         return super()._attend(q, k, v, **kw)
+
+
+class ContextLostStepLinear(LinearAttention):
+    """Right forward; its decoding step ignores the prefilled state (starts from an empty one, as a
+    step that never received its prefill would): a decode job's figures must be marked invalid."""
+
+    def step(self, q, k_new, v_new, state):
+        return super().step(q, k_new, v_new, None)

@@ -494,3 +494,48 @@ def test_a_variant_whose_cells_ran_different_paths_has_each_cell_tagged():
     assert "[decode=kernel]" in text and "decode=torch]" in text
     assert all("[" not in c for _, tab in sec.parts if "sdpa" in tab.index for c in tab.loc["sdpa"])
     assert bandwidth_table(df).parts  # the bandwidth table still draws (its rows split by query length)
+
+
+@pytest.mark.parametrize("variant", ["linear", "performer", "retention", "window_linear", "gla"])
+def test_a_decode_job_checks_its_step_against_the_oracle(variant):
+    """The step is a path of its own (prefill, then the new tokens onto the state): its output was timed
+    but never compared with anything at the record's shape. It now gets the forward's oracle rows."""
+    shape = dict(batch=1, heads=4, kv_heads=2, head_dim=16, causal=True, min_run_time=0.02, kv_len=256)
+    for nq in (1, 3):
+        f = measure(job_spec(variant=variant, seq_len=nq, **shape))["figures"]
+        assert f["valid"] is True and f["step_median_s"] > 0, f
+        assert f["step_rel_err"] < 1e-4 and f["step_row_rel_err"] < 1e-4, f
+
+
+def test_a_step_that_loses_the_prefilled_context_marks_the_figures_invalid():
+    shape = dict(batch=1, heads=4, kv_heads=2, head_dim=16, causal=True, min_run_time=0.02, kv_len=256)
+    res = measure(job_spec("tests.faulty.ContextLostStepLinear", variant="linear", seq_len=1, **shape))
+    f = res["figures"]
+    assert f["out_rel_err"] < 1e-4  # the forward over the cache is right
+    assert f["step_rel_err"] > 0.1 and f["valid"] is False and "invalid" in res["reason"]
+
+
+def test_a_decode_job_over_packed_documents_times_no_step():
+    """The step's state was prefilled over every earlier document's keys, which the forward (and the
+    oracle) keep apart: a step that answers other queries than the record's was timed as its decode."""
+    shape = dict(batch=1, heads=4, kv_heads=2, head_dim=16, causal=True, min_run_time=0.02, kv_len=256)
+    res = measure(job_spec(variant="retention", seq_len=2, documents=2, **shape))
+    f = res["figures"]
+    assert res["status"] == "ok" and f["valid"] is True, res
+    assert "step_median_s" not in f and "documents=2" in f["step_skipped"]
+
+
+def test_the_accuracy_table_shows_the_decoding_steps_error():
+    from experiments.report.kernel_tables import accuracy_table
+
+    shape = dict(batch=1, heads=4, kv_heads=2, head_dim=16, causal=True, min_run_time=0.02, seq_len=1)
+    results = {
+        ("linear", 1, 256): measure(job_spec(variant="linear", kv_len=256, **shape)),
+        ("sdpa", 1, 256): measure(job_spec(variant="sdpa", kv_len=256, **shape)),
+    }
+    sec = accuracy_table(_frame_of(results))
+    steps = [tab for title, tab in sec.parts if "decoding step" in title]
+    assert len(steps) == 1
+    step_err = results["linear", 1, 256]["figures"]["step_rel_err"]
+    assert step_err in set(sec.data["step_rel_err"].dropna())
+    assert "n/a" in steps[0].to_string()  # sdpa has no step

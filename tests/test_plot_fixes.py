@@ -128,6 +128,10 @@ def test_failed_check_names_the_figure_over_its_tolerance() -> None:
         {"dtype": "bfloat16", "out_rel_err": 0.037, "out_row_rel_err": 1.0, "grad_rel_err": np.nan}
     )
     assert plots._failed_check(row) == "out_rel_err"
+    # a decoding step's output wrong, the forward's right: the step is named
+    row = pd.Series({"dtype": "float32", "out_rel_err": 2e-7, "step_rel_err": 0.6, "step_row_rel_err": 0.9})
+    assert plots._failed_check(row) == "step_rel_err"
+    assert plots.FAILED_WHAT["step_rel_err"] == "step"
 
 
 # ------------------------------------------------------------------------------- unstable marks

@@ -66,21 +66,29 @@ def output_accuracy(
     out: torch.Tensor,
     kw: dict[str, object],
     max_rows: int = 256,
+    also: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, object]:
     """Error of ``out`` (the variant's output on q, k, v) against the oracle, on up to ``max_rows`` rows.
 
-    For approximate variants also the deviation from full attention on the same inputs.
+    ``also`` names other outputs for the same queries (a decoding step's, ``(B, H, Nq, Dv)``): each
+    gets its own ``{name}_*`` figures against the same oracle rows. For approximate variants also the
+    deviation from full attention on the same inputs.
     """
     rows = check_rows(q.shape[2], max_rows)
     with torch.no_grad():
         q64, k64, v64 = (t.detach().double() for t in (q, k, v))
         ref = oracle(variant, q64, k64, v64, rows=rows, **kw)
-        got = out.detach() if rows is None else out.detach()[:, :, rows.to(out.device)]
-        stats: dict[str, object] = error_stats(got, ref, "out")
+        got = {  # (B, H, rows, Dv) each
+            name: o.detach() if rows is None else o.detach()[:, :, rows.to(o.device)]
+            for name, o in {"out": out, **(also or {})}.items()
+        }
+        stats: dict[str, object] = {}
+        for name, g in got.items():
+            stats.update(error_stats(g, ref, name))
         stats["checked_rows"] = int(q.shape[2] if rows is None else rows.numel())
         if not variant.exact:
             full = full_attention_reference(q64, k64, v64, rows=rows, **kw)
-            stats.update(error_stats(got, full, "dev_full"))
+            stats.update(error_stats(got["out"], full, "dev_full"))
     return stats
 
 

@@ -221,14 +221,28 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         result["status"], result["reason"] = "nan", "output has NaN or Inf"
         return
 
+    # a decoding step on a prefilled state answers the same queries as the forward over the cache: its
+    # output is checked against the same oracle rows (the step's own path, not only the forward's)
+    step = None
+    if _decodes_with_state(variant, w):
+        if spec.padding:  # the padded keys are the last ones (inputs.py), the new tokens' own among them
+            fig["step_skipped"] = f"padding={spec.padding}: the padded keys are the newest, no decoding step"
+        elif spec.documents > 1:  # a step would carry the earlier documents' keys in its state
+            fig["step_skipped"] = (
+                f"documents={spec.documents}: a decoding step continues one sequence, not packed documents"
+            )
+        else:
+            step = _step_call(variant, inp, w)
+
     # correctness first: figures of a wrong result are marked invalid
     oracle_bytes = variant.oracle_bytes(w)
     if getattr(variant, "oracle_forward", None) is not None and oracle_bytes > FULL_ORACLE_BYTES:
         fig["accuracy_skipped"] = "float64 oracle too large for this length"
         valid = True
     else:
-        fig.update(output_accuracy(variant, q, k, v, out, kw, max_rows=spec.accuracy_rows))
-        valid = within_tolerance(fig, "out", tolerance(dtype))
+        also = {} if step is None else {"step": step()[0]}  # step: (output, state after)
+        fig.update(output_accuracy(variant, q, k, v, out, kw, max_rows=spec.accuracy_rows, also=also))
+        valid = all(within_tolerance(fig, name, tolerance(dtype)) for name in ("out", *also))
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(spec.seed + 1))
     grad_out = grad_out.to(device=device, dtype=out.dtype)
     params = [p for p in variant.parameters() if p.requires_grad]
@@ -297,11 +311,8 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         fig["cache_bytes"] = last_level_cache_bytes()
     # what one decoding sequence keeps per layer: the K/V cache, or a fixed-size state
     fig["state_bytes"] = variant.state_bytes(w)
-    if _decodes_with_state(variant, w) and spec.padding == 0:
-        fig.update(_timing_fields("step", time_call(_step_call(variant, inp, w), device, min_t)))
-    elif _decodes_with_state(variant, w):
-        # the padded keys are the last ones (inputs.py), the new tokens' own among them: no step to time
-        fig["step_skipped"] = f"padding={spec.padding}: the padded keys are the newest, no decoding step"
+    if step is not None:
+        fig.update(_timing_fields("step", time_call(step, device, min_t)))
 
     # peak memory above the inputs (and the kept graph, for bwd) during one call of the mode
     out = grads = None  # free the kept graph and gradients: they are not part of the next call

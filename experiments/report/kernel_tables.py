@@ -444,7 +444,8 @@ def accuracy_table(df: pd.DataFrame) -> Section:
         "variant's own pattern (is it computed right?). `vs full`: approximate variants against float64 "
         "full attention (how far is the approximation?). FAIL = above the dtype's tolerance, over the "
         "whole output or in its worst row (accuracy.csv's `out_row_rel_err`: each row's error over its "
-        "own scale; records since 2026-11-27).",
+        "own scale; records since 2026-11-27), or in a decoding step's output (`step_rel_err`: the "
+        "step on a prefilled state against the same oracle rows; records since 2026-11-28).",
     )
 
     def err_cell(col: str) -> Callable[[pd.Series], str]:
@@ -468,10 +469,9 @@ def accuracy_table(df: pd.DataFrame) -> Section:
                     pivot_cells(approx, err_cell("dev_full_rel_err")),
                 )
             )
-        if "grad_rel_err" in sub and sub["grad_rel_err"].notna().any():
-            sec.parts.append(
-                (f"{title}: gradient rel. error vs oracle", pivot_cells(sub, err_cell("grad_rel_err")))
-            )
+        for col, what in (("grad_rel_err", "gradient"), ("step_rel_err", "decoding step")):
+            if col in sub and sub[col].notna().any():
+                sec.parts.append((f"{title}: {what} rel. error vs oracle", pivot_cells(sub, err_cell(col))))
     cols = [
         "out_rel_err",
         "out_row_rel_err",
@@ -481,6 +481,8 @@ def accuracy_table(df: pd.DataFrame) -> Section:
         "dev_full_rel_err",
         "grad_rel_err",
         "grad_row_rel_err",
+        "step_rel_err",
+        "step_row_rel_err",
     ]
     ident = _unique(
         [*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid", "exact"]

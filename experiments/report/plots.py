@@ -464,21 +464,22 @@ def plot_scaling(df: pd.DataFrame, out_dir: Path) -> Path | None:
 
 
 #: the check a failed record's figure belongs to, as a heatmap cell of another figure names it
-FAILED_WHAT = {"out_rel_err": "fwd", "grad_rel_err": "grad"}
+FAILED_WHAT = {"out_rel_err": "fwd", "grad_rel_err": "grad", "step_rel_err": "step"}
 
 
 def _failed_check(row: pd.Series) -> str | None:
-    """Which figure of an invalid record failed its check, ``out_rel_err`` (the output) or
-    ``grad_rel_err`` (the gradients), by the tolerances of the record's dtype, on the whole error or
-    its worst row's (``out_row_rel_err``, ``grad_row_rel_err``); None if none is above its tolerance
-    (a check the records do not say)."""
+    """Which figure of an invalid record failed its check, ``out_rel_err`` (the output),
+    ``grad_rel_err`` (the gradients) or ``step_rel_err`` (a decoding step's output), by the
+    tolerances of the record's dtype, on the whole error or its worst row's (``*_row_rel_err``);
+    None if none is above its tolerance (a check the records do not say)."""
     import torch
 
     from ..measure.accuracy import grad_tolerance, tolerance
 
     dtype = getattr(torch, str(row.get("dtype")), None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-    for col, tol in (("out_rel_err", tolerance(dtype)), ("grad_rel_err", grad_tolerance(dtype))):
+    tolerances = {"out_rel_err": tolerance(dtype), "grad_rel_err": grad_tolerance(dtype)}
+    for col, tol in {**tolerances, "step_rel_err": tolerance(dtype)}.items():
         # the whole output's error or its worst row's (records since 2026-11-27): either fails the check
         worst = pd.to_numeric(
             pd.Series([row.get(col), row.get(col.replace("_rel", "_row_rel"))]), errors="coerce"
