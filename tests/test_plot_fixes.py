@@ -330,10 +330,18 @@ def test_decode_graph_times_carry_the_graphs_own_unstable_flag(
 
 def test_decode_without_graph_marks_the_step_or_forward(kept: list[plt.Figure], tmp_path: Path) -> None:
     df = _store("decode_state")
+    # the committed run was quiet (no figure unstable): flag a state variant's step and sdpa's forward
+    one_query = df["seq_len"] == 1
+    step_row = df.index[(df["variant"] == "linear") & one_query][0]
+    fwd_row, other_sdpa = df.index[(df["variant"] == "sdpa") & one_query][:2]
+    df.loc[step_row, "step_unstable"] = True
+    df.loc[fwd_row, "fwd_unstable"] = True
+    df.loc[other_sdpa, "step_unstable"] = True  # not its drawn figure: sdpa decodes by its forward
     rows = plots.decode_rows(plots._usable_rows(df))
     assert rows["graph_ms_per_token"].isna().all()
+    assert int(rows["unstable"].sum()) == 2
     plots.plot_decode(df, tmp_path)
-    assert len(_squares(kept[0])) == int(rows["unstable"].sum()) > 0
+    assert len(_squares(kept[0])) == 2
 
 
 # ------------------------------------------------------------------------------- symlog colorbar

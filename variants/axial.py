@@ -153,6 +153,7 @@ class AxialAttention(AttentionVariant):
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         scale: float | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Float64 axial attention written densely: two masked full attentions in raster order (both
         with the scores scaled by ``scale``, default ``1/sqrt(D)``)."""
@@ -166,4 +167,5 @@ class AxialAttention(AttentionVariant):
         row_allowed = same_row if masks is None else masks & same_row  # (B|1, 1, Nq, Nk)
         col_allowed = same_col if masks is None else masks & same_col
         row_out = reference_attention(q, k, v, allowed=row_allowed, scale=scale)  # (B, H, N, Dv) float64
-        return reference_attention(q, k, row_out, allowed=col_allowed, scale=scale)
+        out = reference_attention(q, k, row_out, allowed=col_allowed, scale=scale)  # (B, H, N, Dv)
+        return out if rows is None else out[:, :, rows]

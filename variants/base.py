@@ -15,6 +15,7 @@ see no key outputs zeros with zero gradients.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -258,6 +259,12 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
         return x
     # (B, Hkv, N, E) -> (B, Hkv, G, N, E) -> (B, H, N, E)
     return x[:, :, None].expand(b, hkv, heads // hkv, n, e).reshape(b, heads, n, e)
+
+
+def takes_rows(oracle_forward: object) -> bool:
+    """Whether a variant's ``oracle_forward`` takes ``rows=`` (computes only the checked query rows);
+    one written before it did (a third party's) gets its whole output cut to them. ``O(1)``."""
+    return "rows" in inspect.signature(oracle_forward).parameters
 
 
 def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -702,15 +709,26 @@ class AttentionVariant(nn.Module):
         whose ``reference_scores`` build more per pair (additive: a hidden layer) says so here."""
         return 8
 
-    def oracle_bytes(self, w: Workload) -> int:
-        """Float64 bytes the oracle holds to check all of ``w``'s rows: :meth:`oracle_bytes_per_pair`
-        per query head and (query, key) pair, and float64 copies of ``q`` (per query head), ``k`` and
-        ``v`` (per K/V head: the oracle reads grouped heads without repeating them). A job checks
-        gradients, and an ``oracle_forward`` variant's whole output, only below a budget of this; a
-        reference that keeps more per key (performer's random features) adds it."""
-        pairs = w.batch * w.heads * w.nq * w.nk * self.oracle_bytes_per_pair()
+    def oracle_bytes(self, w: Workload, rows: int | None = None) -> int:
+        """Float64 bytes the oracle holds to check ``w``'s output on ``rows`` query rows (no graph), or
+        all its rows and their gradients when ``rows`` is None: :meth:`oracle_bytes_per_pair` per query
+        head and (checked query, key) pair, and float64 copies of ``q`` (per query head), ``k`` and
+        ``v`` (per K/V head: the oracle reads grouped heads without repeating them). An
+        ``oracle_forward`` computes all rows when it does not take ``rows=``, and over packed documents
+        (each document alone, every row of it). A job checks the output only below one budget of this
+        and the gradients below another; a reference that holds something else (performer's random
+        features) counts it. ``O(1)``."""
+        custom = getattr(self, "oracle_forward", None)
+        every_row = custom is not None and (w.documents or not takes_rows(custom))
+        checked = w.nq if rows is None or every_row else rows
+        pairs = w.batch * w.heads * min(checked, w.nq) * w.nk * self.oracle_bytes_per_pair()
+        return pairs + self._oracle_input_bytes(w)
+
+    @staticmethod
+    def _oracle_input_bytes(w: Workload) -> int:
+        """Float64 copies of ``q`` (per query head), ``k`` and ``v`` (per K/V head)."""
         tokens = w.heads * w.nq * w.head_dim + w.hkv * w.nk * (w.head_dim + w.v_head_dim)
-        return pairs + 8 * w.batch * tokens
+        return 8 * w.batch * tokens
 
     def cache_len(self, nk: int) -> int:
         """Cached keys a decoding step reads after a context of ``nk`` positions: all of them, unless

@@ -68,7 +68,7 @@ class DeltaNet(GatedRecurrence):
         return w.batch * w.heads * w.nk * (2 * w.head_dim + 4)
 
     def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None
+        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
     ) -> torch.Tensor:
         """The float64 delta rule token by token with this instance's ``beta`` in float64."""
         if attn_mask is not None or not causal:
@@ -83,4 +83,5 @@ class DeltaNet(GatedRecurrence):
             key_padding_mask=key_padding_mask,
             scale=scale,
             normalize_keys=True,
+            rows=rows,
         )

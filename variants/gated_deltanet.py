@@ -64,7 +64,7 @@ class GatedDeltaNet(GatedRecurrence):
         return w.batch * w.heads * w.nk * (4 * w.head_dim + 10)
 
     def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None
+        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
     ) -> torch.Tensor:
         """The float64 gated delta rule token by token with this instance's gates in float64."""
         if attn_mask is not None or not causal:
@@ -79,4 +79,5 @@ class GatedDeltaNet(GatedRecurrence):
             key_padding_mask=key_padding_mask,
             scale=scale,
             normalize_keys=True,
+            rows=rows,
         )

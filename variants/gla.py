@@ -98,12 +98,12 @@ class GatedLinearAttention(GatedRecurrence):
         return w.batch * w.heads * w.nk * per
 
     def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None
+        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
     ) -> torch.Tensor:
         """The float64 recurrence token by token with this instance's gates in float64."""
         if attn_mask is not None or not causal:
             raise Unsupported("gla is a causal recurrence: no attn_mask, no non-causal form")
         g = vector_decay_reference(repeat_kv(k, q.shape[1]), self.w1, self.w2, self.b)
         return gated_recurrence_reference(
-            q, k, v, log_decay=g, beta=None, key_padding_mask=key_padding_mask, scale=scale
+            q, k, v, log_decay=g, beta=None, key_padding_mask=key_padding_mask, scale=scale, rows=rows
         )

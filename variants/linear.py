@@ -75,9 +75,10 @@ class LinearAttention(KernelizedAttention):
         return {"feature_map": self.feature_map, "normalize": self.normalize, "chunk": self.chunk}
 
     def oracle_forward(
-        self, q, k, v, *, causal=False, key_padding_mask=None, attn_mask=None, scale=None
+        self, q, k, v, *, causal=False, key_padding_mask=None, attn_mask=None, scale=None, rows=None
     ) -> torch.Tensor:
-        """Float64 linear attention written densely (``linear_attention_reference``), ``(B, H, Nq, Dv)``."""
+        """Float64 linear attention written densely (``linear_attention_reference``), ``(B, H, R, Dv)`` for
+        the query ``rows`` (all ``Nq`` when None)."""
         if attn_mask is not None:
             raise Unsupported("linear attention never forms the (Nq, Nk) scores an attn_mask would mask")
         return linear_attention_reference(
@@ -89,6 +90,7 @@ class LinearAttention(KernelizedAttention):
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=scale,
+            rows=rows,
         )
 
     def _features(self, q, k, scale, valid, start, ref0, causal):

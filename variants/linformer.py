@@ -133,9 +133,12 @@ class LinformerAttention(AttentionVariant):
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         scale: float | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The float64 formula written separately (:func:`variants.reference.linformer_reference`)."""
         self.check(
             Workload.of(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
         )
-        return linformer_reference(q, k, v, self.e, self.f, key_padding_mask=key_padding_mask, scale=scale)
+        return linformer_reference(
+            q, k, v, self.e, self.f, key_padding_mask=key_padding_mask, scale=scale, rows=rows
+        )

@@ -213,6 +213,7 @@ class NystromAttention(AttentionVariant):
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         scale: float | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The float64 formula written separately (:func:`variants.reference.nystrom_reference`)."""
         self.check(
@@ -226,4 +227,5 @@ class NystromAttention(AttentionVariant):
             pinv_iters=self.pinv_iters,
             key_padding_mask=key_padding_mask,
             scale=scale,
+            rows=rows,
         )

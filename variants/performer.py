@@ -82,17 +82,19 @@ class Performer(KernelizedAttention):
                 self._draws[head_dim] = orthogonal_features(self.features, head_dim, self.seed)
         return self._draws[head_dim]
 
-    def oracle_bytes(self, w: Workload) -> int:
+    def oracle_bytes(self, w: Workload, rows: int | None = None) -> int:
         """The base count plus the reference's random features: two float64 ``(.., m)`` tensors (the
-        projection and its exponential) per query row and query head and per key and K/V head."""
-        rows = w.batch * (w.heads * w.nq + w.hkv * w.nk)
-        return super().oracle_bytes(w) + 2 * 8 * self.features * rows
+        projection and its exponential) per checked query row and query head and per key and K/V
+        head."""
+        checked = w.nq if rows is None else min(rows, w.nq)
+        features = w.batch * (w.heads * checked + w.hkv * w.nk)
+        return super().oracle_bytes(w, rows) + 2 * 8 * self.features * features
 
     def oracle_forward(
-        self, q, k, v, *, causal=False, key_padding_mask=None, attn_mask=None, scale=None
+        self, q, k, v, *, causal=False, key_padding_mask=None, attn_mask=None, scale=None, rows=None
     ) -> torch.Tensor:
         """Float64 FAVOR+ with this instance's draw, written densely (``performer_reference``),
-        ``(B, H, Nq, Dv)``."""
+        ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when None)."""
         if attn_mask is not None:
             raise Unsupported("performer never forms the (Nq, Nk) scores an attn_mask would mask")
         return performer_reference(
@@ -103,6 +105,7 @@ class Performer(KernelizedAttention):
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=scale,
+            rows=rows,
         )
 
     def _features(self, q, k, scale, valid, start, ref0, causal):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionVariant, grouped_matmul, repeat_kv
+from .base import AttentionVariant, grouped_matmul, repeat_kv, takes_rows
 from .masks import attend_each_document, combined_mask, document_mask, safe_softmax
 
 
@@ -100,7 +100,8 @@ def oracle(
 
     ``rows`` (1-D indices) limits the result to those query rows, ``(B, H, len(rows), Dv)``, so long
     sequences can be checked in ``O(rows * Nk)``. A variant that is not a restricted softmax
-    (``axial``: rows then columns) defines ``oracle_forward`` built from :func:`reference_attention`.
+    (``axial``: rows then columns) defines ``oracle_forward`` built from :func:`reference_attention`;
+    one that takes ``rows=`` computes those rows alone (the others' whole output is cut to them).
     """
     if cross and not variant.supports_cross:
         raise ValueError(f"{variant.name or type(variant).__name__} has no cross-attention form to check")
@@ -129,8 +130,10 @@ def oracle(
         attn_mask, window = (band if attn_mask is None else attn_mask & band), None
     if custom is not None:
         extra = {k_: x for k_, x in (("scale", scale), ("bias", bias)) if x is not None}
+        if rows is not None and takes_rows(custom):  # it computes only the checked rows
+            extra["rows"] = rows
         out = custom(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **extra)
-        return out if rows is None else out[:, :, rows]
+        return out if rows is None or "rows" in extra else out[:, :, rows]
     nq, nk = q.shape[2], k.shape[2]
     allowed = variant.pattern(nq, nk, causal).to(q.device)  # (Nq, Nk)
     if window is not None:
@@ -206,6 +209,7 @@ def nystrom_reference(
     pinv_iters: int,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 Nystromformer (Xiong et al. 2021, eq. 15), written densely for the ``nystrom`` tests.
 
@@ -215,8 +219,9 @@ def nystrom_reference(
     row's layout alone, whatever the padding), taken as an averaging matrix; ``Z`` is the paper's
     iterative pseudo-inverse of ``A = softmax(Q~ K~^T)`` (``pinv_iters`` steps from ``A^T / (||A||_1
     ||A||_inf)`` per batch element and head). Landmarks with no real token and padded keys are left out of
-    the softmaxes. ``q (B, H, N, D)``, ``k``/``v`` with ``H`` or fewer heads; returns ``(B, H, N, Dv)``
-    float64. Memory ``O(B H N (N + m))``.
+    the softmaxes. ``q (B, H, N, D)``, ``k``/``v`` with ``H`` or fewer heads; returns ``(B, H, R, Dv)``
+    float64 for the query ``rows`` (all ``N`` when None). Memory ``O(B H N (D + m))``: the product is
+    taken as ``(F Z) (B V)``, never forming the ``(N, N)`` matrix ``F Z B``.
     """
     b, h, n, d = q.shape
     k, v = repeat_kv(k, h).double(), repeat_kv(v, h).double()  # (B, H, N, D|Dv)
@@ -235,7 +240,8 @@ def nystrom_reference(
     real = real.to(q.device)
     q_land = average[:, None] @ qs  # (B, H, m, D)
     k_land = average[:, None] @ k  # (B, H, m, D)
-    f = safe_softmax(qs @ k_land.mT, has[:, None, None, :])  # (B, H, N, m)
+    q_rows = qs if rows is None else qs[:, :, rows.to(q.device)]  # (B, H, R, D)
+    f = safe_softmax(q_rows @ k_land.mT, has[:, None, None, :])  # (B, H, R, m)
     a = safe_softmax(q_land @ k_land.mT, has[:, None, :, None] & has[:, None, None, :])  # (B, H, m, m)
     bm = safe_softmax(q_land @ k.mT, has[:, None, :, None] & real[:, None, None, :])  # (B, H, m, N)
     norm = a.sum(-2).max(-1).values * a.sum(-1).max(-1).values  # (B, H)
@@ -244,7 +250,7 @@ def nystrom_reference(
     for _ in range(pinv_iters):
         az = a @ z
         z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
-    return ((f @ z) @ bm) @ v
+    return (f @ z) @ (bm @ v)  # (B, H, R, m) @ (B, H, m, Dv)
 
 
 def linformer_reference(
@@ -256,11 +262,13 @@ def linformer_reference(
     *,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 Linformer (Wang et al. 2020): ``softmax(Q (E K)^T * scale) (F V)`` with the length
     projections ``E``, ``F (P, max_len)`` cut to their first ``Nk`` columns, padded keys and values
     zeroed first. ``q (B, H, Nq, D)``, ``k``/``v`` with ``H`` or fewer heads; returns
-    ``(B, H, Nq, Dv)`` float64 (differentiable in ``e`` and ``f`` too)."""
+    ``(B, H, R, Dv)`` float64 for the query ``rows`` (all ``Nq`` when None; differentiable in ``e``
+    and ``f`` too)."""
     h, nk = q.shape[1], k.shape[2]
     k, v = repeat_kv(k, h).double(), repeat_kv(v, h).double()  # (B, H, Nk, D|Dv)
     if key_padding_mask is not None:
@@ -268,6 +276,7 @@ def linformer_reference(
         k, v = k * real, v * real
     k_proj = e[:, :nk].double() @ k  # (P, Nk) @ (B, H, Nk, D) -> (B, H, P, D)
     v_proj = f[:, :nk].double() @ v  # (B, H, P, Dv)
+    q = q if rows is None else q[:, :, rows.to(q.device)]  # (B, H, R, D)
     return reference_attention(q, k_proj, v_proj, scale=scale)
 
 
@@ -276,17 +285,29 @@ def linformer_reference(
 # the visible keys. Nothing here is shared with variants/linear_core.py.
 
 
+def query_positions(nq: int, nk: int, rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``(R,)`` positions in the keys' sequence of the query ``rows`` (all ``Nq`` when None): the
+    queries are the last ``Nq`` positions (bottom-right), so row ``i`` is at ``i + Nk - Nq``."""
+    i = torch.arange(nq, device=device) if rows is None else rows.to(device)
+    return i + (nk - nq)
+
+
 def _kernel_visible(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, key_padding_mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float64 ``(B|1, 1, Nq, Nk)``: 1 where query ``i`` (position ``i + Nk - Nq``) sees key ``j``."""
-    nq, nk = q.shape[2], k.shape[2]
-    i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)  # (Nq, 1): positions of the queries
+    """Float64 ``(B|1, 1, R, Nk)``: 1 where query row ``i`` (of ``rows``, all ``Nq`` when None; at
+    position ``i + Nk - Nq``) sees key ``j``."""
+    nk = k.shape[2]
+    i = query_positions(q.shape[2], nk, rows, q.device)[:, None]  # (R, 1)
     j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
-    seen = (j <= i) if causal else torch.ones(nq, nk, dtype=torch.bool, device=q.device)
-    seen = seen[None, None]  # (1, 1, Nq, Nk)
+    seen = (j <= i) if causal else torch.ones(i.shape[0], nk, dtype=torch.bool, device=q.device)
+    seen = seen[None, None]  # (1, 1, R, Nk)
     if key_padding_mask is not None:
-        seen = seen & key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, Nq, Nk)
+        seen = seen & key_padding_mask.to(q.device)[:, None, None, :]  # (B, 1, R, Nk)
     return seen.double()
 
 
@@ -310,14 +331,17 @@ def linear_attention_reference(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 linear attention (Katharopoulos et al. 2020): weights ``s phi(q_i) . phi(k_j)`` over
     the visible keys, ``sum_j w_ij v_j`` (divided by ``sum_j w_ij`` when ``normalize``); ``phi`` is
-    ``elu1`` (x + 1 for x > 0, e^x otherwise), ``relu`` or ``identity``. ``(B, H, Nq, Dv)``."""
+    ``elu1`` (x + 1 for x > 0, e^x otherwise), ``relu`` or ``identity``. ``(B, H, R, Dv)`` for the
+    query ``rows`` (all ``Nq`` when None), ``O(R Nk)`` memory."""
     phi = _FEATURE_MAPS[feature_map]
+    visible = _kernel_visible(q, k, causal, key_padding_mask, rows)  # (B|1, 1, R, Nk)
+    q = q if rows is None else q[:, :, rows]  # (B, H, R, D)
     q, k, v = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
     s = q.shape[-1] ** -0.5 if scale is None else scale
-    visible = _kernel_visible(q, k, causal, key_padding_mask)  # (B|1, 1, Nq, Nk)
     weights = s * grouped_matmul(phi(q), phi(k).transpose(-2, -1)) * visible
     return _kernel_sum(weights, v, normalize)
 
@@ -338,19 +362,22 @@ def window_linear_reference(
     feature_map: str,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 window + linear attention (Based's composition), causal: for the query at position
     ``p`` (bottom-right), the softmax of ``s q_p . k_j`` over the keys ``p - window <= j <= p``, plus
     the normalised linear attention ``s phi(q_p) . phi(k_j)`` over the keys ``j < p - window`` (0 where
-    there is none); padded keys in neither. ``(B, H, Nq, Dv)``."""
-    nq, nk = q.shape[2], k.shape[2]
-    p = torch.arange(nq, device=q.device)[:, None] + (nk - nq)  # (Nq, 1): positions of the queries
+    there is none); padded keys in neither. ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when
+    None), ``O(R Nk)`` memory."""
+    nk = k.shape[2]
+    p = query_positions(q.shape[2], nk, rows, q.device)[:, None]  # (R, 1): positions of the queries
+    q = q if rows is None else q[:, :, rows]  # (B, H, R, D)
     j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
     real = (
         torch.ones(1, nk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     )
     real = real.to(q.device)[:, None, None, :]  # (B|1, 1, 1, Nk)
-    near = ((j <= p) & (j >= p - window))[None, None] & real  # (B|1, 1, Nq, Nk)
+    near = ((j <= p) & (j >= p - window))[None, None] & real  # (B|1, 1, R, Nk)
     far = (j < p - window)[None, None] & real
     phi = _FEATURE_MAPS[feature_map]
     qd, kd, vd = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
@@ -368,19 +395,23 @@ def retention_reference(
     causal: bool = True,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 retention (RetNet, Sun et al. 2023): ``o_i = sum_{j <= i} gamma_h^(i-j) (s q_i . k_j)
     v_j`` with ``gamma_h = 1 - 2^(-5-h)``, ``i`` the query's position (bottom-right), padded keys out
-    of the sum. Causal only. ``(B, H, Nq, Dv)``."""
+    of the sum. Causal only. ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when None),
+    ``O(R Nk)`` memory."""
     if not causal:
         raise ValueError("retention is causal only")
+    nk, h = k.shape[2], q.shape[1]
+    pos = query_positions(q.shape[2], nk, rows, q.device)  # (R,)
+    visible = _kernel_visible(q, k, True, key_padding_mask, rows)  # (B|1, 1, R, Nk)
+    q = q if rows is None else q[:, :, rows]  # (B, H, R, D)
     q, k, v = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
-    nq, nk, h = q.shape[2], k.shape[2], q.shape[1]
     s = q.shape[-1] ** -0.5 if scale is None else scale
     gamma = 1 - 2.0 ** (-5.0 - torch.arange(h, dtype=torch.float64, device=q.device))  # (H,)
-    dist = (torch.arange(nq, device=q.device)[:, None] + (nk - nq)) - torch.arange(nk, device=q.device)
-    decay = gamma[:, None, None] ** dist.clamp(min=0).double()  # (H, Nq, Nk); masked where dist < 0
-    visible = _kernel_visible(q, k, True, key_padding_mask)  # (B|1, 1, Nq, Nk)
+    dist = pos[:, None] - torch.arange(nk, device=q.device)  # (R, Nk)
+    decay = gamma[:, None, None] ** dist.clamp(min=0).double()  # (H, R, Nk); masked where dist < 0
     return grouped_matmul(s * grouped_matmul(q, k.transpose(-2, -1)) * decay * visible, v)
 
 
@@ -393,11 +424,15 @@ def performer_reference(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 FAVOR+ (Choromanski et al. 2021) with the random directions ``projection (m, D)``:
     ``phi(x) = exp(W x - |x|^2 / 2) / sqrt(m)`` of ``x = sqrt(s) q`` and ``sqrt(s) k``, weights
     ``phi(q_i) . phi(k_j)`` over the visible keys, normalised by their sum. Unstabilised: for inputs
-    of moderate size. ``(B, H, Nq, Dv)``."""
+    of moderate size. ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when None), ``O(R Nk)``
+    memory."""
+    visible = _kernel_visible(q, k, causal, key_padding_mask, rows)  # (B|1, 1, R, Nk)
+    q = q if rows is None else q[:, :, rows]  # (B, H, R, D)
     q, k, v = q.double(), k.double(), v.double()  # k, v keep their Hkv heads
     s = q.shape[-1] ** -0.5 if scale is None else scale
     w = projection.double().to(q.device)
@@ -406,7 +441,6 @@ def performer_reference(
         x = x * s**0.5
         return torch.exp(x @ w.T - (x * x).sum(-1, keepdim=True) / 2) / w.shape[0] ** 0.5  # (B, H, N, m)
 
-    visible = _kernel_visible(q, k, causal, key_padding_mask)  # (B|1, 1, Nq, Nk)
     weights = grouped_matmul(phi(q), phi(k).transpose(-2, -1)) * visible
     return _kernel_sum(weights, v, True)
 
@@ -432,6 +466,7 @@ def gated_recurrence_reference(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     normalize_keys: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 gated / delta-rule recurrence (Yang et al. 2024, 2025), causal with the ``Nq`` queries
     as the last positions of the ``Nk`` keys' sequence.
@@ -440,18 +475,23 @@ def gated_recurrence_reference(
     (None: the gated form) are per query head. With ``a_t = exp(g_t)``, a state ``S (D, Dv)``:
     ``S = a_t S``; then ``S = S + k_t v_t^T`` (gated) or ``S = S + beta_t k_t (v_t - S^T k_t)^T``
     (delta rule, keys L2-normalised when ``normalize_keys``); ``o_t = S^T (s q_t)``. A padded key is
-    skipped (no write, no decay). ``(B, H, Nq, Dv)``; ``O(Nk D Dv)`` per head, token by token in a
-    Python loop.
+    skipped (no write, no decay). ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when None);
+    ``O(Nk D Dv)`` per head, token by token in a Python loop, ``O(B H (D Dv + R Dv))`` memory.
 
-    The gated form with few queries (``Nq <= DENSE_MAX_QUERIES``: decoding against a long context, a
+    The gated form with few rows (``R <= DENSE_MAX_QUERIES``: decoding against a long context, a
     check of a few rows) is computed in its closed form instead (:func:`gated_dense_reference`, the same
     numbers without a step per key); a test holds the two forms equal.
     """
-    if beta is None and not normalize_keys and q.shape[2] <= DENSE_MAX_QUERIES:
+    if beta is None and not normalize_keys and len(_row_list(q.shape[2], rows)) <= DENSE_MAX_QUERIES:
         return gated_dense_reference(
-            q, k, v, log_decay=log_decay, key_padding_mask=key_padding_mask, scale=scale
+            q, k, v, log_decay=log_decay, key_padding_mask=key_padding_mask, scale=scale, rows=rows
         )
-    return gated_loop_reference(q, k, v, log_decay, beta, key_padding_mask, scale, normalize_keys)
+    return gated_loop_reference(q, k, v, log_decay, beta, key_padding_mask, scale, normalize_keys, rows)
+
+
+def _row_list(nq: int, rows: torch.Tensor | None) -> list[int]:
+    """The query rows ``rows`` as a list (all ``Nq`` when None)."""
+    return list(range(nq)) if rows is None else [int(r) for r in rows]
 
 
 def gated_loop_reference(
@@ -463,17 +503,20 @@ def gated_loop_reference(
     key_padding_mask: torch.Tensor | None,
     scale: float | None,
     normalize_keys: bool,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`gated_recurrence_reference`'s recurrence, one key at a time, whatever ``Nq``; each key
     and value is repeated to the query heads and made float64 as it is read (a float64 copy of a
-    128k-key cache on 32 heads would be 4 GiB each)."""
+    128k-key cache on 32 heads would be 4 GiB each); the output kept at the query ``rows`` only (all
+    when None), ``(B, H, R, Dv)``."""
     h = q.shape[1]
-    q = q.double()
     b, _, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     s = d**-0.5 if scale is None else scale
-    state = q.new_zeros(b, h, d, dv)
-    outs = []
+    # the step of each kept row (its position), in the order of ``rows``
+    wanted = {nk - nq + r: i for i, r in enumerate(_row_list(nq, rows))}
+    state = q.new_zeros(b, h, d, dv, dtype=torch.float64)
+    outs: list[torch.Tensor | None] = [None] * len(wanted)
     for t in range(nk):
         real = (
             torch.ones(b, dtype=torch.bool, device=q.device)
@@ -494,8 +537,9 @@ def gated_loop_reference(
             u = beta[:, :, t].double()[..., None] * (vt - (new * kt[..., None]).sum(-2))  # (B, H, Dv)
         new = new + kt[..., :, None] * u[..., None, :]
         state = torch.where(real, new, state)
-        if t >= nk - nq:
-            outs.append((state * (s * q[:, :, t - (nk - nq)])[..., :, None]).sum(-2))  # (B, H, Dv)
+        if t in wanted:
+            qt = q[:, :, t - (nk - nq)].double()  # (B, H, D)
+            outs[wanted[t]] = (state * (s * qt)[..., :, None]).sum(-2)  # (B, H, Dv)
     return torch.stack(outs, 2)
 
 
@@ -508,6 +552,7 @@ def gated_dense_reference(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     block_bytes: int = 2**28,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 gated recurrence (no delta rule) in its closed form: for the query at position ``i``
     (the ``Nq`` queries are the last positions of the ``Nk`` keys' sequence),
@@ -516,10 +561,12 @@ def gated_dense_reference(
 
     over real keys (a padded key adds nothing to ``G`` and is in no sum); a scalar ``g (B, H, Nk)``
     multiplies the whole product, a vector ``g (B, H, Nk, D)`` feature by feature. Computed in blocks
-    of keys of at most ``block_bytes`` of float64 per block. ``(B, H, Nq, Dv)``; ``O(Nq Nk D)`` time.
+    of keys of at most ``block_bytes`` of float64 per block. ``(B, H, R, Dv)`` for the query ``rows``
+    (all ``Nq`` when None); ``O(R Nk D)`` time.
     """
-    h = q.shape[1]
-    q = q.double()  # k, v keep their Hkv heads: each block of keys is repeated to the query heads
+    h, nq0 = q.shape[1], q.shape[2]
+    q = (q if rows is None else q[:, :, rows]).double()  # (B, H, R, D); k, v keep their Hkv heads:
+    # each block of keys is repeated to the query heads
     b, _, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     s = d**-0.5 if scale is None else scale
@@ -532,20 +579,20 @@ def gated_dense_reference(
         k = torch.where(real[..., None], k, 0.0)
     big = g.cumsum(2)  # (B, H, Nk[, D]): G_t
     big = big if big.dim() == 4 else big[..., None]  # (B, H, Nk, D|1)
-    pos = torch.arange(nq, device=q.device) + (nk - nq)  # (Nq,): the queries' positions
-    qs = s * q  # (B, H, Nq, D)
+    pos = query_positions(nq0, nk, rows, q.device)  # (R,): the queries' positions
+    qs = s * q  # (B, H, R, D)
     out = q.new_zeros(b, h, nq, dv)
     width = max(1, block_bytes // (8 * b * h * nq * big.shape[-1]))
     for j0 in range(0, nk, width):
         j1 = min(nk, j0 + width)
-        seen = pos[:, None] >= torch.arange(j0, j1, device=q.device)[None, :]  # (Nq, kb)
-        diff = big[:, :, pos, None, :] - big[:, :, None, j0:j1, :]  # (B, H, Nq, kb, D|1): G_i - G_j
+        seen = pos[:, None] >= torch.arange(j0, j1, device=q.device)[None, :]  # (R, kb)
+        diff = big[:, :, pos, None, :] - big[:, :, None, j0:j1, :]  # (B, H, R, kb, D|1): G_i - G_j
         decay = diff.masked_fill(~seen[..., None], float("-inf")).exp()  # 0 for a key after the query
         kb = repeat_kv(k[:, :, j0:j1], h).double()  # (B, H, kb, D): this block's keys, per query head
         vb = repeat_kv(v[:, :, j0:j1], h).double()  # (B, H, kb, Dv)
         if decay.shape[-1] == 1:  # scalar: (s q_i . k_j) e^{G_i - G_j}
-            weights = (qs @ kb.transpose(-1, -2)) * decay[..., 0]  # (B, H, Nq, kb)
+            weights = (qs @ kb.transpose(-1, -2)) * decay[..., 0]  # (B, H, R, kb)
         else:
-            weights = (qs[:, :, :, None, :] * decay * kb[:, :, None, :, :]).sum(-1)  # (B, H, Nq, kb)
+            weights = (qs[:, :, :, None, :] * decay * kb[:, :, None, :, :]).sum(-1)  # (B, H, R, kb)
         out = out + weights @ vb
     return out

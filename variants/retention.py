@@ -63,12 +63,15 @@ class Retention(KernelizedAttention):
         super().check(w)
 
     def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None
+        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
     ) -> torch.Tensor:
-        """Float64 retention written densely (``retention_reference``), ``(B, H, Nq, Dv)``."""
+        """Float64 retention written densely (``retention_reference``), ``(B, H, R, Dv)`` for
+        the query ``rows`` (all ``Nq`` when None)."""
         if attn_mask is not None:
             raise Unsupported("retention never forms the (Nq, Nk) scores an attn_mask would mask")
-        return retention_reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        return retention_reference(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, rows=rows
+        )
 
     def _features(self, q, k, scale, valid, start, ref0, causal):
         pos = torch.arange(start, start + k.shape[2], dtype=torch.float64, device=k.device)  # (Nk,)

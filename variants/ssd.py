@@ -76,14 +76,14 @@ class StateSpaceDuality(GatedRecurrence):
         return w.batch * w.heads * w.nk * (2 * w.head_dim + 6)  # the projection, softplus, exp, scale
 
     def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None
+        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
     ) -> torch.Tensor:
         """The float64 recurrence token by token (``gated_recurrence_reference``) with this instance's
-        gates computed in float64, ``(B, H, Nq, Dv)``."""
+        gates computed in float64, ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when None)."""
         if attn_mask is not None or not causal:
             raise Unsupported("ssd is a causal recurrence: no attn_mask, no non-causal form")
         kr = repeat_kv(k, q.shape[1]).double()  # (B, H, Nk, D)
         g = scalar_decay_reference(kr, self.w, self.b, self.a_log)
         return gated_recurrence_reference(
-            q, k, v, log_decay=g, beta=None, key_padding_mask=key_padding_mask, scale=scale
+            q, k, v, log_decay=g, beta=None, key_padding_mask=key_padding_mask, scale=scale, rows=rows
         )

@@ -145,9 +145,10 @@ class WindowLinear(AttentionVariant):
         return out + fn.pad(far, (0, 0, t0, 0))  # (B, H, Nq, Dv): zeros for the first t0 queries
 
     def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None
+        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
     ) -> torch.Tensor:
-        """Float64, written densely (``window_linear_reference``), ``(B, H, Nq, Dv)``."""
+        """Float64, written densely (``window_linear_reference``), ``(B, H, R, Dv)`` for
+        the query ``rows`` (all ``Nq`` when None)."""
         if attn_mask is not None or not causal:
             raise Unsupported("window_linear is causal only and takes no attn_mask")
         return window_linear_reference(
@@ -158,6 +159,7 @@ class WindowLinear(AttentionVariant):
             feature_map=self.far.feature_map,
             key_padding_mask=key_padding_mask,
             scale=scale,
+            rows=rows,
         )
 
     # ------------------------------------------------------------------ the decoding state

@@ -32,7 +32,8 @@ from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_g
 
 # above this many float64 bytes, the gradient check (which needs the whole oracle) is skipped
 GRAD_ORACLE_BYTES = 256 * 2**20
-# above this, even the row-subset output check is skipped (only ``oracle_forward`` variants get there)
+# above this, even the output check on ``accuracy_rows`` rows is skipped (an oracle that computes
+# every row, or holds every key per query head)
 FULL_ORACLE_BYTES = 2 * 2**30
 
 
@@ -235,9 +236,11 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
             step = _step_call(variant, inp, w)
 
     # correctness first: figures of a wrong result are marked invalid
-    oracle_bytes = variant.oracle_bytes(w)
-    if getattr(variant, "oracle_forward", None) is not None and oracle_bytes > FULL_ORACLE_BYTES:
-        fig["accuracy_skipped"] = "float64 oracle too large for this length"
+    check_bytes = variant.oracle_bytes(w, rows=spec.accuracy_rows)
+    if check_bytes > FULL_ORACLE_BYTES:
+        fig["accuracy_skipped"] = (
+            f"float64 oracle {check_bytes / 2**20:.0f} MiB > {FULL_ORACLE_BYTES >> 20} MiB for this length"
+        )
         valid = True
     else:
         also = {} if step is None else {"step": step()[0]}  # step: (output, state after)
@@ -254,6 +257,7 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         if not all(torch.isfinite(g).all() for g in grads):
             result["status"], result["reason"] = "nan", "gradient has NaN or Inf"
             return
+        oracle_bytes = variant.oracle_bytes(w)  # all rows, with the graph of their gradients
         if oracle_bytes <= GRAD_ORACLE_BYTES:
             fig.update(gradient_accuracy(variant, q, k, v, grads, grad_out, kw))
             valid = valid and within_tolerance(fig, "grad", grad_tolerance(dtype))

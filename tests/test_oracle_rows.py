@@ -1,0 +1,99 @@
+"""The oracle on a subset of query rows: a variant's own float64 formula (``oracle_forward``)
+computes the checked rows alone, so a long sequence is checked in ``O(rows * Nk)`` instead of
+skipped (linear attention at N=16384 on 2 heads needed a 4 GiB oracle, over the job's 2 GiB budget:
+its records were called valid with no check).
+
+The oracle for the subset is the same formula over all rows, cut to those rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import variants
+from experiments.measure.kernel import FULL_ORACLE_BYTES, measure
+from variants import Workload, oracle
+from variants.base import Unsupported, takes_rows
+
+from .test_runner import job_spec
+
+OWN_FORMULA = [n for n in variants.available() if getattr(variants.build(n), "oracle_forward", None)]
+SQUARE_ONLY = {"linformer", "nystrom", "axial"}  # self-attention forms: as many queries as keys
+HEADS_8 = {"gla", "ssd", "deltanet", "gated_deltanet"}  # their gates are built for 8 heads of 64
+
+
+def test_every_own_formula_takes_rows():
+    """A registered variant whose oracle computed every row would still be skipped at long N."""
+    assert len(OWN_FORMULA) >= 11
+    assert all(takes_rows(variants.build(n).oracle_forward) for n in OWN_FORMULA)
+
+
+def _cases(name):
+    h, hkv, d = (8, 4, 64) if name in HEADS_8 else (4, 2, 16)
+    if name == "axial":
+        hkv = h
+    shapes = [(64, 64)] if name in SQUARE_ONLY else [(64, 64), (7, 96), (100, 100)]
+    for causal in (True, False):
+        for nq, nk in shapes:
+            for rows in (torch.tensor([0, 5, nq - 1]), torch.arange(1, nq, 1)):
+                yield causal, nq, nk, h, hkv, d, rows
+
+
+@pytest.mark.parametrize("name", OWN_FORMULA)
+def test_the_oracle_on_some_rows_is_those_rows_of_the_whole(name):
+    attn = variants.build(name)
+    g = torch.Generator().manual_seed(3)
+    checked = 0
+    for causal, nq, nk, h, hkv, d, rows in _cases(name):
+        q = torch.randn(2, h, nq, d, generator=g, dtype=torch.float64)
+        k = torch.randn(2, hkv, nk, d, generator=g, dtype=torch.float64)
+        v = torch.randn(2, hkv, nk, d, generator=g, dtype=torch.float64)
+        kpm = torch.ones(2, nk, dtype=torch.bool)
+        kpm[1, -9:] = False  # the second sequence padded at its end
+        try:
+            attn.check(Workload.of(q, k, v, causal=causal, key_padding_mask=kpm))
+        except Unsupported:  # a causal-only recurrence, a form with no causal mask
+            continue
+        checked += 1
+        with torch.no_grad():
+            whole = oracle(attn, q, k, v, causal=causal, key_padding_mask=kpm)
+            part = oracle(attn, q, k, v, causal=causal, key_padding_mask=kpm, rows=rows)
+        assert part.shape == (2, h, len(rows), d)
+        err = float((part - whole[:, :, rows]).abs().max() / whole.abs().max())
+        assert err < 1e-12, (causal, nq, nk, len(rows), err)
+    assert checked >= 2
+
+
+def test_the_count_of_a_row_check_holds_the_checked_rows_alone():
+    w = Workload(batch=1, heads=2, nq=16384, nk=16384, head_dim=16, v_head_dim=16, causal=True)
+    linear = variants.build("linear")
+    assert linear.oracle_bytes(w) > FULL_ORACLE_BYTES  # the whole oracle: 4 GiB of weights
+    rows = linear.oracle_bytes(w, rows=256)
+    assert rows == 2 * 256 * 16384 * 8 + 8 * (2 * 16384 * 16 + 2 * 16384 * 32)
+    assert rows < FULL_ORACLE_BYTES
+
+
+LONG = dict(seq_len=16384, heads=2, head_dim=16, causal=True, min_run_time=0.02)
+
+
+def test_a_long_linear_job_is_checked_not_skipped():
+    f = measure(job_spec(variant="linear", **LONG))["figures"]
+    assert "accuracy_skipped" not in f, f.get("accuracy_skipped")
+    assert f["checked_rows"] == 256 and f["out_rel_err"] < 1e-4 and f["valid"] is True
+
+
+def test_a_long_job_losing_its_late_rows_is_marked_invalid():
+    res = measure(job_spec("tests.faulty.LateRowsLostLinear", variant="linear", **LONG))
+    f = res["figures"]
+    assert f["valid"] is False and f["out_row_rel_err"] > 0.5 and "invalid" in res["reason"]
+
+
+def test_over_packed_documents_an_own_formula_is_counted_on_every_row():
+    """Its documents are each computed alone, every row of them (``attend_each_document``)."""
+    w = Workload(batch=1, heads=2, nq=16384, nk=16384, head_dim=16, v_head_dim=16, causal=True)
+    packed = Workload(
+        batch=1, heads=2, nq=16384, nk=16384, head_dim=16, v_head_dim=16, causal=True, documents=True
+    )
+    linear, sdpa = variants.build("linear"), variants.build("sdpa")
+    assert linear.oracle_bytes(packed, rows=256) == linear.oracle_bytes(w) > linear.oracle_bytes(w, rows=256)
+    assert sdpa.oracle_bytes(packed, rows=256) == sdpa.oracle_bytes(w, rows=256)  # its rows alone
