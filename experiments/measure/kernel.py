@@ -32,8 +32,8 @@ from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_g
 
 # above this many float64 bytes, the gradient check (which needs the whole oracle) is skipped
 GRAD_ORACLE_BYTES = 256 * 2**20
-# above this, even the output check on ``accuracy_rows`` rows is skipped (an oracle that computes
-# every row, or holds every key per query head)
+# above this, even the output check on ``accuracy_rows`` rows is skipped (only a variant's own
+# formula, ``oracle_forward``, gets there: one that computes every row, or performer's features)
 FULL_ORACLE_BYTES = 2 * 2**30
 
 
@@ -237,7 +237,9 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
 
     # correctness first: figures of a wrong result are marked invalid
     check_bytes = variant.oracle_bytes(w, rows=spec.accuracy_rows)
-    if check_bytes > FULL_ORACLE_BYTES:
+    # the general oracle (a softmax over the checked rows) always runs, as it did before there was a
+    # budget: at issue 34's GPU shape (B=4, H=16, D=128, N=65536) its float64 inputs alone are 12 GiB
+    if getattr(variant, "oracle_forward", None) is not None and check_bytes > FULL_ORACLE_BYTES:
         fig["accuracy_skipped"] = (
             f"float64 oracle {check_bytes / 2**20:.0f} MiB > {FULL_ORACLE_BYTES >> 20} MiB for this length"
         )
