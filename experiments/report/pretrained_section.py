@@ -12,8 +12,9 @@
 - :func:`plot_token_mass`: per layer, the unmodified model's attention mass on the first token and
   on the diagonal band, per length, and inside each pattern at the longest length.
 
-:func:`write_report` writes ``pretrained.md``, ``pretrained.csv`` and the plots (the report,
-:mod:`experiments.report.report`, calls it when the store has pretrained records). ``O(records)``.
+:func:`write_report` writes ``pretrained.md``, ``pretrained.csv`` (the tables' floor rows too, named
+in its column ``floor``) and the plots (the report, :mod:`experiments.report.report`, calls it when
+the store has pretrained records). ``O(records)``.
 """
 
 from __future__ import annotations
@@ -175,13 +176,21 @@ def load_floors(df: pd.DataFrame) -> list[dict[str, Any]]:
     if "path" not in df:
         return []
     stores = sorted({Path(str(p)).parent.parent for p in df["path"].dropna().unique()})
-    return [json.loads((d / FLOOR_FILE).read_text()) for d in stores if (d / FLOOR_FILE).is_file()]
+    # each file keeps where it was read (``_path``): the CSV's floor rows name it as a record's path
+    return [
+        {**json.loads((d / FLOOR_FILE).read_text()), "_path": str(d / FLOOR_FILE)}
+        for d in stores
+        if (d / FLOOR_FILE).is_file()
+    ]
 
 
-def floor_rows(floors: list[dict[str, Any]], sub: pd.DataFrame) -> list[tuple[str, dict[str, Any]]]:
-    """``(label, figures)`` of the main floors (attention removed, uniform) measured on the very texts
-    of ``sub``'s ok records (one N, one comparable set): the same texts' SHA-256, the same encoder
-    package and dtype; none when no floor file matches (another corpus, N or encoder)."""
+def _matching_floors(
+    floors: list[dict[str, Any]], sub: pd.DataFrame
+) -> list[tuple[dict[str, Any], dict[str, Any], str]]:
+    """``(floor file, its entry at sub's N, floor name)`` of the main floors (attention removed,
+    uniform) measured on the very texts of ``sub``'s ok records (one N, one comparable set): the same
+    texts' SHA-256, the same encoder package and dtype; none when no floor file matches (another
+    corpus, N or encoder)."""
     ok = sub[sub["status"] == "ok"]
     hashes = set(ok["texts_sha256"].dropna().astype(str))
     if len(hashes) != 1 or len(ok) == 0:
@@ -196,8 +205,18 @@ def floor_rows(floors: list[dict[str, Any]], sub: pd.DataFrame) -> list[tuple[st
             continue
         if settings.get("package") != package or settings.get("dtype") != r["dtype"]:
             continue
-        out += [(f"floor: {floor['names'][k]}", at["floors"][k]) for k in floor.get("main", [])]
+        out += [(floor, at, k) for k in floor.get("main", [])]
     return out
+
+
+def floor_label(floor: dict[str, Any], name: str) -> str:
+    """How the tables (and the CSV's ``variant``) name floor ``name`` of a floor file."""
+    return f"floor: {floor['names'][name]}"
+
+
+def floor_rows(floors: list[dict[str, Any]], sub: pd.DataFrame) -> list[tuple[str, dict[str, Any]]]:
+    """``(label, figures)`` of the floors of :func:`_matching_floors`: what the tables show."""
+    return [(floor_label(f, k), at["floors"][k]) for f, at, k in _matching_floors(floors, sub)]
 
 
 def fidelity_table(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -318,12 +337,49 @@ def ablation_table(df: pd.DataFrame, setting: str = "the global block") -> pd.Da
     return pd.DataFrame(found).sort_values(["variant", "_n", key.replace("_", " ")]).drop(columns="_n")
 
 
+def _floor_csv_rows(df: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
+    """The floor rows of the tables (:func:`floor_rows`) as CSV rows: one per comparable set, N and
+    main floor, the set's host, device, dtype and encoder, ``variant`` the tables' label, ``floor`` the
+    floor's name in ``floor.json`` (``zeros``, ``uniform``), the floor's figures, its texts and
+    corpus, and ``path`` the floor file; no status (it is no job). Empty without a matching floor."""
+    floors = load_floors(df)
+    found: list[dict[str, Any]] = []
+    for _, grp in _groups(rows) if floors else []:
+        for n, sub in grp.groupby("seq_len", sort=True):
+            first = sub.iloc[0]
+            for floor, at, name in _matching_floors(floors, sub):
+                settings = floor.get("settings", {})
+                found.append(
+                    {
+                        **{c: first[c] for c in ("env_host", "device", "dtype", "_encoder")},
+                        "variant": floor_label(floor, name),
+                        "floor": name,
+                        "seq_len": int(n),
+                        **at["floors"][name],
+                        "texts": at.get("texts"),
+                        "texts_sha256": at.get("texts_sha256"),
+                        "trained_len": settings.get("trained_len"),
+                        "corpus_sha256": settings.get("corpus_sha256"),
+                        "python": floor.get("python"),
+                        "path": floor["_path"],
+                    }
+                )
+    return pd.DataFrame(found)
+
+
 def _csv_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """The numbers behind the tables, one row per (variant, N)."""
+    """The numbers behind the tables, one row per (variant, N), and the tables' floor rows
+    (:func:`_floor_csv_rows`), which a column ``floor`` names (empty for a variant's row)."""
     rows = pretrained_rows(df)
-    cols = ["env_host", "device", "dtype", "_encoder", "variant", "seq_len", "status", "reason"]
+    cols = ["env_host", "device", "dtype", "_encoder", "variant", "floor", "seq_len", "status", "reason"]
     cols += [c for c in _FIGURES if c != "corpus_recipe"] + ["config_hash", "path"]
-    out = rows.reindex(columns=cols).rename(columns={"_encoder": "encoder"})
+    floors = _floor_csv_rows(df, rows)
+    out = rows.assign(floor=None)
+    if len(floors):  # no concat with an empty frame: it would change no row but warns
+        # whole-number columns stay whole (``8``, not ``8.0``) where the floor rows leave them empty
+        whole = {c: "Int64" for c in out.select_dtypes("integer").columns}
+        out = pd.concat([out.astype(whole), floors], ignore_index=True)
+    out = out.reindex(columns=cols).rename(columns={"_encoder": "encoder"})
     return out.sort_values(["env_host", "device", "dtype", "seq_len", "variant"])
 
 
