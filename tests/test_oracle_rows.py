@@ -97,3 +97,40 @@ def test_over_packed_documents_an_own_formula_is_counted_on_every_row():
     linear, sdpa = variants.build("linear"), variants.build("sdpa")
     assert linear.oracle_bytes(packed, rows=256) == linear.oracle_bytes(w) > linear.oracle_bytes(w, rows=256)
     assert sdpa.oracle_bytes(packed, rows=256) == sdpa.oracle_bytes(w, rows=256)  # its rows alone
+
+
+def _first_taken(attn, name):
+    """``(causal, q, k, v, rows)`` of the first of :func:`_cases` the variant takes, batch 1."""
+    g = torch.Generator().manual_seed(4)
+    for causal, nq, nk, h, hkv, d, rows in _cases(name):
+        q = torch.randn(1, h, nq, d, generator=g, dtype=torch.float64)
+        k = torch.randn(1, hkv, nk, d, generator=g, dtype=torch.float64)
+        v = torch.randn(1, hkv, nk, d, generator=g, dtype=torch.float64)
+        try:
+            attn.check(Workload.of(q, k, v, causal=causal))
+        except Unsupported:
+            continue
+        return causal, q, k, v, rows
+    raise AssertionError(f"{name} takes none of the cases")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", OWN_FORMULA)
+def test_the_oracle_on_some_rows_on_cuda_is_the_cpus(name):
+    """The rows' index tensor lives on the host; the positions and masks built from it must follow the
+    inputs to the device."""
+    attn = variants.build(name)
+    causal, q, k, v, rows = _first_taken(attn, name)
+    with torch.no_grad():
+        cpu = oracle(attn, q, k, v, causal=causal, rows=rows)
+        gpu = oracle(attn.cuda(), q.cuda(), k.cuda(), v.cuda(), causal=causal, rows=rows)
+    assert float((gpu.cpu() - cpu).abs().max() / cpu.abs().max()) < 1e-12
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_decode_job_checks_its_step():
+    shape = dict(batch=1, heads=4, kv_heads=2, head_dim=64, causal=True, min_run_time=0.05, kv_len=512)
+    f = measure(job_spec(variant="linear", seq_len=1, device="cuda", dtype="bfloat16", **shape))["figures"]
+    assert f["valid"] is True and f["step_row_rel_err"] < 5e-2 and f["step_median_s"] > 0, f
