@@ -10,6 +10,7 @@ import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -160,6 +161,20 @@ def _static_environment() -> dict[str, object]:
         "git_commit": _git("rev-parse", "--short=12", "HEAD"),
         "git_dirty": None if dirty is None else bool(dirty),
         "code_version": code_version(),
+    }
+
+
+def kind_environment(kind: str, pretrained: dict[str, Any] | None = None) -> dict[str, object]:
+    """The library versions only one kind of job runs on, for its record and resume: a pretrained job
+    (``kind == "pretrained"``) reads its weights from the encoder package ``pretrained["package"]``
+    (``pretrained_package_version``) and turns its texts into token ids with ``tokenizers``; other kinds
+    get ``{}``, so a new tokenizers or weights release never sends a kernel record to be measured again."""
+    if kind != "pretrained":
+        return {}
+    package = str((pretrained or {}).get("package") or "")
+    return {
+        "pretrained_package_version": _version(package.replace("_", "-")) if package else None,
+        "tokenizers": _version("tokenizers"),
     }
 
 

@@ -166,10 +166,13 @@ REUSABLE = frozenset({"ok", "unsupported", "oom"})
 #: included), torch and CUDA, Python (the pretrained experiment's corpus is its standard library's
 #: docstrings), the machine, the threads the job runs on (``threads=null`` takes every CPU it may
 #: use), the C allocator's settings, the compiler that builds the C kernels (none: the PyTorch paths
-#: run), and the libraries some variants and jobs run on
+#: run), and the libraries some variants and jobs run on; a pretrained job's weights package and
+#: tokenizers are in the env of pretrained records only
+#: (:func:`~experiments.records.environment.kind_environment`), so other kinds compare None with None
 FINGERPRINT = (
     "code_version", "variant_code", "torch", "cuda", "python", "host", "cpu_model", "cpu_capability",
     "gpu_name", "job_threads", "malloc", "c_compiler", "xformers", "triton", "transformers",
+    "pretrained_package_version", "tokenizers",
 )  # fmt: skip
 
 

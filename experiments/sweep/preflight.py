@@ -4,6 +4,8 @@
 
 - refuses a setting the config does not have (``seqlen=64`` or ``+seqlen=64``, which Hydra would
   add and no job would read) with one line naming the closest known ones;
+- refuses a list of a config group's options (``variant=[sdpa,naive]``, which Hydra merges into one
+  config) with one line giving the sweep that was meant (``-m variant=sdpa,naive``);
 - refuses an unknown variant (``variant=nosuch``), named sweep or other group option
   (``experiment=nosuch``, ``+task=nosuch``) or an enum value the schema does not know (``dtype=fp8``)
   with one line naming what is known, and exit code 1;
@@ -146,6 +148,22 @@ def _check_variant_glob(arg: str) -> None:
         )
 
 
+def _group_list(key: str, value: str) -> str | None:
+    """Why ``<group>=[a,b]`` (``key``: the group as written, ``+task`` included) cannot mean what it
+    seems to, or None. Hydra reads a list of a config group's options as one config merged from all
+    of them, not as a sweep: ``variant=[sdpa,naive]`` ran naive's class with sdpa's knobs and failed
+    on "unknown knob 'backend' for naive"."""
+    if not (value.startswith("[") and value.endswith("]")):
+        return None
+    names = [v.strip() for v in value[1:-1].split(",") if v.strip()]
+    if len(names) < 2:
+        return None  # one option in brackets is that option
+    group = key.lstrip("+")
+    if group == "experiment":
+        return "a list merges the named sweeps into one; run one named sweep at a time (experiment=<name>)"
+    return f"a list merges the {group} configs into one; sweep them with -m {key}={','.join(names)}"
+
+
 def preflight(argv: list[str]) -> list[str]:
     """``argv`` with variant knobs made force-add overrides; exits with one line on a bad value."""
     out = [argv[0]]
@@ -196,6 +214,8 @@ def preflight(argv: list[str]) -> list[str]:
                 close = [f"variant.{root}"] + close
             hint = f"did you mean {' or '.join(close)}? " if close else ""
             _fail(f"unknown setting '{root}' in '{arg}'; {hint}`python run.py --cfg job` lists the settings")
+        if (bare == "variant" or bare in _GROUPS) and (why := _group_list(key, value)):
+            _fail(f"{arg}: {why}")
         if bare == "variant" and _PLAIN.match(value):
             known = known_variants()
             for name in value.split(","):

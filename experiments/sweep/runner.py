@@ -23,7 +23,7 @@ from ..measure.common import job_threads
 from ..measure.kinds import rules
 from ..measure.roofline import implausible
 from ..measure.spec import JobSpec, kind_of
-from ..records.environment import environment, variant_code_version
+from ..records.environment import environment, kind_environment, variant_code_version
 from ..records.records import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -173,6 +173,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
     spec = JobSpec.from_config(cfg)  # what the job's process gets: the measurement's half of conf
     # the threads the job will run on (threads=null: every CPU it may use, which differs by allocation)
     env["job_threads"] = job_threads(spec) if spec.device.value == "cpu" else None
+    env.update(kind_environment(spec.kind.value, spec.pretrained))  # compared on resume too
 
     existing = find_existing(records_dir, chash, env, not_reusable) if conf.resume else None
     if existing is not None:
@@ -327,8 +328,11 @@ def _manifest(
     """Append this job's record path to the sweep's manifest (one short line: an atomic append), with
     the job's summary ``line`` for the submitting process to show (:mod:`experiments.sweep.progress`),
     ``invalid`` when its result failed the correctness check (the sweep then exits 1) and, for a job
-    skipped because it was measured before, the status of the record it ``reused``."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    skipped because it was measured before, the status of the record it ``reused``.
+
+    The manifest is the sweep's bookkeeping, not its data: an append that fails (the sweep folder
+    full, read-only or gone) is one warning line, the job's summary line is shown here instead of by
+    the follower, and the sweep goes on; the record is already safe in ``records_dir``."""
     entry = {"config_hash": chash, "record": None if path is None else str(path), "status": status}
     if invalid:
         entry["invalid"] = True
@@ -338,6 +342,16 @@ def _manifest(
         entry["reason"] = reason
     if line is not None:
         entry["line"] = line
-    line = json.dumps(entry) + "\n"
-    with open(sweep_dir / MANIFEST, "a") as f:
-        f.write(line)
+    text = json.dumps(entry) + "\n"
+    try:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        with open(sweep_dir / MANIFEST, "a") as f:
+            f.write(text)
+    except OSError as exc:
+        kept = f"the record is kept ({path}), but " if path is not None else ""
+        say(
+            f"warning: could not add a job to {sweep_dir / MANIFEST}: {exc}; {kept}the sweep's last line, "
+            "exit code and report leave the job out"
+        )
+        if line is not None and following():  # the follower shows only what the manifest holds
+            say(line)
