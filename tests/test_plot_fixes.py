@@ -227,21 +227,36 @@ def _same_data(a: plt.Line2D, b: plt.Line2D) -> bool:
     return len(xa) == len(xb) and np.allclose(xa, xb) and np.allclose(ya, yb)
 
 
+def test_lines_within_a_log_axis_line_width_take_turns(kept: list[plt.Figure], tmp_path: Path) -> None:
+    """On the 3.5-decade decode plot linear's step (0.262-0.276 ms) and local_window's forward
+    (0.264-0.271) are 3-5% apart, over the fixed 3%: one hid the other. The tolerance is now a share
+    of the axis's decades (8% there)."""
+    df = _store("decode_state")
+    plots.plot_decode(df, tmp_path)
+    one_query = _panel_lines(kept[0])[0]  # the seq_len=1 panel
+    style = {ln.get_label().split(",")[0]: ln.get_linestyle() for ln in one_query}  # "linear, Nq=1"
+    assert style["linear"] == "-" and style["local_window"] == "--"
+    assert style["sdpa"] == style["retention"] == "-"
+    assert plots.log_axis_rtol(pd.Series([1.0, 10.0])) == plots.COINCIDE_RTOL  # one decade: the floor
+    assert plots.log_axis_rtol(pd.Series([1.0, 10.0**4])) == pytest.approx(10**0.04 - 1)
+
+
 def test_identical_memory_series_take_turns_in_dashes(kept: list[plt.Figure], tmp_path: Path) -> None:
     df = _store("scaling")
-    sdpa = df[df["variant"] == "sdpa"]
-    twins = [sdpa.assign(variant=f"sdpa_twin{i}", variant_key=f"sdpa_twin{i}") for i in (1, 2)]
+    # naive's peak is 2x or more every other variant's at every length: only its twins meet it
+    naive = df[df["variant"] == "naive"]
+    twins = [naive.assign(variant=f"naive_twin{i}", variant_key=f"naive_twin{i}") for i in (1, 2)]
     plots.plot_memory(pd.concat([df, *twins], ignore_index=True), tmp_path)
     fig = kept[0]
     for lines in _panel_lines(fig):
-        same = [ln for ln in lines if ln.get_label().startswith("sdpa")]
+        same = [ln for ln in lines if ln.get_label().startswith("naive")]
         assert len(same) == 3 and all(_same_data(same[0], ln) for ln in same)
         # the first drawn stays solid, the ones drawn over it are dashed, each its own share of the period
         assert [ln.get_linestyle() for ln in same] == ["-", "--", "--"]
         offsets = {ln._unscaled_dash_pattern[0] for ln in same[1:]}
         assert len(offsets) == 2
-        # lines that coincide with no other stay solid
-        alone = [ln for ln in lines if ln.get_label() == "naive"]
+        # lines that coincide with no other stay solid (performer: 12% or more from every other line)
+        alone = [ln for ln in lines if ln.get_label() == "performer"]
         assert alone and alone[0].get_linestyle() == "-"
     labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
     assert any("lines that coincide" in lab for lab in labels)
