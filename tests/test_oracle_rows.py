@@ -22,10 +22,42 @@ SQUARE_ONLY = {"linformer", "nystrom", "axial"}  # self-attention forms: as many
 HEADS_8 = {"gla", "ssd", "deltanet", "gated_deltanet"}  # their gates are built for 8 heads of 64
 
 
-def test_every_own_formula_takes_rows():
-    """A registered variant whose oracle computed every row would still be skipped at long N."""
+def test_every_own_formula_but_axials_takes_rows():
+    """A registered variant whose oracle computed every row would still be skipped at long N. axial's
+    column stage reads its row stage at every position of a checked row's column: it computes all rows,
+    and its count says so (a count of the checked rows alone let a 16 GiB oracle run at N=16384)."""
     assert len(OWN_FORMULA) >= 11
-    assert all(takes_rows(variants.build(n).oracle_forward) for n in OWN_FORMULA)
+    assert all(takes_rows(variants.build(n).oracle_forward) for n in OWN_FORMULA if n != "axial")
+    axial = variants.build("axial")
+    assert not takes_rows(axial.oracle_forward)
+    w = Workload(batch=1, heads=8, nq=16384, nk=16384, head_dim=64, v_head_dim=64)
+    assert axial.oracle_bytes(w, rows=256) == axial.oracle_bytes(w) > FULL_ORACLE_BYTES
+
+
+def test_takes_rows_of_forms_without_the_parameter():
+    assert not takes_rows(lambda q, k, v, **kw: q)  # **kw: gets the whole output, cut
+    assert takes_rows(lambda q, k, v, rows=None: q)
+    assert not takes_rows(torch.add)  # no signature to read
+
+
+@pytest.mark.parametrize("rows", [[-1], [3, 3], [0, 64], [0.5]])
+def test_bad_rows_are_refused_in_one_line(rows):
+    """A negative row was placed at ``r + Nk - Nq`` by the row forms: 0.12-0.84 off, silently; a
+    repeated one crashed the recurrences' loop."""
+    attn = variants.build("linear")
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(ValueError, match="rows must"):
+        oracle(attn, q, k, v, causal=True, rows=torch.tensor(rows))
+
+
+def test_a_rows_formula_returning_other_rows_is_refused():
+    class AllRows(variants.registry.get("linear")):
+        def oracle_forward(self, q, k, v, *, rows=None, **kw):  # says it takes rows, returns all
+            return super().oracle_forward(q, k, v, **kw)
+
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(ValueError, match="returned 64 rows for 3 asked"):
+        oracle(AllRows(), q, k, v, causal=True, rows=torch.tensor([0, 5, 63]))
 
 
 def _cases(name):
@@ -39,28 +71,35 @@ def _cases(name):
                 yield causal, nq, nk, h, hkv, d, rows
 
 
-@pytest.mark.parametrize("name", OWN_FORMULA)
-def test_the_oracle_on_some_rows_is_those_rows_of_the_whole(name):
-    attn = variants.build(name)
+def _taken(attn, name):
+    """``(kw, q, k, v, rows)`` for each of :func:`_cases` the variant takes: batch 2, the second
+    sequence padded at its end (``kw``: causal and the key padding mask), float64."""
     g = torch.Generator().manual_seed(3)
-    checked = 0
     for causal, nq, nk, h, hkv, d, rows in _cases(name):
         q = torch.randn(2, h, nq, d, generator=g, dtype=torch.float64)
         k = torch.randn(2, hkv, nk, d, generator=g, dtype=torch.float64)
         v = torch.randn(2, hkv, nk, d, generator=g, dtype=torch.float64)
         kpm = torch.ones(2, nk, dtype=torch.bool)
-        kpm[1, -9:] = False  # the second sequence padded at its end
+        kpm[1, -9:] = False
         try:
             attn.check(Workload.of(q, k, v, causal=causal, key_padding_mask=kpm))
         except Unsupported:  # a causal-only recurrence, a form with no causal mask
             continue
+        yield {"causal": causal, "key_padding_mask": kpm}, q, k, v, rows
+
+
+@pytest.mark.parametrize("name", OWN_FORMULA)
+def test_the_oracle_on_some_rows_is_those_rows_of_the_whole(name):
+    attn = variants.build(name)
+    checked = 0
+    for kw, q, k, v, rows in _taken(attn, name):
         checked += 1
         with torch.no_grad():
-            whole = oracle(attn, q, k, v, causal=causal, key_padding_mask=kpm)
-            part = oracle(attn, q, k, v, causal=causal, key_padding_mask=kpm, rows=rows)
-        assert part.shape == (2, h, len(rows), d)
+            whole = oracle(attn, q, k, v, **kw)
+            part = oracle(attn, q, k, v, rows=rows, **kw)
+        assert part.shape == (*whole.shape[:2], len(rows), whole.shape[-1])
         err = float((part - whole[:, :, rows]).abs().max() / whole.abs().max())
-        assert err < 1e-12, (causal, nq, nk, len(rows), err)
+        assert err < 1e-12, (kw["causal"], q.shape, k.shape, len(rows), err)
     assert checked >= 2
 
 
@@ -99,33 +138,20 @@ def test_over_packed_documents_an_own_formula_is_counted_on_every_row():
     assert sdpa.oracle_bytes(packed, rows=256) == sdpa.oracle_bytes(w, rows=256)  # its rows alone
 
 
-def _first_taken(attn, name):
-    """``(causal, q, k, v, rows)`` of the first of :func:`_cases` the variant takes, batch 1."""
-    g = torch.Generator().manual_seed(4)
-    for causal, nq, nk, h, hkv, d, rows in _cases(name):
-        q = torch.randn(1, h, nq, d, generator=g, dtype=torch.float64)
-        k = torch.randn(1, hkv, nk, d, generator=g, dtype=torch.float64)
-        v = torch.randn(1, hkv, nk, d, generator=g, dtype=torch.float64)
-        try:
-            attn.check(Workload.of(q, k, v, causal=causal))
-        except Unsupported:
-            continue
-        return causal, q, k, v, rows
-    raise AssertionError(f"{name} takes none of the cases")
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", OWN_FORMULA)
 def test_the_oracle_on_some_rows_on_cuda_is_the_cpus(name):
     """The rows' index tensor lives on the host; the positions and masks built from it must follow the
-    inputs to the device."""
+    inputs to the device (every case: padding, decode shapes, gla's and ssd's loop past 64 rows)."""
     attn = variants.build(name)
-    causal, q, k, v, rows = _first_taken(attn, name)
-    with torch.no_grad():
-        cpu = oracle(attn, q, k, v, causal=causal, rows=rows)
-        gpu = oracle(attn.cuda(), q.cuda(), k.cuda(), v.cuda(), causal=causal, rows=rows)
-    assert float((gpu.cpu() - cpu).abs().max() / cpu.abs().max()) < 1e-12
+    for kw, q, k, v, rows in _taken(attn, name):
+        on_gpu = {"causal": kw["causal"], "key_padding_mask": kw["key_padding_mask"].cuda()}
+        with torch.no_grad():
+            cpu = oracle(attn, q, k, v, rows=rows, **kw)
+            gpu = oracle(attn.cuda(), q.cuda(), k.cuda(), v.cuda(), rows=rows, **on_gpu)
+        attn.cpu()
+        assert float((gpu.cpu() - cpu).abs().max() / cpu.abs().max()) < 1e-12
 
 
 @pytest.mark.cuda

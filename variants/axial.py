@@ -153,7 +153,6 @@ class AxialAttention(AttentionVariant):
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         scale: float | None = None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Float64 axial attention written densely: two masked full attentions in raster order (both
         with the scores scaled by ``scale``, default ``1/sqrt(D)``)."""
@@ -167,5 +166,6 @@ class AxialAttention(AttentionVariant):
         row_allowed = same_row if masks is None else masks & same_row  # (B|1, 1, Nq, Nk)
         col_allowed = same_col if masks is None else masks & same_col
         row_out = reference_attention(q, k, v, allowed=row_allowed, scale=scale)  # (B, H, N, Dv) float64
-        out = reference_attention(q, k, row_out, allowed=col_allowed, scale=scale)  # (B, H, N, Dv)
-        return out if rows is None else out[:, :, rows]
+        # no ``rows=``: a checked row's column reads the row stage at every position of that column, so
+        # this form computes all rows (and the job's budget counts them all: N x N float64 per head)
+        return reference_attention(q, k, row_out, allowed=col_allowed, scale=scale)

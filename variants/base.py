@@ -263,8 +263,12 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def takes_rows(oracle_forward: object) -> bool:
     """Whether a variant's ``oracle_forward`` takes ``rows=`` (computes only the checked query rows);
-    one written before it did (a third party's) gets its whole output cut to them. ``O(1)``."""
-    return "rows" in inspect.signature(oracle_forward).parameters
+    one written before it did (a third party's) gets its whole output cut to them, as does a callable
+    whose signature cannot be read (a builtin). ``O(1)``."""
+    try:
+        return "rows" in inspect.signature(oracle_forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,23 @@ def _window_band(nq: int, nk: int, window: int, device: torch.device) -> torch.T
     return (pos - torch.arange(nk, device=device)[None, :]).abs() <= window
 
 
+def _check_rows(rows: torch.Tensor | None, nq: int) -> None:
+    """One ``ValueError`` unless ``rows`` is None or 1-D distinct integer indices in ``[0, Nq)``: the
+    row forms place row ``r`` at position ``r + Nk - Nq``, which a negative index would shift."""
+    if rows is None:
+        return
+    if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+        raise ValueError(
+            f"rows must be 1-D integer query indices, not {rows.dtype} of shape {tuple(rows.shape)}"
+        )
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= nq):
+        raise ValueError(
+            f"rows must lie in [0, {nq}) (the queries); got {int(rows.min())}..{int(rows.max())}"
+        )
+    if len(rows.unique()) != len(rows):
+        raise ValueError("rows must be distinct query indices")
+
+
 def _rows_of(mask: torch.Tensor | None, rows: torch.Tensor | None, nq: int) -> torch.Tensor | None:
     """``mask`` restricted to query ``rows`` (when it has a query dimension)."""
     if mask is None or rows is None or mask.dim() < 2 or mask.shape[-2] != nq:
@@ -109,6 +126,7 @@ def oracle(
         raise ValueError(f"{variant.name or type(variant).__name__} takes no sinks to check")
     if softcap is not None and not variant.supports_softcap:
         raise ValueError(f"{variant.name or type(variant).__name__} soft-caps no scores to check")
+    _check_rows(rows, q.shape[2])
     custom = getattr(variant, "oracle_forward", None)
     if custom is not None and (sinks is not None or softcap is not None):
         raise ValueError(f"{variant.name or type(variant).__name__}'s own oracle takes no sinks or softcap")
@@ -133,6 +151,11 @@ def oracle(
         if rows is not None and takes_rows(custom):  # it computes only the checked rows
             extra["rows"] = rows
         out = custom(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **extra)
+        if "rows" in extra and out.shape[2] != len(rows):
+            raise ValueError(
+                f"{variant.name or type(variant).__name__}.oracle_forward(rows=) returned {out.shape[2]} "
+                f"rows for {len(rows)} asked"
+            )
         return out if rows is None or "rows" in extra else out[:, :, rows]
     nq, nk = q.shape[2], k.shape[2]
     allowed = variant.pattern(nq, nk, causal).to(q.device)  # (Nq, Nk)

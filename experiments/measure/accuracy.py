@@ -84,6 +84,10 @@ def output_accuracy(
         }
         stats: dict[str, object] = {}
         for name, g in got.items():
+            if g.shape != ref.shape:  # broadcasting would compare other rows than the oracle's
+                raise ValueError(
+                    f"the {name} output {tuple(g.shape)} does not match the oracle's {tuple(ref.shape)}"
+                )
             stats.update(error_stats(g, ref, name))
         stats["checked_rows"] = int(q.shape[2] if rows is None else rows.numel())
         if not variant.exact:
