@@ -136,6 +136,8 @@ def test_over_packed_documents_an_own_formula_is_counted_on_every_row():
     linear, sdpa = variants.build("linear"), variants.build("sdpa")
     assert linear.oracle_bytes(packed, rows=256) == linear.oracle_bytes(w) > linear.oracle_bytes(w, rows=256)
     assert sdpa.oracle_bytes(packed, rows=256) == sdpa.oracle_bytes(w, rows=256)  # its rows alone
+    performer = variants.build("performer")  # its queries' random features too, on every row
+    assert performer.oracle_bytes(packed, rows=256) == performer.oracle_bytes(w)
 
 
 @pytest.mark.cuda
