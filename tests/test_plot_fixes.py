@@ -118,6 +118,30 @@ def test_accuracy_heatmap_shows_the_failed_gradient(kept: list[plt.Figure], tmp_
     assert not any("· fwd:" in t and "gradient" in t for t in by_title)
 
 
+def test_accuracy_heatmap_shows_the_decoding_step(kept: list[plt.Figure], tmp_path: Path) -> None:
+    """The step's own check (records since 2026-11-28) gets its panel, of the variants that step; a
+    check the job skipped (performer's oracle over the budget at 128k keys) says so, not "n/a"."""
+    df = _store("decode_state")
+    i = df[(df["variant"] == "linear") & (df["seq_len"] == 1) & (df["kv_len"] == 1024)].index[0]
+    df.loc[i, "step_rel_err"] = 0.5  # the step 50% off: its check failed, the forward's did not
+    df.loc[i, "valid"] = False
+    plots.plot_accuracy(df, tmp_path)
+    by_title = {ax.get_title(): ax for ax in kept[0].axes if ax.get_title()}
+    steps = [ax for t, ax in by_title.items() if t.endswith("decoding step vs float64 oracle")]
+    assert len(steps) == 2  # one per query length
+    one = [
+        ax
+        for t, ax in by_title.items()
+        if "seq_len=1:" in t and t.endswith("decoding step vs float64 oracle")
+    ]
+    labels = [t.get_text() for t in one[0].get_yticklabels()]
+    assert labels == ["linear", "performer", "retention"]  # not sdpa or local_window: no step
+    texts = [t.get_text() for t in one[0].texts]
+    assert "FAIL\n5.0e-01" in texts and "not\nchecked" in texts
+    fwd = [ax for t, ax in by_title.items() if t.endswith("seq_len=1: vs float64 oracle")]
+    assert any(t.get_text().endswith("step FAIL") for t in fwd[0].texts)  # the forward's cell names it
+
+
 def test_failed_check_names_the_figure_over_its_tolerance() -> None:
     row = pd.Series({"dtype": "float32", "out_rel_err": 5.7e-7, "grad_rel_err": 0.5})
     assert plots._failed_check(row) == "grad_rel_err"

@@ -502,8 +502,9 @@ def _failed_check(row: pd.Series) -> str | None:
 
 
 def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
-    """``accuracy_heatmap.png``: log10 relative error against the float64 oracle, of the output and (for
-    ``fwd_bwd`` groups whose records have it) of the gradients, and for approximate variants the
+    """``accuracy_heatmap.png``: log10 relative error against the float64 oracle, of the output, (for
+    ``fwd_bwd`` groups whose records have it) of the gradients and (for the variants of decode groups
+    whose records have it) of the decoding step's output, and for approximate variants the
     deviation from full attention, variant x N, one panel per group; cells without a figure show the
     job's status; a failed job's cell says FAIL, and which check failed where it was another figure's."""
     if "out_rel_err" not in df:
@@ -515,6 +516,11 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
         graded = sub[sub["mode"] == "fwd_bwd"] if "grad_rel_err" in sub else sub.iloc[:0]
         if len(graded) and pd.to_numeric(graded["grad_rel_err"], errors="coerce").notna().any():
             panels.append((title, "gradient vs float64 oracle", graded, "grad_rel_err"))
+        if "step_rel_err" in sub:  # decode jobs of state variants: their step's own output
+            step_err = pd.to_numeric(sub["step_rel_err"], errors="coerce")
+            stepping = sub["variant"].isin(sub.loc[step_err.notna(), "variant"])  # the state variants
+            if stepping.any():
+                panels.append((title, "decoding step vs float64 oracle", sub[stepping], "step_rel_err"))
         approx = sub[sub["exact"].map(is_false).astype(bool)]
         if "dev_full_rel_err" in sub and len(approx):
             panels.append((title, "deviation from full attention", approx, "dev_full_rel_err"))
@@ -527,9 +533,9 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
             if row["status"] != "ok":
                 return str(row["status"])
             v = pd.to_numeric(row.get(col), errors="coerce")
-            if pd.isna(v):
-                skipped = col == "grad_rel_err" and pd.notna(row.get("grad_check_skipped"))
-                return "not\nchecked" if skipped else "n/a"
+            if pd.isna(v):  # a check the job skipped (its oracle over the budget) says so
+                why = "grad_check_skipped" if col == "grad_rel_err" else "accuracy_skipped"
+                return "not\nchecked" if pd.notna(row.get(why)) else "n/a"
             if not is_false(row["valid"]):
                 return sci(v)
             failed = _failed_check(row)  # this cell's figure, or the other one that failed its check
