@@ -722,11 +722,16 @@ class AttentionVariant(nn.Module):
         (each document alone, every row of it). A job checks the output only below one budget of this
         and the gradients below another; a reference that holds something else (performer's random
         features) counts it. ``O(1)``."""
+        pairs = w.batch * w.heads * self.oracle_rows(w, rows) * w.nk * self.oracle_bytes_per_pair()
+        return pairs + self._oracle_input_bytes(w)
+
+    def oracle_rows(self, w: Workload, rows: int | None = None) -> int:
+        """Query rows the oracle computes to check ``rows`` of ``w``'s (all when None): an
+        ``oracle_forward`` computes all of them when it does not take ``rows=``, and over packed
+        documents (each document whole). ``O(1)``."""
         custom = getattr(self, "oracle_forward", None)
         every_row = custom is not None and (w.documents or not takes_rows(custom))
-        checked = w.nq if rows is None or every_row else rows
-        pairs = w.batch * w.heads * min(checked, w.nq) * w.nk * self.oracle_bytes_per_pair()
-        return pairs + self._oracle_input_bytes(w)
+        return w.nq if rows is None or every_row else min(rows, w.nq)
 
     @staticmethod
     def _oracle_input_bytes(w: Workload) -> int:

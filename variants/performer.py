@@ -86,8 +86,7 @@ class Performer(KernelizedAttention):
         """The base count plus the reference's random features: two float64 ``(.., m)`` tensors (the
         projection and its exponential) per checked query row and query head and per key and K/V
         head."""
-        checked = w.nq if rows is None or w.documents else min(rows, w.nq)  # documents: each one whole
-        features = w.batch * (w.heads * checked + w.hkv * w.nk)
+        features = w.batch * (w.heads * self.oracle_rows(w, rows) + w.hkv * w.nk)
         return super().oracle_bytes(w, rows) + 2 * 8 * self.features * features
 
     def oracle_forward(

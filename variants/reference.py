@@ -505,7 +505,8 @@ def gated_recurrence_reference(
     check of a few rows) is computed in its closed form instead (:func:`gated_dense_reference`, the same
     numbers without a step per key); a test holds the two forms equal.
     """
-    if beta is None and not normalize_keys and len(_row_list(q.shape[2], rows)) <= DENSE_MAX_QUERIES:
+    checked = q.shape[2] if rows is None else len(rows)
+    if beta is None and not normalize_keys and checked <= DENSE_MAX_QUERIES:
         return gated_dense_reference(
             q, k, v, log_decay=log_decay, key_padding_mask=key_padding_mask, scale=scale, rows=rows
         )
