@@ -136,7 +136,7 @@ def test_the_oracles_closed_form_is_its_recurrence(vector):
     """The float64 oracle answers few queries in closed form (decoding against a long context): the
     same numbers as its token-by-token recurrence, with padded keys, bottom-right queries and decays
     strong enough that a float32 difference of cumulative decays would show."""
-    from variants.reference import gated_dense_reference, gated_loop_reference
+    from variants.gated_reference import gated_dense_reference, gated_loop_reference
 
     q, k, v = _qkv(b=2, h=3, n=70, dtype=torch.float64)
     gen = torch.Generator().manual_seed(1)

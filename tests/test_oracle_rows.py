@@ -127,17 +127,58 @@ def test_a_long_job_losing_its_late_rows_is_marked_invalid():
     assert f["valid"] is False and f["out_row_rel_err"] > 0.5 and "invalid" in res["reason"]
 
 
-def test_over_packed_documents_an_own_formula_is_counted_on_every_row():
-    """Its documents are each computed alone, every row of them (``attend_each_document``)."""
+def test_over_packed_documents_an_own_formula_is_counted_on_its_rows():
+    """Each document computes its own checked rows alone (``attend_each_document(rows=)``); it
+    computed every row of each document, so a long packed job's 4 GiB count skipped its check."""
     w = Workload(batch=1, heads=2, nq=16384, nk=16384, head_dim=16, v_head_dim=16, causal=True)
     packed = Workload(
         batch=1, heads=2, nq=16384, nk=16384, head_dim=16, v_head_dim=16, causal=True, documents=True
     )
-    linear, sdpa = variants.build("linear"), variants.build("sdpa")
-    assert linear.oracle_bytes(packed, rows=256) == linear.oracle_bytes(w) > linear.oracle_bytes(w, rows=256)
-    assert sdpa.oracle_bytes(packed, rows=256) == sdpa.oracle_bytes(w, rows=256)  # its rows alone
-    performer = variants.build("performer")  # its queries' random features too, on every row
-    assert performer.oracle_bytes(packed, rows=256) == performer.oracle_bytes(w)
+    for name in ("linear", "sdpa", "performer", "gated_deltanet"):
+        attn = variants.build(name, heads=2, head_dim=16) if name in HEADS_8 else variants.build(name)
+        assert attn.oracle_bytes(packed, rows=256) == attn.oracle_bytes(w, rows=256) < FULL_ORACLE_BYTES
+    axial = variants.build("axial")  # no rows=: every row, packed or not
+    assert axial.oracle_bytes(packed, rows=256) == axial.oracle_bytes(w) > FULL_ORACLE_BYTES
+
+
+ROWS_FORMULA = [n for n in OWN_FORMULA if takes_rows(variants.build(n).oracle_forward)]
+
+
+@pytest.mark.parametrize("name", ROWS_FORMULA)
+def test_over_packed_documents_the_oracle_on_some_rows_is_those_rows_of_the_whole(name):
+    attn = variants.build(name)
+    h, hkv, d = (8, 4, 64) if name in HEADS_8 else (4, 2, 16)
+    g = torch.Generator().manual_seed(5)
+    checked = 0
+    for nq, nk in ((96, 96), (40, 96)):
+        q = torch.randn(2, h, nq, d, generator=g, dtype=torch.float64)
+        k = torch.randn(2, hkv, nk, d, generator=g, dtype=torch.float64)
+        v = torch.randn(2, hkv, nk, d, generator=g, dtype=torch.float64)
+        documents = torch.tensor([[0] * 30 + [1] * 50 + [2] * 16, [0] * 70 + [1] * 26])  # (2, 96)
+        kpm = torch.ones(2, nk, dtype=torch.bool)
+        kpm[1, -9:] = False
+        kw = {"causal": True, "key_padding_mask": kpm, "documents": documents}
+        try:
+            attn.check(Workload.of(q, k, v, causal=True, key_padding_mask=kpm, documents=documents))
+        except Unsupported:  # square-only forms with fewer queries than keys
+            continue
+        for rows in (torch.tensor([nq - 1, 0, 5, 31]), torch.arange(nq)):
+            with torch.no_grad():
+                whole = oracle(attn, q, k, v, **kw)
+                part = oracle(attn, q, k, v, rows=rows, **kw)
+            err = float((part - whole[:, :, rows]).abs().max() / whole.abs().max())
+            assert part.dtype == torch.float64 and err < 1e-12, (q.shape, len(rows), err)
+            checked += 1
+    if not checked:
+        pytest.skip(f"{name} takes no packed documents")
+
+
+def test_a_long_packed_job_is_checked_and_one_losing_its_late_rows_is_invalid():
+    ok = measure(job_spec(variant="linear", documents=4, **LONG))["figures"]
+    assert "accuracy_skipped" not in ok, ok.get("accuracy_skipped")
+    assert ok["checked_rows"] == 256 and ok["out_rel_err"] < 1e-4 and ok["valid"] is True
+    res = measure(job_spec("tests.faulty.LateRowsLostLinear", variant="linear", documents=4, **LONG))
+    assert res["figures"]["valid"] is False and "invalid" in res["reason"]
 
 
 @pytest.mark.cuda

@@ -718,8 +718,8 @@ class AttentionVariant(nn.Module):
         all its rows and their gradients when ``rows`` is None: :meth:`oracle_bytes_per_pair` per query
         head and (checked query, key) pair, and float64 copies of ``q`` (per query head), ``k`` and
         ``v`` (per K/V head: the oracle reads grouped heads without repeating them). An
-        ``oracle_forward`` computes all rows when it does not take ``rows=``, and over packed documents
-        (each document alone, every row of it). A job checks the output only below one budget of this
+        ``oracle_forward`` computes all rows when it does not take ``rows=`` (over packed documents too,
+        where each document is computed alone). A job checks the output only below one budget of this
         and the gradients below another; a reference that holds something else (performer's random
         features) counts it. ``O(1)``."""
         pairs = w.batch * w.heads * self.oracle_rows(w, rows) * w.nk * self.oracle_bytes_per_pair()
@@ -727,10 +727,9 @@ class AttentionVariant(nn.Module):
 
     def oracle_rows(self, w: Workload, rows: int | None = None) -> int:
         """Query rows the oracle computes to check ``rows`` of ``w``'s (all when None): an
-        ``oracle_forward`` computes all of them when it does not take ``rows=``, and over packed
-        documents (each document whole). ``O(1)``."""
+        ``oracle_forward`` computes all of them when it does not take ``rows=``. ``O(1)``."""
         custom = getattr(self, "oracle_forward", None)
-        every_row = custom is not None and (w.documents or not takes_rows(custom))
+        every_row = custom is not None and not takes_rows(custom)
         return w.nq if rows is None or every_row else min(rows, w.nq)
 
     @staticmethod

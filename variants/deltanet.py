@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import Unsupported, Workload, repeat_kv
+from .base import Unsupported, Workload
 from .gated_core import GatedRecurrence, init_uniform_
-from .reference import gated_recurrence_reference
+from .gated_reference import gated_recurrence_reference
 from .registry import register
 
 
@@ -73,13 +73,16 @@ class DeltaNet(GatedRecurrence):
         """The float64 delta rule token by token with this instance's ``beta`` in float64."""
         if attn_mask is not None or not causal:
             raise Unsupported("deltanet is a causal recurrence: no attn_mask, no non-causal form")
-        beta = write_strength_reference(repeat_kv(k, q.shape[1]), self.w_beta, self.b_beta)
+
+        def strength(keys: torch.Tensor) -> torch.Tensor:  # a block of keys per query head, float64
+            return write_strength_reference(keys, self.w_beta, self.b_beta)
+
         return gated_recurrence_reference(
             q,
             k,
             v,
             log_decay=None,
-            beta=beta,
+            beta=strength,
             key_padding_mask=key_padding_mask,
             scale=scale,
             normalize_keys=True,

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as fn
 
 from .base import AttentionVariant, Unsupported, Workload, repeat_kv
+from .gated_reference import gated_graph_bytes, gated_oracle_bytes
 from .linear_core import (
     KernelState,
     chunk_segments,
@@ -248,7 +249,19 @@ class GatedRecurrence(AttentionVariant):
     has_params = True
     #: the delta rule (keys L2-normalised, the write strength beta)
     delta: ClassVar[bool] = False
+    #: a decay per key feature (gla), not one per head and position
+    vector_gate: ClassVar[bool] = False
     chunk: int = 64
+
+    def oracle_bytes(self, w: Workload, rows: int | None = None) -> int:
+        """What the float64 recurrence holds: a few blocks of keys' work and the checked rows, never
+        a float64 copy of the inputs or a (rows, keys) tensor
+        (:func:`~variants.gated_reference.gated_oracle_bytes`); with ``rows`` None, all rows and the
+        graph of their gradients, a state per key (:func:`~variants.gated_reference.gated_graph_bytes`).
+        ``O(1)``."""
+        sizes = (w.batch, w.heads, self.oracle_rows(w, rows), w.nk, w.head_dim, w.v_head_dim)
+        count = gated_oracle_bytes if rows is not None else gated_graph_bytes
+        return count(*sizes, self.vector_gate, self.delta)
 
     def check(self, w: Workload) -> None:
         who = self.name or type(self).__name__

@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as fn
 
-from .base import Unsupported, Workload, repeat_kv
+from .base import Unsupported, Workload
 from .gated_core import GatedRecurrence, init_uniform_
-from .reference import gated_recurrence_reference
+from .gated_reference import gated_recurrence_reference
 from .registry import register
 
 NORMALISER = 16.0  # the paper's: g = logsigmoid(.) / 16
@@ -60,6 +60,7 @@ class GatedLinearAttention(GatedRecurrence):
     """``S_t = diag(a_t) S_{t-1} + k_t v_t^T`` with a learned decay per key feature."""
 
     size_knob = "gate_rank"
+    vector_gate = True
     example_knobs = (
         {"chunk": 5, "gate_rank": 2},
         {"chunk": 1, "gate_rank": 4},
@@ -103,7 +104,10 @@ class GatedLinearAttention(GatedRecurrence):
         """The float64 recurrence token by token with this instance's gates in float64."""
         if attn_mask is not None or not causal:
             raise Unsupported("gla is a causal recurrence: no attn_mask, no non-causal form")
-        g = vector_decay_reference(repeat_kv(k, q.shape[1]), self.w1, self.w2, self.b)
+
+        def gates(keys: torch.Tensor) -> torch.Tensor:  # a block of keys per query head, float64
+            return vector_decay_reference(keys, self.w1, self.w2, self.b)
+
         return gated_recurrence_reference(
-            q, k, v, log_decay=g, beta=None, key_padding_mask=key_padding_mask, scale=scale, rows=rows
+            q, k, v, log_decay=gates, beta=None, key_padding_mask=key_padding_mask, scale=scale, rows=rows
         )

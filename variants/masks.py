@@ -87,28 +87,46 @@ def attend_each_document(
     v: torch.Tensor,
     documents: torch.Tensor,
     key_padding_mask: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each packed document of ``documents (B, Nk)`` (ids, each document one run: checked by
     :func:`document_starts`) as a sequence of its own: ``attend(q_d, k_d, v_d, kpm_d)`` on its queries
     ``(1, H, n_q, D)`` (its positions among the last ``Nq``, as ``q (B, H, Nq, D)`` holds them), its
     keys and values ``(1, Hkv, n_k, D|Dv)`` and their padding mask (or None), joined into ``(B, H, Nq,
-    Dv)``. One call per document that holds queries; reads the boundaries on the host."""
+    Dv)``. One call per document that holds queries; reads the boundaries on the host.
+
+    ``rows`` (1-D query indices): only those rows, ``(B, H, R, Dv)`` in their order; each document is
+    called with ``rows=`` its own among its queries (indices into ``q_d``), and one without any is not
+    called."""
     document_starts(documents)
     b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
     first = nk - nq  # the first query's position
-    rows = []
+    out = []
     for i in range(b):
         _, counts = torch.unique_consecutive(documents[i], return_counts=True)
         parts, start = [], 0
+        kept = None  # (1, H, R, Dv) in the dtype the calls return
         for n in counts.tolist():
             end, a = start + n, max(start, first)
             if a < end:  # the document holds queries
                 kpm = None if key_padding_mask is None else key_padding_mask[i : i + 1, start:end]
                 keys = (k[i : i + 1, :, start:end], v[i : i + 1, :, start:end])  # (1, Hkv, n_k, D|Dv)
-                parts.append(attend(q[i : i + 1, :, a - first : end - first], *keys, kpm))  # (1, H, n_q, Dv)
+                mine = q[i : i + 1, :, a - first : end - first]  # (1, H, n_q, D)
+                if rows is None:
+                    parts.append(attend(mine, *keys, kpm))  # (1, H, n_q, Dv)
+                else:
+                    local = rows.to(q.device) - (a - first)  # the rows' indices among its queries
+                    inside = (local >= 0) & (local < end - a)
+                    if inside.any():
+                        got = attend(mine, *keys, kpm, rows=local[inside])  # (1, H, R_d, Dv)
+                        if kept is None:
+                            kept = got.new_zeros(1, got.shape[1], len(rows), got.shape[-1])
+                        kept[:, :, inside] = got
             start = end
-        rows.append(torch.cat(parts, dim=2))  # (1, H, Nq, Dv)
-    return torch.cat(rows, dim=0)
+        if rows is not None and kept is None:  # no rows asked
+            kept = q.new_zeros(1, q.shape[1], 0, v.shape[-1])
+        out.append(torch.cat(parts, dim=2) if rows is None else kept)  # (1, H, Nq|R, Dv)
+    return torch.cat(out, dim=0)
 
 
 def safe_softmax(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

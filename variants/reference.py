@@ -137,12 +137,13 @@ def oracle(
                 "without an attn_mask, window or bias beside them"
             )
         extra = {} if scale is None else {"scale": scale}
+        by_rows = rows is not None and takes_rows(custom)  # each document's checked rows alone
 
-        def alone(qd, kd, vd, kpm):  # one document as a sequence of its own (a recurrence from zero)
-            return custom(qd, kd, vd, causal=causal, key_padding_mask=kpm, attn_mask=None, **extra)
+        def alone(qd, kd, vd, kpm, **rows_d):  # one document as a sequence of its own (from zero)
+            return custom(qd, kd, vd, causal=causal, key_padding_mask=kpm, attn_mask=None, **extra, **rows_d)
 
-        out = attend_each_document(alone, q, k, v, documents, key_padding_mask)  # (B, H, Nq, Dv)
-        return out if rows is None else out[:, :, rows]
+        out = attend_each_document(alone, q, k, v, documents, key_padding_mask, rows if by_rows else None)
+        return out if rows is None or by_rows else out[:, :, rows]  # (B, H, Nq|R, Dv)
     if custom is not None and window is not None:  # its own formula over the band, as an attn_mask
         band = _window_band(q.shape[2], k.shape[2], window, q.device)
         attn_mask, window = (band if attn_mask is None else attn_mask & band), None
@@ -466,157 +467,3 @@ def performer_reference(
 
     weights = grouped_matmul(phi(q), phi(k).transpose(-2, -1)) * visible
     return _kernel_sum(weights, v, True)
-
-
-# ------------------------------------------------------------------ gated and delta-rule recurrences
-# a few queries: the closed form's O(Nq Nk D) beats the recurrence's O(Nk D Dv) step per key
-DENSE_MAX_QUERIES = 64
-
-
-def softplus_reference(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 + e^x)`` in float64, written out (stable for large ``x``)."""
-    x = x.double()
-    return torch.where(x > 30, x, torch.log1p(torch.exp(torch.clamp(x, max=30))))
-
-
-def gated_recurrence_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    log_decay: torch.Tensor | None,
-    beta: torch.Tensor | None,
-    key_padding_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    normalize_keys: bool = False,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Float64 gated / delta-rule recurrence (Yang et al. 2024, 2025), causal with the ``Nq`` queries
-    as the last positions of the ``Nk`` keys' sequence.
-
-    ``log_decay`` ``(B, H, Nk)`` or ``(B, H, Nk, D)`` (``g_t``, None: none) and ``beta (B, H, Nk)``
-    (None: the gated form) are per query head. With ``a_t = exp(g_t)``, a state ``S (D, Dv)``:
-    ``S = a_t S``; then ``S = S + k_t v_t^T`` (gated) or ``S = S + beta_t k_t (v_t - S^T k_t)^T``
-    (delta rule, keys L2-normalised when ``normalize_keys``); ``o_t = S^T (s q_t)``. A padded key is
-    skipped (no write, no decay). ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when None);
-    ``O(Nk D Dv)`` per head, token by token in a Python loop, ``O(B H (D Dv + R Dv))`` memory.
-
-    The gated form with few rows (``R <= DENSE_MAX_QUERIES``: decoding against a long context, a
-    check of a few rows) is computed in its closed form instead (:func:`gated_dense_reference`, the same
-    numbers without a step per key); a test holds the two forms equal.
-    """
-    checked = q.shape[2] if rows is None else len(rows)
-    if beta is None and not normalize_keys and checked <= DENSE_MAX_QUERIES:
-        return gated_dense_reference(
-            q, k, v, log_decay=log_decay, key_padding_mask=key_padding_mask, scale=scale, rows=rows
-        )
-    return gated_loop_reference(q, k, v, log_decay, beta, key_padding_mask, scale, normalize_keys, rows)
-
-
-def _row_list(nq: int, rows: torch.Tensor | None) -> list[int]:
-    """The query rows ``rows`` as a list (all ``Nq`` when None)."""
-    return list(range(nq)) if rows is None else [int(r) for r in rows]
-
-
-def gated_loop_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_decay: torch.Tensor | None,
-    beta: torch.Tensor | None,
-    key_padding_mask: torch.Tensor | None,
-    scale: float | None,
-    normalize_keys: bool,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`gated_recurrence_reference`'s recurrence, one key at a time, whatever ``Nq``; each key
-    and value is repeated to the query heads and made float64 as it is read (a float64 copy of a
-    128k-key cache on 32 heads would be 4 GiB each); the output kept at the query ``rows`` only (all
-    when None), ``(B, H, R, Dv)``."""
-    h = q.shape[1]
-    b, _, nq, d = q.shape
-    nk, dv = k.shape[2], v.shape[-1]
-    s = d**-0.5 if scale is None else scale
-    # the step of each kept row (its position), in the order of ``rows``
-    wanted = {nk - nq + r: i for i, r in enumerate(_row_list(nq, rows))}
-    state = q.new_zeros(b, h, d, dv, dtype=torch.float64)
-    outs: list[torch.Tensor | None] = [None] * len(wanted)
-    for t in range(nk):
-        real = (
-            torch.ones(b, dtype=torch.bool, device=q.device)
-            if key_padding_mask is None
-            else key_padding_mask[:, t].to(q.device)
-        )[:, None, None, None]  # (B, 1, 1, 1)
-        new = state
-        if log_decay is not None:
-            a = log_decay[:, :, t].double().exp()
-            new = new * (a[..., None] if a.dim() == 3 else a[..., None, None])
-        kt = repeat_kv(k[:, :, t : t + 1], h)[:, :, 0].double()  # (B, H, D)
-        vt = repeat_kv(v[:, :, t : t + 1], h)[:, :, 0].double()  # (B, H, Dv)
-        if normalize_keys:
-            kt = kt / kt.norm(dim=-1, keepdim=True).clamp(min=1e-6)
-        if beta is None:
-            u = vt
-        else:
-            u = beta[:, :, t].double()[..., None] * (vt - (new * kt[..., None]).sum(-2))  # (B, H, Dv)
-        new = new + kt[..., :, None] * u[..., None, :]
-        state = torch.where(real, new, state)
-        if t in wanted:
-            qt = q[:, :, t - (nk - nq)].double()  # (B, H, D)
-            outs[wanted[t]] = (state * (s * qt)[..., :, None]).sum(-2)  # (B, H, Dv)
-    return torch.stack(outs, 2)
-
-
-def gated_dense_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    log_decay: torch.Tensor | None,
-    key_padding_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    block_bytes: int = 2**28,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Float64 gated recurrence (no delta rule) in its closed form: for the query at position ``i``
-    (the ``Nq`` queries are the last positions of the ``Nk`` keys' sequence),
-
-        o_i = sum_{j <= i} ((s q_i) * e^{G_i - G_j}) . k_j  v_j,    G_t = sum_{u <= t} g_u
-
-    over real keys (a padded key adds nothing to ``G`` and is in no sum); a scalar ``g (B, H, Nk)``
-    multiplies the whole product, a vector ``g (B, H, Nk, D)`` feature by feature. Computed in blocks
-    of keys of at most ``block_bytes`` of float64 per block. ``(B, H, R, Dv)`` for the query ``rows``
-    (all ``Nq`` when None); ``O(R Nk D)`` time.
-    """
-    h, nq0 = q.shape[1], q.shape[2]
-    q = (q if rows is None else q[:, :, rows]).double()  # (B, H, R, D); k, v keep their Hkv heads:
-    # each block of keys is repeated to the query heads
-    b, _, nq, d = q.shape
-    nk, dv = k.shape[2], v.shape[-1]
-    s = d**-0.5 if scale is None else scale
-    # each g at least -1000: e^-1000 is 0 in float64 as e^g was, and G then never grows so large
-    # that its differences lose their digits (a decay of -1e24 beside ones of -0.01 would leave none)
-    g = q.new_zeros(b, h, nk) if log_decay is None else log_decay.double().clamp(min=-1000.0)
-    if key_padding_mask is not None:
-        real = key_padding_mask.to(q.device)[:, None, :]  # (B, 1, Nk)
-        g = torch.where(real[..., None] if g.dim() == 4 else real, g, 0.0)
-        k = torch.where(real[..., None], k, 0.0)
-    big = g.cumsum(2)  # (B, H, Nk[, D]): G_t
-    big = big if big.dim() == 4 else big[..., None]  # (B, H, Nk, D|1)
-    pos = query_positions(nq0, nk, rows, q.device)  # (R,): the queries' positions
-    qs = s * q  # (B, H, R, D)
-    out = q.new_zeros(b, h, nq, dv)
-    width = max(1, block_bytes // (8 * b * h * nq * big.shape[-1]))
-    for j0 in range(0, nk, width):
-        j1 = min(nk, j0 + width)
-        seen = pos[:, None] >= torch.arange(j0, j1, device=q.device)[None, :]  # (R, kb)
-        diff = big[:, :, pos, None, :] - big[:, :, None, j0:j1, :]  # (B, H, R, kb, D|1): G_i - G_j
-        decay = diff.masked_fill(~seen[..., None], float("-inf")).exp()  # 0 for a key after the query
-        kb = repeat_kv(k[:, :, j0:j1], h).double()  # (B, H, kb, D): this block's keys, per query head
-        vb = repeat_kv(v[:, :, j0:j1], h).double()  # (B, H, kb, Dv)
-        if decay.shape[-1] == 1:  # scalar: (s q_i . k_j) e^{G_i - G_j}
-            weights = (qs @ kb.transpose(-1, -2)) * decay[..., 0]  # (B, H, R, kb)
-        else:
-            weights = (qs[:, :, :, None, :] * decay * kb[:, :, None, :, :]).sum(-1)  # (B, H, R, kb)
-        out = out + weights @ vb
-    return out

@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as fn
 
-from .base import Unsupported, Workload, repeat_kv
+from .base import Unsupported, Workload
 from .gated_core import GatedRecurrence, dt_init, init_uniform_
-from .reference import gated_recurrence_reference, softplus_reference
+from .gated_reference import gated_recurrence_reference, softplus_reference
 from .registry import register
 
 
@@ -82,8 +82,10 @@ class StateSpaceDuality(GatedRecurrence):
         gates computed in float64, ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when None)."""
         if attn_mask is not None or not causal:
             raise Unsupported("ssd is a causal recurrence: no attn_mask, no non-causal form")
-        kr = repeat_kv(k, q.shape[1]).double()  # (B, H, Nk, D)
-        g = scalar_decay_reference(kr, self.w, self.b, self.a_log)
+
+        def gates(keys: torch.Tensor) -> torch.Tensor:  # a block of keys per query head, float64
+            return scalar_decay_reference(keys, self.w, self.b, self.a_log)
+
         return gated_recurrence_reference(
-            q, k, v, log_decay=g, beta=None, key_padding_mask=key_padding_mask, scale=scale, rows=rows
+            q, k, v, log_decay=gates, beta=None, key_padding_mask=key_padding_mask, scale=scale, rows=rows
         )
