@@ -114,7 +114,53 @@ def test_a_failed_manifest_append_is_one_warning_and_the_sweep_goes_on(tmp_path)
     assert out.count("] ok: ") == 2, out[-3000:]
     (entry,) = [json.loads(line) for line in (sweep / MANIFEST).read_text().splitlines()]
     assert entry["record"] != first["_path"] and entry["status"] == "ok"
-    assert "sweep finished: 1 job(s): 1 measured" in p.stdout
+    assert (
+        "sweep finished: 1 job(s): 1 measured; 1 more job(s) ran that the manifest does not list" in p.stdout
+    )
+
+
+def test_a_sweep_whose_every_append_failed_says_its_jobs_ran(tmp_path):
+    """With no manifest line the sweep said it "launched no job: a sweep list matched nothing" (and
+    would have removed its folder as unmeasured) after two jobs had measured."""
+    sweep, records = tmp_path / "sweep", tmp_path / "records"
+    args = sweep_overrides("variant=naive", "seq_len=32,64", *SMALL)
+    args += [f"records_dir={records}", f"hydra.sweep.dir={sweep}", "report=false"]
+    every = _FIRST_APPEND_FAILS.replace(" and not failed", "")
+    p = _run("-m", *args, prefix=("-c", every))
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-3000:]
+    assert "Traceback" not in out and "matched nothing" not in out
+    assert sorted(r["config"]["seq_len"] for r in read_records(records)) == [32, 64]
+    assert p.stderr.splitlines()[-1] == (
+        f"the sweep's manifest lists none of the 2 job(s) that ran, so nothing says what they measured; "
+        f"their records are in {records}: exit code 1"
+    )
+    assert sweep.is_dir()  # not removed as a sweep that measured nothing
+
+
+def test_an_unreadable_manifest_is_a_warning_not_a_traceback(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from experiments.sweep.callbacks import SweepCallback
+
+    sweep, records = tmp_path / "sweep", tmp_path / "records"
+    (sweep / MANIFEST).mkdir(parents=True)  # reading it raises IsADirectoryError
+    (sweep / "0").mkdir()
+    (sweep / "0" / "run.log").write_text("")
+    records.mkdir()
+    config = OmegaConf.create(
+        {
+            "hydra": {"sweep": {"dir": str(sweep)}, "overrides": {"task": []}},
+            "records_dir": str(records),
+            "report": False,
+        }
+    )
+    with pytest.raises(SystemExit) as stop:
+        SweepCallback()._finish(config)
+    assert stop.value.code == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("warning: could not read the sweep's manifest: [Errno 21] Is a directory: ")
+    assert err[-1].startswith("the sweep's manifest lists none of the 1 job(s) that ran")
 
 
 # ------------------------------------------------------ resume of pretrained jobs: weights, tokenizers

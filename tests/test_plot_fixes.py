@@ -142,6 +142,21 @@ def test_accuracy_heatmap_shows_the_decoding_step(kept: list[plt.Figure], tmp_pa
     assert any(t.get_text().endswith("step FAIL") for t in fwd[0].texts)  # the forward's cell names it
 
 
+def test_accuracy_heatmap_writes_a_one_row_panels_variant_across(
+    kept: list[plt.Figure], tmp_path: Path
+) -> None:
+    """A panel of one variant (the step of a store where one variant steps) names it horizontally;
+    seaborn turned it vertical, where it ran over the panel's edge."""
+    df = _store("decode_state")
+    plots.plot_accuracy(df[df["variant"].isin(["sdpa", "linear"])], tmp_path)
+    steps = [ax for ax in kept[0].axes if ax.get_title().endswith("decoding step vs float64 oracle")]
+    assert steps
+    for ax in steps:
+        labels = ax.get_yticklabels()
+        assert [t.get_text() for t in labels] == ["linear"]
+        assert all(t.get_rotation() == 0 for t in labels)
+
+
 def test_failed_check_names_the_figure_over_its_tolerance() -> None:
     row = pd.Series({"dtype": "float32", "out_rel_err": 5.7e-7, "grad_rel_err": 0.5})
     assert plots._failed_check(row) == "grad_rel_err"

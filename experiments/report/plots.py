@@ -589,6 +589,8 @@ def plot_accuracy(df: pd.DataFrame, out_dir: Path) -> Path | None:
         )
         ax.set_ylabel("")
         ax.set_xticklabels([str(c) for c in vals.columns], rotation=0)
+        # seaborn turns the variant names vertical where they overlap, as one name does on a one-row panel
+        ax.tick_params(axis="y", labelrotation=0)
     grads = any(p[3] == "grad_rel_err" for p in panels)
     fig.suptitle(
         "Accuracy: max |out − ref| / max |ref|" + (" (gradients: worst of dq, dk, dv)" if grads else ""),

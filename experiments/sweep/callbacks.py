@@ -157,15 +157,22 @@ class SweepCallback(Callback):
         if self.bar is not None:
             self.bar.close()
         sweep_dir = Path(config.hydra.sweep.dir)
-        entries = manifest_entries(sweep_dir)
+        try:
+            entries = manifest_entries(sweep_dir)
+        except OSError as exc:  # the bookkeeping is lost, not the records: say so, and count it below
+            print(f"warning: could not read the sweep's manifest: {exc}", file=sys.stderr, flush=True)
+            entries = []
+        unlisted = 0 if interrupted else max(0, started_jobs(sweep_dir) - len(entries))
         records = [e["record"] for e in entries if e["record"] is not None]
         if config.get("report", True) and records:
             from ..report.report import report_paths
 
             report_paths(records, out_dir=sweep_dir / "report")
         # nothing launched, or every job refused: the error lines say why, and no empty folder stays
-        unmeasured = not records and all(e.get("status") == "invalid_config" for e in entries)
+        unmeasured = not (records or unlisted) and all(e.get("status") == "invalid_config" for e in entries)
         last = finished_line(entries)
+        if unlisted:  # an append that failed (its warning is above) or a job that died before its record
+            last += f"; {unlisted} more job(s) ran that the manifest does not list (see the warnings above)"
         if interrupted:
             last = last.replace("sweep finished", "sweep interrupted", 1)
         if unmeasured and remove_unmeasured_sweep(sweep_dir):
@@ -187,6 +194,11 @@ class SweepCallback(Callback):
             )
         globs = [o for o in config.hydra.overrides.task if "glob(" in o]
         why = failures(entries, empty=" or ".join(f"'{g}'" for g in globs) or None)
+        if unlisted and not entries:  # jobs ran: not a sweep list that matched nothing
+            why = [
+                f"the sweep's manifest lists none of the {unlisted} job(s) that ran, so nothing says what "
+                f"they measured; their records are in {config.records_dir}"
+            ]
         why += objective_missing(entries, config.get("objective"))
         if interrupted and not entries:
             why = []  # stopped before a job finished: not an empty sweep list
@@ -215,6 +227,13 @@ def set_aside_earlier_sweep(sweep_dir: Path) -> Path | None:
         for path in sweep_dir.glob(pattern):
             path.rename(dest / path.name)
     return dest
+
+
+def started_jobs(sweep_dir: Path) -> int:
+    """How many jobs Hydra started in ``sweep_dir``: its numbered job folders."""
+    if not sweep_dir.is_dir():
+        return 0
+    return sum(p.name.isdigit() and p.is_dir() for p in sweep_dir.iterdir())
 
 
 def remove_unmeasured_sweep(sweep_dir: Path) -> bool:
