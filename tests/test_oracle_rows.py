@@ -58,6 +58,10 @@ def test_a_rows_formula_returning_other_rows_is_refused():
     q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))
     with pytest.raises(ValueError, match="returned 64 rows for 3 asked"):
         oracle(AllRows(), q, k, v, causal=True, rows=torch.tensor([0, 5, 63]))
+    # over packed documents each document's call is held to its own rows (it was torch's shape error)
+    documents = torch.tensor([[0] * 40 + [1] * 24])  # (1, 64)
+    with pytest.raises(ValueError, match="returned 40 rows for 2 asked"):
+        oracle(AllRows(), q, k, v, causal=True, documents=documents, rows=torch.tensor([0, 5, 63]))
 
 
 def _cases(name):

@@ -204,6 +204,8 @@ class AdditiveAttention(AttentionVariant):
     """Bahdanau attention ``w^T tanh(W_q q + W_k k)`` per head, chunked over queries."""
 
     exact = False  # another operator than softmax(q k^T) v: the record also holds its deviation from it
+    #: its hidden layer's graph at the gradient check: up to 3x the layer (N=128; 1.1x from N=512)
+    oracle_graph_copies = 3
     has_params = True
     size_knob = "hidden"
     supports_scale = False  # the score w^T tanh(...) has no 1/sqrt(D) to replace

@@ -714,16 +714,28 @@ class AttentionVariant(nn.Module):
         return 8
 
     def oracle_bytes(self, w: Workload, rows: int | None = None) -> int:
-        """Float64 bytes the oracle holds to check ``w``'s output on ``rows`` query rows (no graph), or
-        all its rows and their gradients when ``rows`` is None: :meth:`oracle_bytes_per_pair` per query
-        head and (checked query, key) pair, and float64 copies of ``q`` (per query head), ``k`` and
-        ``v`` (per K/V head: the oracle reads grouped heads without repeating them). An
-        ``oracle_forward`` computes all rows when it does not take ``rows=`` (over packed documents too,
-        where each document is computed alone). A job checks the output only below one budget of this
-        and the gradients below another; a reference that holds something else (performer's random
-        features) counts it. ``O(1)``."""
+        """Float64 bytes the oracle holds to check ``w``'s output on ``rows`` query rows (all when
+        None), without a graph: :meth:`oracle_bytes_per_pair` per query head and (checked query, key)
+        pair, and float64 copies of ``q`` (per query head), ``k`` and ``v`` (per K/V head: the oracle
+        reads grouped heads without repeating them). An ``oracle_forward`` computes all rows when it
+        does not take ``rows=`` (over packed documents too, where each document is computed alone). A
+        job checks an ``oracle_forward``'s output only below a budget of this; a reference that holds
+        something else (performer's random features) counts it. ``O(1)``."""
         pairs = w.batch * w.heads * self.oracle_rows(w, rows) * w.nk * self.oracle_bytes_per_pair()
         return pairs + self._oracle_input_bytes(w)
+
+    #: how many times what the oracle holds without a graph (less its inputs) its graph holds at the
+    #: gradient check's peak: the softmax's scores, exponentials and probabilities and their gradients,
+    #: 6.2-6.8x the scores by the profiler (``tests/test_oracle_budget.py``); an own formula says its own
+    oracle_graph_copies: ClassVar[float] = 6
+
+    def oracle_graph_bytes(self, w: Workload) -> int:
+        """Float64 bytes a job's gradient check holds at its peak: the oracle over all of ``w``'s rows
+        with the graph of their gradients (:attr:`oracle_graph_copies` times :meth:`oracle_bytes` less
+        its inputs), and float64 ``q``, ``k``, ``v`` and their gradients. The job checks the gradients
+        only below a budget of this. ``O(1)``."""
+        inputs = self._oracle_input_bytes(w)
+        return int(self.oracle_graph_copies * (self.oracle_bytes(w) - inputs)) + 2 * inputs
 
     def oracle_rows(self, w: Workload, rows: int | None = None) -> int:
         """Query rows the oracle computes to check ``rows`` of ``w``'s (all when None): an

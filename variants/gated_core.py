@@ -254,14 +254,17 @@ class GatedRecurrence(AttentionVariant):
     chunk: int = 64
 
     def oracle_bytes(self, w: Workload, rows: int | None = None) -> int:
-        """What the float64 recurrence holds: a few blocks of keys' work and the checked rows, never
-        a float64 copy of the inputs or a (rows, keys) tensor
-        (:func:`~variants.gated_reference.gated_oracle_bytes`); with ``rows`` None, all rows and the
-        graph of their gradients, a state per key (:func:`~variants.gated_reference.gated_graph_bytes`).
-        ``O(1)``."""
+        """What the float64 recurrence holds: a few blocks of keys' work and the checked rows (all when
+        ``rows`` is None), never a float64 copy of the inputs or a (rows, keys) tensor
+        (:func:`~variants.gated_reference.gated_oracle_bytes`). ``O(1)``."""
         sizes = (w.batch, w.heads, self.oracle_rows(w, rows), w.nk, w.head_dim, w.v_head_dim)
-        count = gated_oracle_bytes if rows is not None else gated_graph_bytes
-        return count(*sizes, self.vector_gate, self.delta)
+        return gated_oracle_bytes(*sizes, self.vector_gate, self.delta)
+
+    def oracle_graph_bytes(self, w: Workload) -> int:
+        """All rows and the graph of their gradients: a state per key
+        (:func:`~variants.gated_reference.gated_graph_bytes`). ``O(1)``."""
+        sizes = (w.batch, w.heads, w.nq, w.nk, w.head_dim, w.v_head_dim)
+        return gated_graph_bytes(*sizes, self.vector_gate, self.delta)
 
     def check(self, w: Workload) -> None:
         who = self.name or type(self).__name__

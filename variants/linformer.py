@@ -99,6 +99,12 @@ class LinformerAttention(AttentionVariant):
                 f"Nk={w.nk} keys have no projection columns; build it with max_len >= {w.nk}"
             )
 
+    def oracle_graph_bytes(self, w: Workload) -> int:
+        """The gradient check's peak: four float64 ``(N, proj_len)`` tensors per query head (its scores
+        against the projected keys, their softmax and the gradients; the profiler: 0.8-1.0x this at
+        N=128-1024), and float64 q, k, v and their gradients. It grows as ``N``, not ``N^2``. ``O(1)``."""
+        return 4 * 8 * w.batch * w.heads * w.nq * self.proj_len + 2 * self._oracle_input_bytes(w)
+
     def flops(self, w: Workload, mode: str = "fwd") -> int:
         """FLOPs of the algorithm: the projections ``E K``, ``F V`` (``2 P Nk (D + Dv)`` per K/V head)
         and the two ``Nq x P`` products (``2 Nq P (D + Dv)`` per query head). Backward counts 2.5x."""

@@ -82,6 +82,9 @@ class Performer(KernelizedAttention):
                 self._draws[head_dim] = orthogonal_features(self.features, head_dim, self.seed)
         return self._draws[head_dim]
 
+    #: its random features' graph at the gradient check: 1.4-1.6x the features and scores
+    oracle_graph_copies = 2
+
     def oracle_bytes(self, w: Workload, rows: int | None = None) -> int:
         """The base count plus the reference's random features: two float64 ``(.., m)`` tensors (the
         projection and its exponential) per checked query row and query head and per key and K/V

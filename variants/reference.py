@@ -140,7 +140,10 @@ def oracle(
         by_rows = rows is not None and takes_rows(custom)  # each document's checked rows alone
 
         def alone(qd, kd, vd, kpm, **rows_d):  # one document as a sequence of its own (from zero)
-            return custom(qd, kd, vd, causal=causal, key_padding_mask=kpm, attn_mask=None, **extra, **rows_d)
+            out = custom(qd, kd, vd, causal=causal, key_padding_mask=kpm, attn_mask=None, **extra, **rows_d)
+            if rows_d:
+                _check_returned_rows(variant, out, len(rows_d["rows"]))
+            return out
 
         out = attend_each_document(alone, q, k, v, documents, key_padding_mask, rows if by_rows else None)
         return out if rows is None or by_rows else out[:, :, rows]  # (B, H, Nq|R, Dv)
@@ -152,11 +155,8 @@ def oracle(
         if rows is not None and takes_rows(custom):  # it computes only the checked rows
             extra["rows"] = rows
         out = custom(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **extra)
-        if "rows" in extra and out.shape[2] != len(rows):
-            raise ValueError(
-                f"{variant.name or type(variant).__name__}.oracle_forward(rows=) returned {out.shape[2]} "
-                f"rows for {len(rows)} asked"
-            )
+        if "rows" in extra:
+            _check_returned_rows(variant, out, len(rows))
         return out if rows is None or "rows" in extra else out[:, :, rows]
     nq, nk = q.shape[2], k.shape[2]
     allowed = variant.pattern(nq, nk, causal).to(q.device)  # (Nq, Nk)
@@ -184,6 +184,17 @@ def oracle(
     if sinks is not None and sinks.dim() == 3 and rows is not None and sinks.shape[-1] == nq:
         sinks = sinks[..., rows.to(sinks.device)]  # (B, H, R): per-query sinks of the checked rows
     return reference_attention(q_rows, k, v, allowed=allowed, scores=scores, bias=bias, sinks=sinks)
+
+
+def _check_returned_rows(variant: AttentionVariant, out: torch.Tensor, asked: int) -> None:
+    """Refuse, in one line, an own formula whose ``oracle_forward(rows=)`` returned ``out (B, H, R, Dv)``
+    with ``R`` not the ``asked`` rows (a third party's formula: a wrong count would be compared, or
+    scattered, as if it were those rows)."""
+    if out.shape[2] != asked:
+        raise ValueError(
+            f"{variant.name or type(variant).__name__}.oracle_forward(rows=) returned {out.shape[2]} "
+            f"rows for {asked} asked"
+        )
 
 
 def full_attention_reference(
