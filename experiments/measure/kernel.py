@@ -32,7 +32,7 @@ from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_g
 
 # above this many float64 bytes at its peak (``oracle_graph_bytes``: the whole oracle and its graph),
 # the gradient check is skipped. Until 2026-11-28 it was 256 MiB of a count that left the softmax's
-# graph out (its peak was 4-6x the count) and held the recurrences': 1 GiB of the honest count keeps
+# graph out (its peak was 3.9-5.3x the count) and held the recurrences': 1 GiB of this count keeps
 # the softmax's line where it was (B=1, H=8, D=64: N=1024 checked, 2048 not)
 GRAD_ORACLE_BYTES = 2**30
 # above this, even the output check on ``accuracy_rows`` rows is skipped (only a variant's own
