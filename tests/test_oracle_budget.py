@@ -71,6 +71,18 @@ def test_the_oracle_count_is_within_a_small_factor_of_its_peak(name, shape):
     assert 0.5 * attn.oracle_bytes(w) <= peak <= 4.5 * attn.oracle_bytes(w)
 
 
+def _gradient_check_peak(attn: variants.AttentionVariant, w: Workload) -> int:
+    """The profiler's peak of a job's gradient check: the float64 oracle over all rows of ``w`` and
+    the gradients of q, k and v through it."""
+    q, k, v = (t.requires_grad_(True) for t in _inputs(w))
+
+    def run() -> None:
+        out = oracle(attn, q, k, v, causal=w.causal)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    return cpu_peak_bytes(run)
+
+
 def _graph_cases():
     """``(name, workload)``: each variant but the recurrences (below) at the shapes it takes, causal
     where it can be, up to 600 MiB of count (additive's hidden layer is the bulk at 512)."""
@@ -98,13 +110,7 @@ def test_the_gradient_check_count_holds_its_peak(name, w):
     and 256 MiB for the recurrences. The count now holds the peak for every variant (within 1.2x at
     the smallest shapes), and is not more than 2x over it."""
     attn = variants.build(name)
-    q, k, v = (t.requires_grad_(True) for t in _inputs(w))
-
-    def run() -> None:
-        out = oracle(attn, q, k, v, causal=w.causal)
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-
-    peak, count = cpu_peak_bytes(run), attn.oracle_graph_bytes(w)
+    peak, count = _gradient_check_peak(attn, w), attn.oracle_graph_bytes(w)
     assert 0.5 * count <= peak <= 1.2 * count, (peak / 2**20, count / 2**20)
 
 
@@ -139,16 +145,9 @@ def _gated_peak(name: str, w: Workload, rows: int | None) -> tuple[int, int]:
     """``(peak, count)``: the oracle's peak checking ``rows`` evenly spread rows (None: all rows, and
     the gradients of q, k and v through it, as a job's gradient check), and the variant's count."""
     attn = variants.build(name)
-    q, k, v = _inputs(w)
     if rows is None:
-        for t in (q, k, v):
-            t.requires_grad_(True)
-
-        def run() -> None:
-            out = oracle(attn, q, k, v, causal=True)
-            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-
-        return cpu_peak_bytes(run), attn.oracle_graph_bytes(w)
+        return _gradient_check_peak(attn, w), attn.oracle_graph_bytes(w)
+    q, k, v = _inputs(w)
     checked = torch.arange(0, w.nq, max(1, w.nq // rows))[:rows]
     with torch.no_grad():
         peak = cpu_peak_bytes(lambda: oracle(attn, q, k, v, causal=True, rows=checked))

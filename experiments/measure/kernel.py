@@ -262,13 +262,13 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         if not all(torch.isfinite(g).all() for g in grads):
             result["status"], result["reason"] = "nan", "gradient has NaN or Inf"
             return
-        oracle_bytes = variant.oracle_graph_bytes(w)  # all rows, with the graph of their gradients
-        if oracle_bytes <= GRAD_ORACLE_BYTES:
+        graph_bytes = variant.oracle_graph_bytes(w)  # all rows, with the graph of their gradients
+        if graph_bytes <= GRAD_ORACLE_BYTES:
             fig.update(gradient_accuracy(variant, q, k, v, grads, grad_out, kw))
             valid = valid and within_tolerance(fig, "grad", grad_tolerance(dtype))
         else:  # said in the record: a gradient not checked is not a gradient found right
             fig["grad_check_skipped"] = (
-                f"float64 oracle {oracle_bytes / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB"
+                f"float64 oracle {graph_bytes / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB"
             )
     fig["valid"] = bool(valid)
     if not valid:
