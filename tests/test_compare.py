@@ -175,3 +175,59 @@ def test_the_summary_counts_and_names_what_now_fails_and_what_only_the_baseline_
         512: "now failing",
         1024: "baseline only",
     }
+
+
+def with_machine(rec: dict, copy_gbs: float, gemm_gflops: float = 100.0, canary_ms: float = 20.0) -> dict:
+    """``rec`` measured in a sweep whose ceilings were ``copy_gbs`` and ``gemm_gflops`` (one thread),
+    with a canary of ``canary_ms`` around the job."""
+    rec["roofline"] = {"device": "cpu", "threads": 1, "copy_bytes_per_s": copy_gbs * 1e9}
+    rec["roofline"]["gemm_flops_per_s"] = gemm_gflops * 1e9
+    rec["figures"]["canary_before_ms"] = rec["figures"]["canary_after_ms"] = canary_ms
+    return rec
+
+
+@pytest.mark.parametrize(
+    "now, changed",
+    [
+        ({"copy_gbs": 18.6}, "copy 18.6 GB/s (this) vs 37.6 (baseline)"),  # the VM's memory at half speed
+        ({"copy_gbs": 37.6, "canary_ms": 26.0}, "canary 26 ms (this) vs 20 (baseline)"),
+        ({"copy_gbs": 37.6, "gemm_gflops": 80.0}, "GEMM 80 GFLOP/s (this) vs 100 (baseline)"),
+    ],
+)
+def test_one_host_in_another_state_in_the_two_runs_is_not_compared(now, changed):
+    """The scaling store measured again with unchanged kernels, on a day this project's VM copied at
+    18.6 GB/s against 37.6, read "0 faster, 87 slower": every difference counted as the code's. A
+    host whose ceilings or canary moved more than ``SLOW_RATIO`` between the runs is named, with both
+    sides' figures, and its cells are marked and not compared; within that, they are."""
+    base = store.to_frame([with_machine(record(n, 10.0, 0.1, hour=9), 37.6) for n in (256, 512)])
+    cur = store.to_frame([with_machine(record(n, 20.0, 0.1, hour=11), **now) for n in (256, 512)])
+    sec = baseline_table(cur, base)
+    assert sec.data["verdict"].tolist() == ["machine changed"] * 2
+    assert sec.note.startswith(
+        "0 faster, 0 slower, 0 within noise (of 0 compared); not compared: 2 on a machine in another state"
+    )
+    assert "The machine vm (1 thread(s)) was in another state in the two runs: " in sec.note
+    assert changed in sec.note
+    (speedup,) = [tab for heading, tab in sec.parts if "speedup" in heading]
+    assert speedup.loc["naive"].tolist() == ["0.50x ≠", "0.50x ≠"]
+    # 10% apart in every figure: the same machine's state, compared
+    cur = store.to_frame([with_machine(record(n, 20.0, 0.1, hour=11), 34.0, 91.0, 22.0) for n in (256, 512)])
+    sec = baseline_table(cur, base)
+    assert sec.data["verdict"].tolist() == ["slower"] * 2 and "another state" not in sec.note
+
+
+def test_only_the_host_whose_state_moved_is_not_compared():
+    """Two hosts on both sides, one of them with its memory at half speed: the other's cells are
+    compared. A comparison of two machines (no host on both sides) compares their states as well."""
+
+    def on(host: str, n: int, median_ms: float, hour: int, copy_gbs: float) -> dict:
+        return with_machine(on_host(host, n, median_ms, hour), copy_gbs)
+
+    base = store.to_frame([on("a", 256, 10.0, 9, 37.6), on("b", 256, 10.0, 9, 37.6)])
+    cur = store.to_frame([on("a", 256, 20.0, 11, 18.6), on("b", 256, 20.0, 11, 37.0)])
+    sec = baseline_table(cur, base)
+    assert sec.data.set_index("env_host")["verdict"].to_dict() == {"a": "machine changed", "b": "slower"}
+    assert "The machine a (1 thread(s))" in sec.note and "The machine b" not in sec.note
+    other = store.to_frame([on("c", 256, 20.0, 11, 18.6)])
+    sec = baseline_table(other, base)
+    assert sec.data["verdict"].tolist() == ["slower"] and "another state" not in sec.note

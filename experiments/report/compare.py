@@ -8,11 +8,13 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from ..measure.canary import SLOW_RATIO
 from ..measure.spec import Kind
 from ..records.rounds import numeric as _col
 from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask, of_kind
 from .format import Section
 from .grouping import group_keys, groups, length_axis, marks, mode_times, pivot_cells, status_cell, usable
+from .machine_state import machine_changes
 
 #: what a baseline row is matched on (and the host, where both sides have it): not the
 #: free-form ``extra`` tags (``+extra.run=before`` and ``after`` label the two sides of a comparison)
@@ -60,12 +62,16 @@ def noise_verdict(row: pd.Series) -> str:
     """Whether a compared cell's difference is outside the two runs' own noise. A time either side's
     speed table marks (:func:`quality_marks`) is not compared, its difference may be the machine's:
     ``slow machine`` (its canary: ``machine_slowdown`` above ``SLOW_RATIO``), ``beside other work``
-    (``*``), ``unstable``. Else ``within noise`` when the two runs' quartile ranges of the time
-    overlap or the speedup is within :data:`NOISE_FLOOR` of 1, else ``faster`` or ``slower``."""
+    (``*``), ``unstable``; ``machine changed`` when the host's ceilings or canary moved between the
+    two runs (its ``machine_changed``, :func:`~.machine_state.machine_changes`). Else ``within
+    noise`` when the two runs' quartile ranges of the time overlap or the speedup is within
+    :data:`NOISE_FLOOR` of 1, else ``faster`` or ``slower``."""
     marks = quality_marks(row)
     for mark, verdict in (("~", "slow machine"), ("*", "beside other work"), ("unstable", "unstable")):
         if mark in marks:
             return verdict
+    if row.get("machine_changed") is True:
+        return "machine changed"
     q1, q3, q1b, q3b = (
         pd.to_numeric(row.get(c), errors="coerce") for c in ("q1_s", "q3_s", "q1_s_base", "q3_s_base")
     )
@@ -78,7 +84,7 @@ def noise_verdict(row: pd.Series) -> str:
 #: the mark a speedup cell carries for each :func:`noise_verdict` (a marked time: all its marks)
 VERDICT_MARK = {
     "within noise": " ≈", "slow machine": " ~", "beside other work": " *", "unstable": " unstable",
-    "faster": "", "slower": "",
+    "machine changed": " ≠", "faster": "", "slower": "",
 }  # fmt: skip
 #: the verdicts of cells that are not a comparison of two times, which the summary names
 NOW_FAILING, BASELINE_ONLY = "now failing", "baseline only"
@@ -162,8 +168,10 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
         "(<1: less now). `≈`: within the two runs' noise (their time quartiles overlap, or within "
         f"{NOISE_FLOOR:.0%}); `~`, `*`, `unstable`: the speed table's marks of either run (its machine "
         "ran slow, it was measured beside other work, its time never settled), not compared; "
-        "`<status> (was ok)`: fails now, ok in the baseline; `baseline only`: measured in the baseline, "
-        "no record now. " + env_diff(cur, base),
+        "`≠`: the host's ceilings (GEMM rate, copy or read bandwidth) or its canary moved more than "
+        f"{SLOW_RATIO - 1:.0%} between the runs, so the machine's state, not only the code, differs: not "
+        "compared; `<status> (was ok)`: fails now, ok in the baseline; `baseline only`: measured in "
+        "the baseline, no record now. " + env_diff(cur, base),
     )
     # each side's shown rows (a sweep run in rounds: its median round's), then the newest of them per
     # workload, variant, N and host; host to host where the two sides share a machine (a code change
@@ -231,6 +239,11 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     m["speedup"] = (m["time_s_base"] / m["time_s"]).where(both)
     m["memory_ratio"] = (m["peak_mib"] / m["peak_mib_base"]).where(both)
     same = m["record_id"] == m["record_id_base"]
+    # one host in another state in the two runs (its memory at half the speed): the difference may be
+    # the machine's; only host to host, a comparison of two machines is of their states as well
+    changes = machine_changes(cur, base) if shared else {}
+    threads = _col(m, "threads").map(lambda n: "?" if pd.isna(n) else str(int(n)))
+    m["machine_changed"] = [(str(h), t) in changes for h, t in zip(m["env_host"], threads, strict=True)]
     m["marks"] = m.apply(lambda r: quality_marks(r) if pd.notna(r["speedup"]) else "", axis=1)
     m["verdict"] = m.apply(lambda r: noise_verdict(r) if pd.notna(r["speedup"]) else None, axis=1)
     m.loc[(m["_merge"] == "both") & ~ok_now & ok_base, "verdict"] = NOW_FAILING
@@ -301,6 +314,12 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
             + (f" (not compared against: {', '.join(unused)})" if unused else "")
             + "."
         )
+    for (host, n), figures in sorted(changes.items()):
+        sec.note += (
+            f" The machine {host} ({n} thread(s)) was in another state in the two runs: {figures} "
+            "(each side's median); its cells are not compared (`≠`): time the two codes side by side "
+            "in one run to compare them."
+        )
     sec.note = f"{verdict_summary(m['verdict'], named)}. " + sec.note
     sec.data = m.drop(columns=["_merge", "started_at"])
     return sec
@@ -325,6 +344,7 @@ def verdict_summary(verdicts: pd.Series, named: dict[str, list[str]] | None = No
             ("slow machine", "on a slow machine"),
             ("beside other work", "beside other work"),
             ("unstable", "unstable"),
+            ("machine changed", "on a machine in another state"),
         )
         if n.get(verdict, 0)
     ]

@@ -1,0 +1,55 @@
+"""Whether one machine was in the same state in two runs: the ceilings each record carries (its
+sweep's GEMM rate, copy and read bandwidth, measured in the sweep's first job) and its job's canary
+(:mod:`experiments.measure.canary`), each run's median per host and thread count.
+
+Why: a comparison of two runs on one host reads every difference as the code's. This project's
+2-core VM halved its memory bandwidth between two days (copy 37.6 -> 18.6 GB/s) while its GEMM rate
+fell 16% and its canary (a GEMM) 1.1-1.2x: the scaling store measured again with unchanged kernels
+read "0 faster, 87 slower", the memory-bound pattern kernels 2.4x slower. The canary flags a slow
+phase within a run; between runs the ceilings say what moved.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ..measure.canary import SLOW_RATIO, job_canaries
+from ..records.rounds import numeric
+
+#: the figures of a machine's state: record column -> (name, unit, scale to the unit)
+FIGURES = {
+    "roofline_gemm_flops_per_s": ("GEMM", "GFLOP/s", 1e-9),
+    "roofline_copy_bytes_per_s": ("copy", "GB/s", 1e-9),
+    "roofline_read_bytes_per_s": ("read", "GB/s", 1e-9),
+    "job_canary_ms": ("canary", "ms", 1.0),
+}
+
+
+def _machine(df: pd.DataFrame) -> pd.DataFrame:
+    """Per host and thread count (``env_host`` and ``threads``, as text), the median of each of
+    :data:`FIGURES` over ``df``'s rows (NaN where no row has it). O(rows)."""
+    figs = pd.DataFrame({c: numeric(df, c) for c in FIGURES if c != "job_canary_ms"}, index=df.index)
+    figs["job_canary_ms"] = job_canaries(df)
+    threads = numeric(df, "threads").map(lambda n: "?" if pd.isna(n) else str(int(n)))
+    return figs.groupby([df["env_host"].astype(str).rename("host"), threads.rename("threads")]).median()
+
+
+def machine_changes(cur: pd.DataFrame, base: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """The hosts (and thread counts) whose state differs between two sets of records: any figure of
+    :data:`FIGURES` whose medians (:func:`_machine`) differ by more than ``SLOW_RATIO`` either way.
+    Maps ``(host, threads)`` (as text) to a text naming each figure of both sides, e.g. ``copy 18.6 GB/s
+    (this) vs 37.6 (baseline), ...``; hosts on one side only are not in it."""
+    a, b = _machine(cur), _machine(base)
+    out = {}
+    for key in a.index.intersection(b.index):
+        ratios = {c: a.loc[key, c] / b.loc[key, c] for c in FIGURES}
+        moved = [c for c, r in ratios.items() if pd.notna(r) and max(r, 1 / r) > SLOW_RATIO]
+        if not moved:
+            continue
+        out[key] = ", ".join(
+            f"{FIGURES[c][0]} {a.loc[key, c] * FIGURES[c][2]:.3g} {FIGURES[c][1]} (this) "
+            f"vs {b.loc[key, c] * FIGURES[c][2]:.3g} (baseline)"
+            for c in FIGURES
+            if pd.notna(ratios[c])
+        )
+    return out
