@@ -231,3 +231,43 @@ def test_only_the_host_whose_state_moved_is_not_compared():
     other = store.to_frame([on("c", 256, 20.0, 11, 18.6)])
     sec = baseline_table(other, base)
     assert sec.data["verdict"].tolist() == ["slower"] and "another state" not in sec.note
+
+
+def sparse_record(n: int, median_ms: float, hour: int, **knobs: object) -> dict:
+    """:func:`record` of the block-sparse variant with ``knobs`` in its config (and no others)."""
+    rec = record(n, median_ms, 0.1, hour=hour)
+    rec["config"]["variant"] = {"_target_": "variants.sparse.BlockSparseAttention", "block": 64, **knobs}
+    rec["config_hash"] = config_hash(rec["config"])
+    rec["variant_name"] = "sparse"
+    return rec
+
+
+def test_a_knob_added_since_the_baseline_is_matched_at_its_default():
+    """sparse gained ``global_rows`` and ``cuda_tile``: its baseline records hold neither, so every
+    sparse cell read "baseline only" and "no baseline". A knob the baseline lacks is taken at the
+    class's default today, and the note says so; a record that set it otherwise is not matched."""
+    base = store.to_frame([sparse_record(n, 10.0, 9) for n in (256, 512)])
+    cur = store.to_frame(
+        [
+            sparse_record(256, 5.0, 11, global_rows="auto", cuda_tile="auto"),
+            sparse_record(512, 5.0, 11, global_rows="dense", cuda_tile="auto"),
+        ]
+    )
+    sec = baseline_table(cur, base)
+    data = sec.data.set_index("seq_len")
+    assert data.loc[256, "verdict"] == "faster" and data.loc[256, "speedup"] == pytest.approx(2.0)
+    said = "the baseline's records lack cuda_tile, global_rows, taken at their defaults (auto, auto)"
+    assert said in sec.note
+    # global_rows=dense is not the default: not the baseline's configuration
+    (speedup,) = [tab for heading, tab in sec.parts if "speedup" in heading]
+    assert speedup.loc["sparse(global_rows=auto)"].tolist() == ["2.00x", "baseline only"]
+    assert speedup.loc["sparse(global_rows=dense)"].tolist() == ["–", "no baseline"]
+
+
+def test_a_knob_of_a_class_that_cannot_be_imported_is_not_filled():
+    """A third party's class not installed here: its defaults are unknown, so nothing is matched."""
+    old, new = sparse_record(256, 10.0, 9), sparse_record(256, 5.0, 11, extra_knob=3)
+    for rec in (old, new):
+        rec["config"]["variant"]["_target_"] = "not_installed.Attention"
+    sec = baseline_table(store.to_frame([new]), store.to_frame([old]))
+    assert sec.data["speedup"].isna().all() and "Knobs added since" not in sec.note

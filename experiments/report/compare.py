@@ -12,6 +12,7 @@ from ..measure.canary import SLOW_RATIO
 from ..measure.spec import Kind
 from ..records.rounds import numeric as _col
 from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask, of_kind
+from .added_knobs import fill_added_knobs
 from .format import Section
 from .grouping import group_keys, groups, length_axis, marks, mode_times, pivot_cells, status_cell, usable
 from .machine_state import machine_changes
@@ -143,6 +144,7 @@ def nothing_to_compare(cur: pd.DataFrame, base: pd.DataFrame) -> str | None:
     if cur.empty or base.empty:
         side = "these records" if cur.empty else "the baseline"
         return f"the comparison is of kernel jobs' times and {side} hold none"
+    cur, base, _ = fill_added_knobs(cur, base)
     keys = [k for k in MATCH_KEYS if k in cur and k in base]
     if _key(cur, keys).isin(set(_key(base, keys))).any():
         return None
@@ -179,6 +181,7 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     # it), else across machines (the comparison of two machines) but one baseline machine per row: the
     # newest per cell could take another machine at one N (a slower host re-run there read as 3x)
     cur, base = of_kind(cur, Kind.kernel), of_kind(base, Kind.kernel)
+    cur, base, filled = fill_added_knobs(cur, base)
     cur = cur[cur["newest"]] if "newest" in cur else cur
     base = base[base["newest"]] if "newest" in base else base
     shared = sorted(set(cur["env_host"].astype(str)) & set(base["env_host"].astype(str)))
@@ -314,6 +317,8 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
             + (f" (not compared against: {', '.join(unused)})" if unused else "")
             + "."
         )
+    if filled:
+        sec.note += f" Knobs added since: {'; '.join(filled)}."
     for (host, n), figures in sorted(changes.items()):
         sec.note += (
             f" The machine {host} ({n} thread(s)) was in another state in the two runs: {figures} "
