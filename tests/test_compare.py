@@ -271,3 +271,20 @@ def test_a_knob_of_a_class_that_cannot_be_imported_is_not_filled():
         rec["config"]["variant"]["_target_"] = "not_installed.Attention"
     sec = baseline_table(store.to_frame([new]), store.to_frame([old]))
     assert sec.data["speedup"].isna().all() and "Knobs added since" not in sec.note
+
+
+def test_a_ceiling_measured_another_way_on_each_side_is_not_the_machine_changing():
+    """The sweep's GEMM ceiling was a 1024 GEMM before it was a 2048 one, which runs at another rate
+    on the same machine: the two are not compared; the copy, measured alike, still is."""
+    base = [with_machine(record(256, 10.0, 0.1, hour=9), 37.6, gemm_gflops=80.0)]
+    cur = [with_machine(record(256, 20.0, 0.1, hour=11), 37.0, gemm_gflops=100.0)]
+    base[0]["roofline"]["gemm_n"], cur[0]["roofline"]["gemm_n"] = 1024, 2048
+    sec = baseline_table(store.to_frame(cur), store.to_frame(base))
+    assert sec.data["verdict"].tolist() == ["slower"] and "another state" not in sec.note
+    cur[0]["roofline"]["copy_bytes_per_s"] = 18.6e9
+    sec = baseline_table(store.to_frame(cur), store.to_frame(base))
+    assert sec.data["verdict"].tolist() == ["machine changed"]
+    assert (
+        "copy 18.6 GB/s (this) vs 37.6 (baseline), canary" in sec.note
+        and "GEMM" not in sec.note.split("state")[-1]
+    )

@@ -16,40 +16,52 @@ import pandas as pd
 from ..measure.canary import SLOW_RATIO, job_canaries
 from ..records.rounds import numeric
 
-#: the figures of a machine's state: record column -> (name, unit, scale to the unit)
+#: the figures of a machine's state: record column -> (name, unit, scale to the unit, the columns that
+#: say how it was measured: a GEMM of 1024 and one of 2048 run at different rates on one machine)
 FIGURES = {
-    "roofline_gemm_flops_per_s": ("GEMM", "GFLOP/s", 1e-9),
-    "roofline_copy_bytes_per_s": ("copy", "GB/s", 1e-9),
-    "roofline_read_bytes_per_s": ("read", "GB/s", 1e-9),
-    "job_canary_ms": ("canary", "ms", 1.0),
+    "roofline_gemm_flops_per_s": ("GEMM", "GFLOP/s", 1e-9, ("roofline_gemm_n", "roofline_gemm_dtype")),
+    "roofline_copy_bytes_per_s": ("copy", "GB/s", 1e-9, ("roofline_copy_mib",)),
+    "roofline_read_bytes_per_s": ("read", "GB/s", 1e-9, ("roofline_read_op", "roofline_copy_mib")),
+    "job_canary_ms": ("canary", "ms", 1.0, ()),
 }
 
 
-def _machine(df: pd.DataFrame) -> pd.DataFrame:
-    """Per host and thread count (``env_host`` and ``threads``, as text), the median of each of
-    :data:`FIGURES` over ``df``'s rows (NaN where no row has it). O(rows)."""
+def _machine(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per host and thread count (``env_host`` and ``threads``, as text): the median of each of
+    :data:`FIGURES` over ``df``'s rows (NaN where no row has it), and how each was measured (its
+    method columns' distinct values as one text). O(rows)."""
     figs = pd.DataFrame({c: numeric(df, c) for c in FIGURES if c != "job_canary_ms"}, index=df.index)
     figs["job_canary_ms"] = job_canaries(df)
+    how = pd.DataFrame(
+        {
+            c: df[[m for m in methods if m in df]].astype(str).agg("|".join, axis=1)
+            if any(m in df for m in methods)
+            else ""
+            for c, (_, _, _, methods) in FIGURES.items()
+        },
+        index=df.index,
+    )
     threads = numeric(df, "threads").map(lambda n: "?" if pd.isna(n) else str(int(n)))
-    return figs.groupby([df["env_host"].astype(str).rename("host"), threads.rename("threads")]).median()
+    keys = [df["env_host"].astype(str).rename("host"), threads.rename("threads")]
+    return figs.groupby(keys).median(), how.groupby(keys).agg(lambda v: ",".join(sorted(set(v))))
 
 
 def machine_changes(cur: pd.DataFrame, base: pd.DataFrame) -> dict[tuple[str, str], str]:
     """The hosts (and thread counts) whose state differs between two sets of records: any figure of
-    :data:`FIGURES` whose medians (:func:`_machine`) differ by more than ``SLOW_RATIO`` either way.
-    Maps ``(host, threads)`` (as text) to a text naming each figure of both sides, e.g. ``copy 18.6 GB/s
-    (this) vs 37.6 (baseline), ...``; hosts on one side only are not in it."""
-    a, b = _machine(cur), _machine(base)
+    :data:`FIGURES` measured the same way on both sides whose medians (:func:`_machine`) differ by
+    more than ``SLOW_RATIO`` either way. Maps ``(host, threads)`` (as text) to a text naming each such
+    figure of both sides, e.g. ``copy 18.6 GB/s (this) vs 37.6 (baseline), ...``; hosts on one side
+    only are not in it."""
+    (a, how_a), (b, how_b) = _machine(cur), _machine(base)
     out = {}
     for key in a.index.intersection(b.index):
-        ratios = {c: a.loc[key, c] / b.loc[key, c] for c in FIGURES}
-        moved = [c for c, r in ratios.items() if pd.notna(r) and max(r, 1 / r) > SLOW_RATIO]
-        if not moved:
+        ratios = {c: a.loc[key, c] / b.loc[key, c] for c in FIGURES if how_a.loc[key, c] == how_b.loc[key, c]}
+        ratios = {c: r for c, r in ratios.items() if pd.notna(r)}
+        if not any(max(r, 1 / r) > SLOW_RATIO for r in ratios.values()):
             continue
         out[key] = ", ".join(
             f"{FIGURES[c][0]} {a.loc[key, c] * FIGURES[c][2]:.3g} {FIGURES[c][1]} (this) "
             f"vs {b.loc[key, c] * FIGURES[c][2]:.3g} (baseline)"
-            for c in FIGURES
-            if pd.notna(ratios[c])
+            for c in ratios
         )
     return out
