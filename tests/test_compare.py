@@ -288,3 +288,10 @@ def test_a_ceiling_measured_another_way_on_each_side_is_not_the_machine_changing
         "copy 18.6 GB/s (this) vs 37.6 (baseline), canary" in sec.note
         and "GEMM" not in sec.note.split("state")[-1]
     )
+    # a record from before the GEMM's dtype was written ran it in the job's: the same GEMM as float32's
+    for rec in (*base, *cur):
+        rec["roofline"].update(gemm_n=2048, dtype="float32", copy_bytes_per_s=37.6e9)
+    cur[0]["roofline"]["gemm_dtype"] = "float32"
+    sec = baseline_table(store.to_frame(cur), store.to_frame(base))
+    assert sec.data["verdict"].tolist() == ["machine changed"]
+    assert "GEMM 100 GFLOP/s (this) vs 80 (baseline), copy" in sec.note

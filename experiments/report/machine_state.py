@@ -32,6 +32,9 @@ def _machine(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     method columns' distinct values as one text). O(rows)."""
     figs = pd.DataFrame({c: numeric(df, c) for c in FIGURES if c != "job_canary_ms"}, index=df.index)
     figs["job_canary_ms"] = job_canaries(df)
+    if "roofline_dtype" in df:  # records before the GEMM's own dtype was written ran it in the job's dtype
+        df = df.assign(roofline_gemm_dtype=df.get("roofline_gemm_dtype", df["roofline_dtype"]))
+        df["roofline_gemm_dtype"] = df["roofline_gemm_dtype"].fillna(df["roofline_dtype"])
     how = pd.DataFrame(
         {
             c: df[[m for m in methods if m in df]].astype(str).agg("|".join, axis=1)
