@@ -130,3 +130,35 @@ def test_the_report_gives_each_thread_count_its_own_ceilings():
     assert _ceilings(gpu) == [
         "- h cuda float32: GEMM 111 GFLOP/s (n=2048) (sweeps ranged 107-203), copy 20 GB/s"
     ]
+
+
+def test_the_report_gives_the_range_of_the_copy_as_of_the_gemm():
+    """Two sweeps of one store on a day apart: the copy moved 37.6 -> 18.6 GB/s while the GEMM moved
+    16%; the report gave the GEMM's range only, and wrote its size as ``n=1024.0`` where a record
+    without ceilings made the column float."""
+    import pandas as pd
+
+    from experiments.report.report import _ceilings
+
+    row = {"env_host": "h", "roofline_device": "cpu", "roofline_dtype": "float32", "roofline_threads": 1}
+    df = pd.DataFrame(
+        [
+            {
+                **row,
+                "roofline_gemm_n": 1024,
+                "roofline_gemm_flops_per_s": 110e9,
+                "roofline_copy_bytes_per_s": 37.6e9,
+            },
+            {
+                **row,
+                "roofline_gemm_n": 1024,
+                "roofline_gemm_flops_per_s": 92.5e9,
+                "roofline_copy_bytes_per_s": 18.6e9,
+            },
+            {"env_host": "h", "roofline_gemm_n": None},  # a record without ceilings
+        ]
+    )
+    assert _ceilings(df) == [
+        "- h cpu float32, 1 thread(s): GEMM 101 GFLOP/s (n=1024) (sweeps ranged 92.5-110), "
+        "copy 28.1 GB/s (sweeps ranged 18.6-37.6)"
+    ]

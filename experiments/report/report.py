@@ -83,18 +83,26 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
         read_text = f", read {read.median() / 1e9:.3g} GB/s" if read.notna().any() else ""
         ops = sorted(sub.get("roofline_read_op", pd.Series(dtype=object)).dropna().unique())
         read_text += f" ({', '.join(ops)})" if read_text and ops else ""  # which read was the faster
-        n = sub["roofline_gemm_n"].iloc[0] if "roofline_gemm_n" in sub else "?"
+        n_col = pd.to_numeric(sub.get("roofline_gemm_n", pd.Series(dtype=float)), errors="coerce").dropna()
+        n = int(n_col.iloc[0]) if len(n_col) else "?"  # a whole number (the column is float beside NaN)
         gemm_dtype = sub["roofline_gemm_dtype"].dropna() if "roofline_gemm_dtype" in sub else []
         if len(gemm_dtype) and gemm_dtype.iloc[0] != dtype:  # a CPU's half precision: float32's GEMM
             n = f"{n}, in {gemm_dtype.iloc[0]}"
-        lo, hi = gemm.min() / 1e9, gemm.max() / 1e9
-        spread = f" (sweeps ranged {lo:.3g}-{hi:.3g})" if gemm.nunique() > 1 else ""
         where = f"{host} {device} {dtype}" + ("" if pd.isna(n_threads) else f", {int(n_threads)} thread(s)")
         lines.append(
-            f"- {where}: GEMM {gemm.median() / 1e9:.3g} GFLOP/s (n={n}){spread}, "
-            f"copy {copy.median() / 1e9:.3g} GB/s{read_text}"
+            f"- {where}: GEMM {gemm.median() / 1e9:.3g} GFLOP/s (n={n}){_sweeps_range(gemm)}, "
+            f"copy {copy.median() / 1e9:.3g} GB/s{_sweeps_range(copy)}{read_text}"
         )
     return lines
+
+
+def _sweeps_range(rates: pd.Series) -> str:
+    """`` (sweeps ranged 84.8-93.3)`` (in G per second) where the store's sweeps measured a ceiling at
+    more than one value, else empty: a memory-bound time of one sweep against another's moves with
+    the copy (this VM's halved between two days, its GEMM by 16%)."""
+    if rates.nunique() < 2:
+        return ""
+    return f" (sweeps ranged {rates.min() / 1e9:.3g}-{rates.max() / 1e9:.3g})"
 
 
 def _canaries(df: pd.DataFrame) -> list[str]:
