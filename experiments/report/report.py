@@ -98,11 +98,10 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
 
 def _sweeps_range(rates: pd.Series) -> str:
     """`` (sweeps ranged 84.8-93.3)`` (in G per second) where the store's sweeps measured a ceiling at
-    more than one value, else empty: a memory-bound time of one sweep against another's moves with
-    the copy (this VM's halved between two days, its GEMM by 16%)."""
-    if rates.nunique() < 2:
-        return ""
-    return f" (sweeps ranged {rates.min() / 1e9:.3g}-{rates.max() / 1e9:.3g})"
+    more than one value (at three digits), else empty: a memory-bound time of one sweep against
+    another's moves with the copy (this VM's halved between two days, its GEMM by 16%)."""
+    lo, hi = f"{rates.min() / 1e9:.3g}", f"{rates.max() / 1e9:.3g}"
+    return f" (sweeps ranged {lo}-{hi})" if lo != hi else ""  # not one value written twice
 
 
 def _canaries(df: pd.DataFrame) -> list[str]:
