@@ -1,0 +1,189 @@
+"""Two versions of the code measured side by side: the same sweep from a baseline commit (checked
+out in a temporary git worktree) and from this checkout, alternating round by round, then the
+report of this side against the baseline.
+
+    python -m experiments.sweep.side_by_side <commit> [--rounds 3] [--out DIR] [OVERRIDES ...]
+
+Why: two runs made apart are compared only while the machine kept its state (``report --baseline``
+marks the cells of a host whose ceilings or canary moved: this VM's memory ran at half the speed two
+days apart). Rounds taken in the order baseline, this, this, baseline, ... (ABBA) meet the same
+phases of a noisy machine on both sides, and the report shows each cell's median round.
+
+OVERRIDES are the sweep's, as ``python run.py -m`` takes them (``experiment=scaling
+variant=local_window,sparse``); ``round``, ``records_dir`` and ``resume`` are this command's. Each
+side's records go to ``DIR/baseline/records`` and ``DIR/this/records``, its sweep folders (logs,
+manifests) to ``DIR/<side>/sweeps/round<r>``, the comparison to ``DIR/report``. Exit code 0 when
+every sweep and the report ended 0, else 1. A third party's variant must be importable from both
+commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+#: the checkout this module belongs to: "this" side
+ROOT = Path(__file__).resolve().parents[2]
+#: settings this command sets for each sweep, which the overrides must not
+OWN_SETTINGS = ("round", "records_dir", "resume", "hydra.sweep.dir", "report")
+#: rounds per side by default: three, as the reference sweeps run (quick_reference)
+DEFAULT_ROUNDS = 3
+
+
+class SideBySideError(RuntimeError):
+    """Something this command cannot do, said in one line."""
+
+
+def _git(*args: str, cwd: Path = ROOT) -> str:
+    """``git args`` in ``cwd``; its output, or :class:`SideBySideError` with git's own last line."""
+    try:
+        run = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    except OSError as exc:
+        raise SideBySideError(f"git could not run: {exc}") from None
+    if run.returncode:
+        last = (run.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise SideBySideError(f"git {' '.join(args)}: {last}")
+    return run.stdout.strip()
+
+
+def resolve(commit: str) -> str:
+    """The full hash of ``commit`` (a hash, branch, tag or ``HEAD~3``) in this checkout's repository."""
+    try:
+        return _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+    except SideBySideError:
+        raise SideBySideError(f"'{commit}' is not a commit of the repository at {ROOT}") from None
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Refuse an override of a setting this command makes itself (:data:`OWN_SETTINGS`), or one that
+    is not ``key=value``, in one line."""
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if "=" not in o:
+            raise SideBySideError(f"'{o}' is not an override (key=value, as `python run.py -m` takes)")
+        if key in OWN_SETTINGS:
+            raise SideBySideError(
+                f"{key} is set by side_by_side for each sweep; leave it out of the overrides"
+            )
+
+
+def order(rounds: int) -> list[tuple[int, str]]:
+    """The sweeps in the order they run: ``(round, side)``, ABBA (baseline first in even rounds, this
+    side first in odd ones), so a drift of the machine over the run falls on both sides alike."""
+    sides = ("baseline", "this")
+    return [(r, side) for r in range(rounds) for side in (sides if r % 2 == 0 else sides[::-1])]
+
+
+def sweep_command(overrides: Sequence[str], round_: int, side_dir: Path) -> list[str]:
+    """The ``python run.py -m`` command of one side's round, run from that side's checkout."""
+    return [
+        sys.executable, "run.py", "-m", *overrides, f"round={round_}",
+        f"records_dir={side_dir / 'records'}", "resume=false", "report=false",
+        f"hydra.sweep.dir={side_dir / 'sweeps' / f'round{round_}'}",
+    ]  # fmt: skip
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def run_sweep(cmd: list[str], cwd: Path, log: Path) -> tuple[int, str]:
+    """Run one sweep in ``cwd``, its output (stdout and stderr) shown indented as it comes and kept
+    in ``log``; its exit code and last line."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    last = "(no output)"
+    with (
+        log.open("w") as keep,
+        subprocess.Popen(
+            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        ) as proc,
+    ):
+        assert proc.stdout is not None  # piped above
+        for line in proc.stdout:
+            keep.write(line)
+            print(f"  {line}", end="", flush=True)
+            last = line.strip() or last
+    return proc.returncode, last
+
+
+def run(commit: str, overrides: Sequence[str], rounds: int, out: Path) -> int:
+    """Measure ``overrides``' sweep ``rounds`` times from ``commit`` and from this checkout (in
+    :func:`order`), then write the report of this side against the baseline into ``out/report``.
+    Returns the exit code: 1 when a sweep or the report failed, else 0. Takes the two sweeps' time
+    ``rounds`` times over, plus a worktree checkout."""
+    if rounds < 1:
+        raise SideBySideError(f"--rounds must be at least 1, got {rounds}")
+    check_overrides(overrides)
+    sha = resolve(commit)
+    out.mkdir(parents=True, exist_ok=True)
+    worktree = Path(tempfile.mkdtemp(prefix="side_by_side_")) / "baseline"
+    _git("worktree", "add", "--detach", str(worktree), sha)
+    failed = []
+    try:
+        checkouts = {"baseline": worktree, "this": ROOT}
+        names = {
+            "baseline": f"baseline {sha[:12]}",
+            "this": f"this checkout ({_git('rev-parse', '--short=12', 'HEAD')})",
+        }
+        plan = order(rounds)
+        for i, (r, side) in enumerate(plan, 1):
+            print(f"[{i}/{len(plan)}] round {r}: {names[side]}", flush=True)
+            cmd = sweep_command(overrides, r, out / side)
+            code, last = run_sweep(cmd, checkouts[side], out / side / f"round{r}.log")
+            if code:
+                failed.append(f"{names[side]}, round {r}: exit {code}: {last}")
+                if not (out / side / "records").exists():
+                    break  # this side's code cannot run the sweep at all (a refused override): stop
+    finally:
+        _git("worktree", "remove", "--force", str(worktree))
+        shutil.rmtree(worktree.parent, ignore_errors=True)
+    this, base = out / "this" / "records", out / "baseline" / "records"
+    cmd = [sys.executable, "-m", "experiments.report.report", str(this), "--baseline", str(base)]
+    report = subprocess.run([*cmd, "--out", str(out / "report")], cwd=ROOT, capture_output=True, text=True)
+    tables = out / "report" / "tables.md"
+    text = tables.read_text() if tables.exists() else ""
+    heading = "## Against the baseline"
+    # the comparison's section (the count of verdicts, the speedup and memory tables), as the report wrote it
+    print(
+        text[text.index(heading) :].strip() if heading in text else _last_line(report.stdout + report.stderr)
+    )
+    print(f"\nreport: {tables}")
+    if report.returncode:
+        failed.append(f"the report: exit {report.returncode}: {_last_line(report.stderr)}")
+    for f in failed:
+        print(f"error: {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (module docstring); one-line errors, exit code 1 on any failure."""
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.sweep.side_by_side",
+        description="Measure a sweep from a baseline commit and from this checkout, alternating rounds "
+        "(ABBA), and report this side against the baseline.",
+    )
+    ap.add_argument("commit", help="the baseline: a commit, branch or tag of this repository")
+    ap.add_argument("overrides", nargs="*", help="the sweep's overrides, as `python run.py -m` takes them")
+    ap.add_argument(
+        "--rounds", type=int, default=DEFAULT_ROUNDS, help=f"rounds per side (default {DEFAULT_ROUNDS})"
+    )
+    ap.add_argument("--out", help="output folder (default outputs/side_by_side/<time>)")
+    args = ap.parse_args(argv)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path(args.out) if args.out else Path("outputs/side_by_side") / stamp
+    try:
+        return run(args.commit, args.overrides, args.rounds, out.resolve())
+    except SideBySideError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Two versions of the code measured side by side (``python -m experiments.sweep.side_by_side``): the
+rounds alternate ABBA, each side's sweep runs its own commit's code, and the report compares them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from experiments.sweep import side_by_side as sbs
+
+ROOT = sbs.ROOT
+
+
+def test_rounds_alternate_so_a_drift_falls_on_both_sides():
+    assert sbs.order(3) == [
+        (0, "baseline"), (0, "this"), (1, "this"), (1, "baseline"), (2, "baseline"), (2, "this"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["variant=sdpa", "round=1"], "round is set by side_by_side for each sweep; leave it out of the overrides"),
+        (["+records_dir=/tmp/x"], "records_dir is set by side_by_side for each sweep; leave it out of the overrides"),
+        (["resume=true"], "resume is set by side_by_side"),
+        (["seq_len"], "'seq_len' is not an override (key=value"),
+    ],
+)
+def test_a_setting_the_command_makes_itself_is_refused_in_one_line(overrides, message, capsys):
+    assert sbs.main(["HEAD", *overrides]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_baseline_that_is_not_a_commit_is_refused_in_one_line(capsys):
+    assert sbs.main(["no-such-branch-xyz", "variant=sdpa"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: 'no-such-branch-xyz' is not a commit of the repository at {ROOT}"
+    assert sbs.main(["HEAD", "variant=sdpa", "--rounds", "0"]) == 1
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
+def _commit_of_head_tree() -> str:
+    """A new commit object holding HEAD's tree (no branch, index or working tree touched): a
+    baseline whose code is HEAD's but whose hash is its own, so a record's ``git_commit`` says from
+    which checkout its code was imported."""
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env["GIT_COMMITTER_EMAIL"] = "t@t"
+    run = subprocess.run(
+        ["git", "commit-tree", "HEAD^{tree}", "-p", "HEAD", "-m", "side_by_side test baseline"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return run.stdout.strip()
+
+
+def _records(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def test_each_side_runs_its_own_commit_in_alternating_rounds_and_is_compared(tmp_path, capsys):
+    """Two rounds of one small job from a baseline commit and from this checkout: every record says
+    which commit's code made it (the baseline's, imported from its worktree, not this checkout's),
+    the rounds ran baseline, this, this, baseline, the report compares the two sides, and the
+    worktree is gone after."""
+    baseline = _commit_of_head_tree()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    overrides = ["variant=sdpa", "seq_len=64", "mode=fwd", "threads=1", "settle_s=0", "retry_unstable=0"]
+    code = sbs.main([baseline, *overrides, "roofline=false", "--rounds", "2", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
+    sides = {side: _records(tmp_path / side / "records") for side in ("baseline", "this")}
+    assert {side: sorted(r["config"]["round"] for r in recs) for side, recs in sides.items()} == {
+        "baseline": [0, 1],
+        "this": [0, 1],
+    }
+    assert {r["env"]["git_commit"] for r in sides["baseline"]} == {baseline[:12]}
+    assert {r["env"]["git_commit"] for r in sides["this"]} == {head.strip()[:12]}
+    started = sorted(
+        (r["started_at"], side, r["config"]["round"]) for side, recs in sides.items() for r in recs
+    )
+    assert [(side, r) for _, side, r in started] == [
+        ("baseline", 0),
+        ("this", 0),
+        ("this", 1),
+        ("baseline", 1),
+    ]
+    assert "[1/4] round 0: baseline" in printed and "[4/4] round 1: baseline" in printed
+    assert " compared)" in printed  # the summary line (its verdict depends on the machine: not asserted)
+    assert "Against the baseline" in (tmp_path / "report" / "tables.md").read_text()
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "side_by_side_" not in worktrees
