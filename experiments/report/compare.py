@@ -322,8 +322,8 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     for (host, n), figures in sorted(changes.items()):
         sec.note += (
             f" The machine {host} ({n} thread(s)) was in another state in the two runs: {figures} "
-            "(each side's median); its cells are not compared (`≠`): time the two codes side by side "
-            "in one run to compare them."
+            "(each side's median); its cells are not compared (`≠`): to compare two commits, measure them "
+            "side by side (python -m experiments.sweep.side_by_side)."
         )
     sec.note = f"{verdict_summary(m['verdict'], named)}. " + sec.note
     sec.data = m.drop(columns=["_merge", "started_at"])
