@@ -92,4 +92,4 @@ def test_each_side_runs_its_own_commit_in_alternating_rounds_and_is_compared(tmp
     assert " compared)" in printed  # the summary line (its verdict depends on the machine: not asserted)
     assert "Against the baseline" in (tmp_path / "report" / "tables.md").read_text()
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert "side_by_side_" not in worktrees
+    assert "baseline_checkout" not in worktrees and not (tmp_path / "baseline_checkout").exists()

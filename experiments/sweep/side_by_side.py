@@ -1,5 +1,5 @@
 """Two versions of the code measured side by side: the same sweep from a baseline commit (checked
-out in a temporary git worktree) and from this checkout, alternating round by round, then the
+out in a git worktree for the run) and from this checkout, alternating round by round, then the
 report of this side against the baseline.
 
     python -m experiments.sweep.side_by_side <commit> [--rounds 3] [--out DIR] [OVERRIDES ...]
@@ -10,9 +10,13 @@ days apart). Rounds taken in the order baseline, this, this, baseline, ... (ABBA
 phases of a noisy machine on both sides, and the report shows each cell's median round.
 
 OVERRIDES are the sweep's, as ``python run.py -m`` takes them (``experiment=scaling
-variant=local_window,sparse``); ``round``, ``records_dir`` and ``resume`` are this command's. Each
-side's records go to ``DIR/baseline/records`` and ``DIR/this/records``, its sweep folders (logs,
-manifests) to ``DIR/<side>/sweeps/round<r>``, the comparison to ``DIR/report``. Exit code 0 when
+variant=local_window,sparse``); ``round``, ``records_dir``, ``resume``, ``report`` and
+``hydra.sweep.dir`` are this command's. Each side's records go to ``DIR/baseline/records`` and
+``DIR/this/records`` (this side with the checkout's uncommitted changes, if any: its records say
+``git_dirty``), each sweep's output to ``DIR/<side>/round<r>.log`` and its folder to
+``DIR/<side>/sweeps/round<r>``, the baseline's checkout to ``DIR/baseline_checkout`` while it runs
+(in the output folder: a launcher's jobs on other nodes see it where the folder is shared), the
+comparison to ``DIR/report``. Exit code 0 when
 every sweep and the report ended 0, else 1. A third party's variant must be importable from both
 commits.
 """
@@ -20,10 +24,8 @@ commits.
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -123,7 +125,10 @@ def run(commit: str, overrides: Sequence[str], rounds: int, out: Path) -> int:
     check_overrides(overrides)
     sha = resolve(commit)
     out.mkdir(parents=True, exist_ok=True)
-    worktree = Path(tempfile.mkdtemp(prefix="side_by_side_")) / "baseline"
+    # in the output folder, not /tmp: a launcher's jobs on other nodes see it where out is shared
+    worktree = out / "baseline_checkout"
+    if worktree.exists():
+        raise SideBySideError(f"{worktree} exists (a stopped run's): remove it or pass another --out")
     _git("worktree", "add", "--detach", str(worktree), sha)
     failed = []
     try:
@@ -143,7 +148,6 @@ def run(commit: str, overrides: Sequence[str], rounds: int, out: Path) -> int:
                     break  # this side's code cannot run the sweep at all (a refused override): stop
     finally:
         _git("worktree", "remove", "--force", str(worktree))
-        shutil.rmtree(worktree.parent, ignore_errors=True)
     this, base = out / "this" / "records", out / "baseline" / "records"
     cmd = [sys.executable, "-m", "experiments.report.report", str(this), "--baseline", str(base)]
     report = subprocess.run([*cmd, "--out", str(out / "report")], cwd=ROOT, capture_output=True, text=True)
