@@ -71,6 +71,30 @@ class WrongGradAttention(NaiveAttention):
         return super()._attend(q, k, _ScaledGrad.apply(v, 1.2), **kw)
 
 
+class _LateKeysScaledGrad(torch.autograd.Function):
+    """The identity forward on ``(B, H, N, D)``; its backward multiplies the gradient of the last half
+    of the positions by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g[:, :, g.shape[2] // 2 :] *= ctx.factor
+        return g, None
+
+
+class LateKeysWrongGradAttention(NaiveAttention):
+    """A right output with dV 20% off on the last half of the keys: a gradient check of a few rows
+    that reach every key must find it."""
+
+    def _attend(self, q, k, v, **kw):
+        return super()._attend(q, k, _LateKeysScaledGrad.apply(v, 1.2), **kw)
+
+
 class CrashingAttention(NaiveAttention):
     """Raises an ordinary exception: the job must end as 'error' with the message."""
 
