@@ -143,3 +143,21 @@ def test_a_row_the_oracle_holds_at_zero_is_judged_against_the_whole_scale():
     lost = got.clone()
     lost[..., rows[-8:], :] = 0
     assert error_stats(lost, ref, "dq")["dq_row_rel_err"] == pytest.approx(1.0)
+
+
+def test_the_accuracy_table_says_how_many_rows_the_gradients_were_of():
+    from experiments.records import store
+    from experiments.report.kernel_tables import accuracy_table
+
+    from .test_compare import record
+
+    recs = [record(n, 10.0, 0.1) for n in (1024, 16384)]
+    for rec, rows in zip(recs, (1024, 64), strict=True):
+        rec["config"]["mode"] = "fwd_bwd"
+        rec["figures"].update(grad_rel_err=1e-6, grad_row_rel_err=1e-5, grad_checked_rows=rows)
+    sec = accuracy_table(store.to_frame(recs))
+    assert sec.data.set_index("seq_len")["grad_checked_rows"].to_dict() == {1024: 1024, 16384: 64}
+    assert "else of fewer rows' (accuracy.csv's `grad_checked_rows`)" in sec.note
+    older = [record(1024, 10.0, 0.1)]  # a record from before: neither the column nor the sentence
+    sec = accuracy_table(store.to_frame(older))
+    assert "grad_checked_rows" not in sec.data and "grad_checked_rows" not in sec.note
