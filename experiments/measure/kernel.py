@@ -41,7 +41,7 @@ from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_g
 # gradient check covers fewer rows (gradient_rows), and is skipped below MIN_GRAD_ROWS. Until
 # 2026-11-28 it was 256 MiB of a count that left the softmax's graph out (its peak was 3.9-5.3x the
 # count) and held the recurrences': 1 GiB of this count checks sdpa's every row up to N=1024 at B=1,
-# H=8, D=64, and 128 of its rows at N=16384
+# H=8, D=64, 256 of its rows up to N=8192 and 64 at 16384
 GRAD_ORACLE_BYTES = 2**30
 # the fewest query rows a gradient check covers (halving from ``accuracy_rows``): below, it is skipped
 MIN_GRAD_ROWS = 16

@@ -92,6 +92,7 @@ def sweep_command(overrides: Sequence[str], round_: int, side_dir: Path) -> list
 
 
 def _last_line(text: str) -> str:
+    """The last line of ``text`` that is not blank, or ``(no output)``."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
 
