@@ -52,39 +52,26 @@ class LateRowsLostAttention(NaiveAttention):
 
 
 class _ScaledGrad(torch.autograd.Function):
-    """The identity forward; its backward multiplies the gradient by ``factor``."""
+    """The identity forward on ``(B, H, N, D)``; its backward multiplies the gradient of the positions
+    from ``start`` on by ``factor``."""
 
     @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
+    def forward(ctx, x, factor, start):
+        ctx.factor, ctx.start = factor, start
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.factor, None
+        g = g.clone()
+        g[:, :, ctx.start :] *= ctx.factor
+        return g, None, None
 
 
 class WrongGradAttention(NaiveAttention):
     """A right output with dV 20% off: fwd_bwd figures must be marked invalid, in half precision too."""
 
     def _attend(self, q, k, v, **kw):
-        return super()._attend(q, k, _ScaledGrad.apply(v, 1.2), **kw)
-
-
-class _LateKeysScaledGrad(torch.autograd.Function):
-    """The identity forward on ``(B, H, N, D)``; its backward multiplies the gradient of the last half
-    of the positions by ``factor``."""
-
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        g[:, :, g.shape[2] // 2 :] *= ctx.factor
-        return g, None
+        return super()._attend(q, k, _ScaledGrad.apply(v, 1.2, 0), **kw)
 
 
 class LateKeysWrongGradAttention(NaiveAttention):
@@ -92,7 +79,7 @@ class LateKeysWrongGradAttention(NaiveAttention):
     that reach every key must find it."""
 
     def _attend(self, q, k, v, **kw):
-        return super()._attend(q, k, _LateKeysScaledGrad.apply(v, 1.2), **kw)
+        return super()._attend(q, k, _ScaledGrad.apply(v, 1.2, v.shape[2] // 2), **kw)
 
 
 class CrashingAttention(NaiveAttention):
