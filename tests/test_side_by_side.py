@@ -24,8 +24,8 @@ def test_rounds_alternate_so_a_drift_falls_on_both_sides():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["variant=sdpa", "round=1"], "round is set by side_by_side for each sweep; leave it out of the overrides"),
-        (["+records_dir=/tmp/x"], "records_dir is set by side_by_side for each sweep; leave it out of the overrides"),
+        (["variant=sdpa", "round=1"], "round is set by side_by_side for each sweep; leave it out"),
+        (["+records_dir=/tmp/x"], "records_dir is set by side_by_side for each sweep; leave it out"),
         (["resume=true"], "resume is set by side_by_side"),
         (["seq_len"], "'seq_len' is not an override (key=value"),
     ],

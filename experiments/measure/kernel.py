@@ -19,14 +19,7 @@ import torch
 
 from variants import AttentionVariant, Unavailable, Unsupported, Workload
 
-from .accuracy import (
-    check_rows,
-    grad_tolerance,
-    gradient_accuracy,
-    output_accuracy,
-    tolerance,
-    within_tolerance,
-)
+from .accuracy import grad_tolerance, gradient_accuracy, output_accuracy, tolerance, within_tolerance
 from .canary import canary_ms
 from .common import build_variant, check_device, check_threads, forget_compiled_code, job_threads
 from .inputs import Inputs, make_inputs
@@ -37,40 +30,14 @@ from .roofline import last_level_cache_bytes
 from .spec import Device, JobSpec
 from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_graph
 
-# above this many float64 bytes at its peak (``oracle_graph_bytes``: the oracle and its graph), the
-# gradient check covers fewer rows (gradient_rows), and is skipped below MIN_GRAD_ROWS. Until
-# 2026-11-28 it was 256 MiB of a count that left the softmax's graph out (its peak was 3.9-5.3x the
-# count) and held the recurrences': 1 GiB of this count checks sdpa's every row up to N=1024 at B=1,
-# H=8, D=64, 256 of its rows up to N=8192 and 64 at 16384
+# above this many float64 bytes at its peak (``oracle_graph_bytes``: the whole oracle and its graph),
+# the gradient check is skipped. Until 2026-11-28 it was 256 MiB of a count that left the softmax's
+# graph out (its peak was 3.9-5.3x the count) and held the recurrences': 1 GiB of this count keeps
+# the softmax's line where it was (B=1, H=8, D=64: N=1024 checked, 2048 not)
 GRAD_ORACLE_BYTES = 2**30
-# the fewest query rows a gradient check covers (halving from ``accuracy_rows``): below, it is skipped
-MIN_GRAD_ROWS = 16
 # above this, even the output check on ``accuracy_rows`` rows is skipped (only a variant's own
 # formula, ``oracle_forward``, gets there: one that computes every row, or performer's features)
 FULL_ORACLE_BYTES = 2 * 2**30
-
-
-def gradient_rows(variant: AttentionVariant, w: Workload, limit: int) -> int | None:
-    """How many query rows of ``w`` a job's gradient check covers: all (``w.nq``) while the oracle
-    over all of them with its graph fits :data:`GRAD_ORACLE_BYTES` (``oracle_graph_bytes``); else
-    ``limit`` (the output check's ``accuracy_rows``), halved until its count fits; None (no check)
-    below :data:`MIN_GRAD_ROWS`. The check then takes the gradients of those rows' outputs alone: dq
-    on them, dk and dv on every key they reach. ``O(log limit)``."""
-    if variant.oracle_graph_bytes(w) <= GRAD_ORACLE_BYTES:
-        return w.nq
-    n = min(limit, w.nq)
-    while n >= MIN_GRAD_ROWS:
-        if variant.oracle_graph_bytes(w, rows=n) <= GRAD_ORACLE_BYTES:
-            return n
-        n //= 2
-    return None
-
-
-def _only_rows(grad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``grad`` (``(B, H, Nq, Dv)``) with every query row but ``rows`` zeroed."""
-    keep = torch.zeros(grad.shape[2], dtype=torch.bool, device=grad.device)
-    keep[rows.to(grad.device)] = True
-    return grad * keep[:, None]
 
 
 def _timing_fields(prefix: str, t: Timing | None) -> dict[str, float | int | None]:
@@ -290,23 +257,18 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
     inputs = [q, k, v] if backward else []
     grads = None
     if backward:
-        n_rows = gradient_rows(variant, w, spec.accuracy_rows)
-        rows = check_rows(w.nq, n_rows) if n_rows is not None else None
-        # the checked rows' outputs alone carry a gradient (zero elsewhere): their oracle fits
-        upstream = grad_out if rows is None else _only_rows(grad_out, rows)
         # no retain_graph: it would keep every recompute of checkpointed variants alive (O(N^2))
-        grads = torch.autograd.grad(out, inputs, upstream)
+        grads = torch.autograd.grad(out, inputs, grad_out)
         if not all(torch.isfinite(g).all() for g in grads):
             result["status"], result["reason"] = "nan", "gradient has NaN or Inf"
             return
-        if n_rows is not None:
-            fig.update(gradient_accuracy(variant, q, k, v, grads, upstream, kw, rows=rows))
+        graph_bytes = variant.oracle_graph_bytes(w)  # all rows, with the graph of their gradients
+        if graph_bytes <= GRAD_ORACLE_BYTES:
+            fig.update(gradient_accuracy(variant, q, k, v, grads, grad_out, kw))
             valid = valid and within_tolerance(fig, "grad", grad_tolerance(dtype))
         else:  # said in the record: a gradient not checked is not a gradient found right
-            every, fewest = (variant.oracle_graph_bytes(w, rows=n) for n in (None, MIN_GRAD_ROWS))
             fig["grad_check_skipped"] = (
-                f"float64 oracle {every / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB "
-                f"({fewest / 2**20:.0f} MiB at {MIN_GRAD_ROWS} rows, the fewest a check covers)"
+                f"float64 oracle {graph_bytes / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB"
             )
     fig["valid"] = bool(valid)
     if not valid:

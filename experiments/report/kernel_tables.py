@@ -447,11 +447,6 @@ def accuracy_table(df: pd.DataFrame) -> Section:
         "own scale; records since 2026-11-27), or in a decoding step's output (`step_rel_err`: the "
         "step on a prefilled state against the same oracle rows; records since 2026-11-28).",
     )
-    if "grad_checked_rows" in df:  # recorded since 2026-11-28
-        sec.note += (
-            " The gradients are of every row's output while their float64 oracle fits 1 GiB, else of "
-            "fewer rows' (accuracy.csv's `grad_checked_rows`)."
-        )
 
     def err_cell(col: str) -> Callable[[pd.Series], str]:
         def cell(row: pd.Series) -> str:
@@ -493,8 +488,7 @@ def accuracy_table(df: pd.DataFrame) -> Section:
         [*keys, "variant", *(["run"] if "run" in df else []), "seq_len", "status", "valid", "exact"]
     )
     data = df[ident].copy()
-    # how many rows' outputs the gradients were of: recorded since 2026-11-28 (a column where it is)
-    for c in [*cols, *(["grad_checked_rows"] if "grad_checked_rows" in df else [])]:
+    for c in cols:
         data[c] = _col(df, c).where(df["status"] == "ok")
     sec.data = data.sort_values(_unique([*keys, "variant", "seq_len"])).reset_index(drop=True)
     return sec
