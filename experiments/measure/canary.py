@@ -78,7 +78,12 @@ def machine_keys(df: pd.DataFrame) -> list[pd.Series]:
     threads = pd.to_numeric(
         df.get("fig_threads", blank).combine_first(df.get("threads", blank)), errors="coerce"
     )
-    return [df.get("env_host", blank).astype(str), threads.map(lambda n: "?" if pd.isna(n) else str(int(n)))]
+    return [df.get("env_host", blank).astype(str), threads_text(threads)]
+
+
+def threads_text(threads: pd.Series) -> pd.Series:
+    """Thread counts as text to group and match on: ``"2"``, ``"?"`` where unknown (NaN)."""
+    return pd.to_numeric(threads, errors="coerce").map(lambda n: "?" if pd.isna(n) else str(int(n)))
 
 
 def slowdown(df: pd.DataFrame) -> pd.Series:

@@ -8,11 +8,11 @@ says which knobs it filled and with what.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 
 import pandas as pd
+from hydra.utils import get_class
 
 from variants.registry import knob_defaults
 
@@ -22,9 +22,8 @@ from ..records.store import variant_labels
 def _defaults(target: str) -> dict[str, object]:
     """The knobs and defaults of the class at import path ``target`` (``module.Class``); empty when it
     cannot be imported (a third party's class not installed here): nothing is filled then."""
-    module, _, name = target.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module), name)
+        cls = get_class(target)  # as the sweep resolves a variant's _target_ (experiments/sweep/checks.py)
         return {k: v for k, v in knob_defaults(cls).items() if v is not inspect.Parameter.empty}
     except (ImportError, AttributeError, ValueError, TypeError):
         return {}

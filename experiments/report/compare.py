@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from ..measure.canary import SLOW_RATIO
+from ..measure.canary import SLOW_RATIO, threads_text
 from ..measure.spec import Kind
 from ..records.rounds import numeric as _col
 from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask, of_kind
@@ -245,7 +245,7 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     # one host in another state in the two runs (its memory at half the speed): the difference may be
     # the machine's; only host to host, a comparison of two machines is of their states as well
     changes = machine_changes(cur, base) if shared else {}
-    threads = _col(m, "threads").map(lambda n: "?" if pd.isna(n) else str(int(n)))
+    threads = threads_text(_col(m, "threads"))
     m["machine_changed"] = [(str(h), t) in changes for h, t in zip(m["env_host"], threads, strict=True)]
     m["marks"] = m.apply(lambda r: quality_marks(r) if pd.notna(r["speedup"]) else "", axis=1)
     m["verdict"] = m.apply(lambda r: noise_verdict(r) if pd.notna(r["speedup"]) else None, axis=1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..measure.canary import SLOW_RATIO, job_canaries
+from ..measure.canary import SLOW_RATIO, job_canaries, threads_text
 from ..records.rounds import numeric
 
 #: the figures of a machine's state: record column -> (name, unit, scale to the unit, the columns that
@@ -44,7 +44,7 @@ def _machine(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         },
         index=df.index,
     )
-    threads = numeric(df, "threads").map(lambda n: "?" if pd.isna(n) else str(int(n)))
+    threads = threads_text(numeric(df, "threads"))
     keys = [df["env_host"].astype(str).rename("host"), threads.rename("threads")]
     return figs.groupby(keys).median(), how.groupby(keys).agg(lambda v: ",".join(sorted(set(v))))
 
