@@ -52,23 +52,34 @@ class LateRowsLostAttention(NaiveAttention):
 
 
 class _ScaledGrad(torch.autograd.Function):
-    """The identity forward; its backward multiplies the gradient by ``factor``."""
+    """The identity forward on ``(B, H, N, D)``; its backward multiplies the gradient of the positions
+    from ``start`` on by ``factor``."""
 
     @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
+    def forward(ctx, x, factor, start):
+        ctx.factor, ctx.start = factor, start
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.factor, None
+        g = g.clone()
+        g[:, :, ctx.start :] *= ctx.factor
+        return g, None, None
 
 
 class WrongGradAttention(NaiveAttention):
     """A right output with dV 20% off: fwd_bwd figures must be marked invalid, in half precision too."""
 
     def _attend(self, q, k, v, **kw):
-        return super()._attend(q, k, _ScaledGrad.apply(v, 1.2), **kw)
+        return super()._attend(q, k, _ScaledGrad.apply(v, 1.2, 0), **kw)
+
+
+class LateRowsWrongGradAttention(NaiveAttention):
+    """A right output with dQ 20% off on the last eighth of the queries: a gradient check in blocks of
+    rows must reach the last block."""
+
+    def _attend(self, q, k, v, **kw):
+        return super()._attend(_ScaledGrad.apply(q, 1.2, q.shape[2] * 7 // 8), k, v, **kw)
 
 
 class CrashingAttention(NaiveAttention):

@@ -61,14 +61,17 @@ SHAPES = [(2, 4, 4, 256, 256, 32), (1, 8, 2, 512, 512, 32), (1, 32, 4, 16, 4096,
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_oracle_count_is_within_a_small_factor_of_its_peak(name, shape):
     """The count is the scores, the float64 inputs and a reference's features; the softmax's
-    temporaries (its exponentials, the probabilities, the mask) take the peak to at most ~4x it."""
+    temporaries (its exponentials, the probabilities, the mask) take the peak to at most ~4x it. The
+    count takes every key; the oracle computes the keys some row reaches, so the peak may be that
+    share of it lower (local_window's 16 decoding queries reach 143 of 4096 keys)."""
     b, h, hkv, nq, nk, d = shape
     w = Workload(batch=b, heads=h, kv_heads=hkv, nq=nq, nk=nk, head_dim=d, v_head_dim=d, causal=True)
     attn = variants.build(name)
     q, k, v = _inputs(w)
     with torch.no_grad():
         peak = cpu_peak_bytes(lambda: oracle(attn, q, k, v, causal=True))
-    assert 0.5 * attn.oracle_bytes(w) <= peak <= 4.5 * attn.oracle_bytes(w)
+    reach = float(attn.pattern(nq, nk, True).any(0).double().mean())  # of the keys, by some row
+    assert 0.5 * reach * attn.oracle_bytes(w) <= peak <= 4.5 * attn.oracle_bytes(w)
 
 
 def _gradient_check_peak(attn: variants.AttentionVariant, w: Workload) -> int:
@@ -126,13 +129,13 @@ def test_performer_counts_its_random_features():
 def test_a_job_skips_the_gradient_check_when_the_oracle_features_exceed_the_budget(monkeypatch):
     # performer's (N, m) random features are 16x its (N, N) scores at N=64, m=256: a budget counting
     # only the scores would run the check; the count with the features skips it and says so
-    from experiments.measure import kernel
+    from experiments.measure import grad_budget
     from experiments.measure.kernel import measure
 
     spec = job_spec(variant="performer", mode="fwd_bwd", seq_len=64, heads=2, head_dim=16, min_run_time=0.02)
     w = spec.workload()
     scores = w.batch * w.heads * w.nq * w.nk * 8
-    monkeypatch.setattr(kernel, "GRAD_ORACLE_BYTES", 4 * scores)
+    monkeypatch.setattr(grad_budget, "GRAD_ORACLE_BYTES", 4 * scores)
     figures = measure(spec)["figures"]
     assert "grad_rel_err" not in figures
     assert figures["grad_check_skipped"].startswith("float64 oracle ")

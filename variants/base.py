@@ -729,13 +729,15 @@ class AttentionVariant(nn.Module):
     #: 6.2-6.8x the scores by the profiler (``tests/test_oracle_budget.py``); an own formula says its own
     oracle_graph_copies: ClassVar[float] = 6
 
-    def oracle_graph_bytes(self, w: Workload) -> int:
-        """Float64 bytes a job's gradient check holds at its peak: the oracle over all of ``w``'s rows
-        with the graph of their gradients (:attr:`oracle_graph_copies` times :meth:`oracle_bytes` less
-        its inputs), and float64 ``q``, ``k``, ``v`` and their gradients. The job checks the gradients
-        only below a budget of this. ``O(1)``."""
+    def oracle_graph_bytes(self, w: Workload, rows: int | None = None) -> int:
+        """Float64 bytes a job's gradient check holds at its peak: the oracle over ``rows`` of ``w``'s
+        query rows (all when None) with the graph of their gradients (:attr:`oracle_graph_copies`
+        times :meth:`oracle_bytes` less its inputs), and float64 ``q``, ``k``, ``v`` and their
+        gradients. The job checks the gradients in one oracle call below a budget of this, else in
+        blocks of the most rows that fit, all rows in turn (``experiments.measure.kernel.
+        gradient_block``). ``O(1)``."""
         inputs = self._oracle_input_bytes(w)
-        return int(self.oracle_graph_copies * (self.oracle_bytes(w) - inputs)) + 2 * inputs
+        return int(self.oracle_graph_copies * (self.oracle_bytes(w, rows) - inputs)) + 2 * inputs
 
     def oracle_rows(self, w: Workload, rows: int | None = None) -> int:
         """Query rows the oracle computes to check ``rows`` of ``w``'s (all when None): an

@@ -260,8 +260,9 @@ class GatedRecurrence(AttentionVariant):
         sizes = (w.batch, w.heads, self.oracle_rows(w, rows), w.nk, w.head_dim, w.v_head_dim)
         return gated_oracle_bytes(*sizes, self.vector_gate, self.delta)
 
-    def oracle_graph_bytes(self, w: Workload) -> int:
-        """All rows and the graph of their gradients: a state per key
+    def oracle_graph_bytes(self, w: Workload, rows: int | None = None) -> int:
+        """The graph of the gradients holds a state per key whatever ``rows`` (the recurrence runs
+        over every key before the last checked row): all rows' count
         (:func:`~variants.gated_reference.gated_graph_bytes`). ``O(1)``."""
         sizes = (w.batch, w.heads, w.nq, w.nk, w.head_dim, w.v_head_dim)
         return gated_graph_bytes(*sizes, self.vector_gate, self.delta)

@@ -99,10 +99,11 @@ class LinformerAttention(AttentionVariant):
                 f"Nk={w.nk} keys have no projection columns; build it with max_len >= {w.nk}"
             )
 
-    def oracle_graph_bytes(self, w: Workload) -> int:
+    def oracle_graph_bytes(self, w: Workload, rows: int | None = None) -> int:
         """The gradient check's peak: four float64 ``(N, proj_len)`` tensors per query head (its scores
         against the projected keys, their softmax and the gradients; the profiler: 0.8-1.0x this at
-        N=128-1024), and float64 q, k, v and their gradients. It grows as ``N``, not ``N^2``. ``O(1)``."""
+        N=128-1024), and float64 q, k, v and their gradients. It grows as ``N``, not ``N^2``; every row
+        is counted whatever ``rows`` (an upper bound: small beside the budget at any N). ``O(1)``."""
         return 4 * 8 * w.batch * w.heads * w.nq * self.proj_len + 2 * self._oracle_input_bytes(w)
 
     def flops(self, w: Workload, mode: str = "fwd") -> int:

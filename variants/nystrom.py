@@ -153,11 +153,12 @@ class NystromAttention(AttentionVariant):
             )
         super().check(w)
 
-    def oracle_graph_bytes(self, w: Workload) -> int:
+    def oracle_graph_bytes(self, w: Workload, rows: int | None = None) -> int:
         """The gradient check's peak: four float64 ``(N, m)`` tensors per query head (``F`` and ``B``
         with their gradients, ``m`` the landmarks) and 64 ``(m, m)`` ones (the pseudo-inverse's
         iterations and their graph; the profiler: 0.7-1.0x this at N=128-1024), and float64 q, k, v and
-        their gradients. It grows as ``N``, not ``N^2``. ``O(1)``."""
+        their gradients. It grows as ``N``, not ``N^2``, and counts every row whatever ``rows`` (the
+        landmarks are means over all queries: every row's graph is held). ``O(1)``."""
         m = min(self.landmarks, w.nq, w.nk)
         per_head = 4 * max(w.nq, w.nk) * m + 64 * m * m
         return 8 * w.batch * w.heads * per_head + 2 * self._oracle_input_bytes(w)

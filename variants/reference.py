@@ -99,6 +99,7 @@ def oracle(
     softcap: float | None = None,
     window: int | None = None,
     documents: torch.Tensor | None = None,
+    pattern: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 output ``variant`` should produce: full attention over its pattern and the masks.
 
@@ -119,6 +120,12 @@ def oracle(
     sequences can be checked in ``O(rows * Nk)``. A variant that is not a restricted softmax
     (``axial``: rows then columns) defines ``oracle_forward`` built from :func:`reference_attention`;
     one that takes ``rows=`` computes those rows alone (the others' whole output is cut to them).
+    Over its pattern, only the keys some checked row reaches are computed: a window's rows cost
+    ``O(rows * (rows + window))``, not ``O(rows * Nk)``.
+
+    ``pattern``: ``variant.pattern(Nq, Nk, causal)`` when the caller has it already (a check that
+    calls the oracle once per block of rows builds it once: local_window's takes 2 s at N=16384);
+    refused for a variant with its own formula, which has no pattern to take.
     """
     if cross and not variant.supports_cross:
         raise ValueError(f"{variant.name or type(variant).__name__} has no cross-attention form to check")
@@ -128,6 +135,8 @@ def oracle(
         raise ValueError(f"{variant.name or type(variant).__name__} soft-caps no scores to check")
     _check_rows(rows, q.shape[2])
     custom = getattr(variant, "oracle_forward", None)
+    if pattern is not None:
+        _check_pattern(variant, pattern, custom, q.shape[2], k.shape[2])
     if custom is not None and (sinks is not None or softcap is not None):
         raise ValueError(f"{variant.name or type(variant).__name__}'s own oracle takes no sinks or softcap")
     if custom is not None and documents is not None:  # its own formula, on each document alone
@@ -159,7 +168,7 @@ def oracle(
             _check_returned_rows(variant, out, len(rows))
         return out if rows is None or "rows" in extra else out[:, :, rows]
     nq, nk = q.shape[2], k.shape[2]
-    allowed = variant.pattern(nq, nk, causal).to(q.device)  # (Nq, Nk)
+    allowed = (variant.pattern(nq, nk, causal) if pattern is None else pattern).to(q.device)  # (Nq, Nk)
     if window is not None:
         band = _window_band(nq, nk, window, q.device)
         exempt = getattr(variant, "window_exempt", None)  # pairs a call's window leaves in place
@@ -173,17 +182,48 @@ def oracle(
         allowed = allowed & _rows_of(attn_mask.to(q.device), rows, nq)
     if documents is not None:  # only the checked rows' ids against every key's
         allowed = allowed & document_mask(documents.to(q.device), nq, rows)  # (B, 1, R, Nk)
+    if bias is not None:
+        bias = _rows_of(bias.to(q.device), rows, nq)
+    reached = _reached_keys(allowed)
+    if reached is not None:  # the keys no checked row reaches: zero weight, left out
+        k, v, allowed = k[:, :, reached], v[:, :, reached], allowed[..., reached]  # (.., Nk', ..)
+        if bias is not None and bias.shape[-1] == nk:
+            bias = bias[..., reached]  # (B|1, H|1, R, Nk')
     q_rows = q if rows is None else q[:, :, rows]
     if type(variant).reference_scores is not AttentionVariant.reference_scores:
         k = repeat_kv(k, q.shape[1])  # (B, H, Nk, D): a scorer of its own reads one key head per query head
     scores = variant.reference_scores(q_rows, k, **({} if scale is None else {"scale": scale}))
     if softcap is not None:
         scores = softcap * torch.tanh(scores.double() / softcap)
-    if bias is not None:
-        bias = _rows_of(bias.to(q.device), rows, nq)
     if sinks is not None and sinks.dim() == 3 and rows is not None and sinks.shape[-1] == nq:
         sinks = sinks[..., rows.to(sinks.device)]  # (B, H, R): per-query sinks of the checked rows
     return reference_attention(q_rows, k, v, allowed=allowed, scores=scores, bias=bias, sinks=sinks)
+
+
+def _reached_keys(allowed: torch.Tensor) -> torch.Tensor | None:
+    """The key indices some row of ``allowed`` (``(.., R, Nk)`` bool) reaches, or None when every key
+    is: the others' softmax weight is exactly zero, so leaving them out changes no output or gradient.
+    At least one key is kept, so a block of rows that reaches none still has a (masked) score to give
+    its zeros. ``O(R * Nk)``."""
+    seen = allowed.reshape(-1, allowed.shape[-1]).any(0)  # (Nk,)
+    if bool(seen.all()):
+        return None
+    keep = seen.nonzero().flatten()  # (Nk',)
+    return keep if keep.numel() else keep.new_zeros(1)
+
+
+def _check_pattern(
+    variant: AttentionVariant, pattern: torch.Tensor, custom: object, nq: int, nk: int
+) -> None:
+    """One ``ValueError`` unless ``pattern`` can stand for ``variant.pattern(Nq, Nk, causal)``."""
+    who = variant.name or type(variant).__name__
+    if custom is not None:
+        raise ValueError(f"{who} computes its own formula (oracle_forward): it takes no pattern")
+    if pattern.dtype != torch.bool or tuple(pattern.shape) != (nq, nk):
+        raise ValueError(
+            f"pattern must be the bool (Nq, Nk) = ({nq}, {nk}) of {who}.pattern, "
+            f"not {pattern.dtype} of shape {tuple(pattern.shape)}"
+        )
 
 
 def _check_returned_rows(variant: AttentionVariant, out: torch.Tensor, asked: int) -> None:

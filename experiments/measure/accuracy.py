@@ -105,6 +105,66 @@ def output_accuracy(
     return stats
 
 
+def oracle_calls(nq: int, block: int, pattern: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """The runs of query rows ``[start, stop)`` a blocked gradient check hands the oracle, in order,
+    covering all ``nq``: ``block`` rows each where a call of ``block`` rows against every key is
+    what fits; over a ``pattern`` (``(Nq, Nk)``) a run doubles while its rows times the keys they
+    reach stay within those ``block * Nk`` pairs. A window's rows reach few keys: at N=16384, w=128,
+    runs of 512 rows against their ~770 keys in place of 32 against all; sparse's global query
+    block reaches every key and keeps its runs short, its other rows share long ones. Each call also
+    passes over the whole inputs' gradients, which at 32 rows a call took most of the check's time.
+    ``O(Nq * Nk * log(Nq / block))`` over a pattern."""
+    calls, start = [], 0
+    while start < nq:
+        rows = block
+        if pattern is not None:
+            budget = block * pattern.shape[1]
+            while start + rows < nq:
+                wider = min(2 * rows, nq - start)
+                if wider * int(pattern[start : start + wider].any(0).sum()) > budget:
+                    break
+                rows = wider
+        calls.append((start, min(start + rows, nq)))
+        start += rows
+    return calls
+
+
+def oracle_gradients(
+    variant: AttentionVariant,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    kw: dict[str, object],
+    block: int | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], int]:
+    """The float64 oracle's dq, dk and dv (shaped as ``q``, ``k``, ``v``) of its output on q, k, v
+    under the upstream gradient ``grad_out`` (``(B, H, Nq, Dv)``), and how many oracle calls it took.
+
+    ``block``: the rows a call may take against every key (None: all in one call); over a pattern,
+    more where the rows reach fewer keys (:func:`oracle_calls`). Every row is computed, a call at a
+    time, its gradients summed into dq, dk and dv: the same gradients as one call (each row's output
+    is a function of its own), the graph held one call's. The float64 work is the same, ``O(B * H *
+    pairs * D)``; a call's keys are those its rows reach (:func:`variants.oracle`), and the pattern is
+    built once for all calls."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    up = grad_out.double()
+    nq = q.shape[2]
+    if block is None or block >= nq:
+        return torch.autograd.grad(oracle(variant, q64, k64, v64, **kw), (q64, k64, v64), up), 1
+    pattern = None
+    if getattr(variant, "oracle_forward", None) is None:
+        pattern = variant.pattern(nq, k.shape[2], bool(kw.get("causal", False)))  # (Nq, Nk)
+        kw = {**kw, "pattern": pattern}
+    calls = oracle_calls(nq, block, pattern)
+    for start, stop in calls:
+        rows = torch.arange(start, stop, device=q.device)
+        out = oracle(variant, q64, k64, v64, rows=rows, **kw)  # (B, H, R, Dv)
+        torch.autograd.backward(out, up[:, :, rows])  # summed into q64.grad, k64.grad, v64.grad
+    grads = tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in (q64, k64, v64))
+    return grads, len(calls)
+
+
 def gradient_accuracy(
     variant: AttentionVariant,
     q: torch.Tensor,
@@ -113,12 +173,13 @@ def gradient_accuracy(
     grads: tuple[torch.Tensor, ...],
     grad_out: torch.Tensor,
     kw: dict[str, object],
+    block: int | None = None,
 ) -> dict[str, object]:
-    """Error of the variant's gradients w.r.t. q, k, v against the oracle's (full oracle: small sizes)."""
-    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    ref = oracle(variant, q64, k64, v64, **kw)
-    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
-    stats: dict[str, object] = {}
+    """Error of the variant's gradients w.r.t. q, k, v (``grads``, of its output under ``grad_out``)
+    against the float64 oracle's (:func:`oracle_gradients`, ``block`` rows a call against every key),
+    and ``grad_check_calls``, how many oracle calls that took."""
+    ref_grads, calls = oracle_gradients(variant, q, k, v, grad_out, kw, block)
+    stats: dict[str, object] = {"grad_check_calls": calls}
     worst = worst_row = 0.0
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         s = error_stats(g, r, f"grad_{name}")

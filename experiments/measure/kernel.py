@@ -22,6 +22,7 @@ from variants import AttentionVariant, Unavailable, Unsupported, Workload
 from .accuracy import grad_tolerance, gradient_accuracy, output_accuracy, tolerance, within_tolerance
 from .canary import canary_ms
 from .common import build_variant, check_device, check_threads, forget_compiled_code, job_threads
+from .grad_budget import gradient_block
 from .inputs import Inputs, make_inputs
 from .kinds import rules
 from .machine_load import LOADED_CORES, load_average, others_cores, snapshot
@@ -30,11 +31,6 @@ from .roofline import last_level_cache_bytes
 from .spec import Device, JobSpec
 from .timing import TIMING_FIELDS, Timing, time_backward, time_call, time_cuda_graph
 
-# above this many float64 bytes at its peak (``oracle_graph_bytes``: the whole oracle and its graph),
-# the gradient check is skipped. Until 2026-11-28 it was 256 MiB of a count that left the softmax's
-# graph out (its peak was 3.9-5.3x the count) and held the recurrences': 1 GiB of this count keeps
-# the softmax's line where it was (B=1, H=8, D=64: N=1024 checked, 2048 not)
-GRAD_ORACLE_BYTES = 2**30
 # above this, even the output check on ``accuracy_rows`` rows is skipped (only a variant's own
 # formula, ``oracle_forward``, gets there: one that computes every row, or performer's features)
 FULL_ORACLE_BYTES = 2 * 2**30
@@ -262,14 +258,14 @@ def measure_kernel(spec: JobSpec, result: dict[str, Any]) -> None:
         if not all(torch.isfinite(g).all() for g in grads):
             result["status"], result["reason"] = "nan", "gradient has NaN or Inf"
             return
-        graph_bytes = variant.oracle_graph_bytes(w)  # all rows, with the graph of their gradients
-        if graph_bytes <= GRAD_ORACLE_BYTES:
-            fig.update(gradient_accuracy(variant, q, k, v, grads, grad_out, kw))
+        block = gradient_block(variant, w, spec.grad_check_scores)
+        if isinstance(block, int):
+            t_check = time.perf_counter()
+            fig.update(gradient_accuracy(variant, q, k, v, grads, grad_out, kw, block=block))
+            fig["grad_check_s"] = time.perf_counter() - t_check
             valid = valid and within_tolerance(fig, "grad", grad_tolerance(dtype))
         else:  # said in the record: a gradient not checked is not a gradient found right
-            fig["grad_check_skipped"] = (
-                f"float64 oracle {graph_bytes / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB"
-            )
+            fig["grad_check_skipped"] = block
     fig["valid"] = bool(valid)
     if not valid:
         result["reason"] = "correctness check failed: speed and memory figures are invalid"

@@ -97,6 +97,8 @@ class JobSpec:
     # may run on (its affinity)
     min_run_time: float = 1.0  # seconds of timed runs per figure
     accuracy_rows: int = 256  # query rows checked against the float64 oracle
+    grad_check_scores: int = 2**27  # fwd_bwd: the most float64 scores (batch x heads x the pattern's
+    # pairs) the gradient check computes in blocks of rows when the whole oracle does not fit at once
     cuda_graph: bool = True  # also time a CUDA-graph replay of the forward (CUDA only; the record says
     # why when it cannot)
     task: Any = None  # a task from conf/task/: train a small model instead of timing the kernel

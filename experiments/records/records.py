@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..measure.spec import JobSpec
+
 SCHEMA_VERSION = 1
 
 # config fields that say how to run a job, not what is measured: they do not enter the hash
@@ -29,7 +31,7 @@ _NOT_HASHED = {
 # of older records hash as before and resume finds them
 _HASHED_UNLESS_NULL = {"kv_heads", "scale", "bias", "model", "pretrained"}
 # likewise, fields added later whose default is not null: left out at that default
-_HASHED_UNLESS_DEFAULT = {"round": 0, "documents": 1}
+_HASHED_UNLESS_DEFAULT = {"round": 0, "documents": 1, "grad_check_scores": JobSpec.grad_check_scores}
 
 
 #: a sweep folder's list of the records its jobs wrote (one JSON object per line, appended)

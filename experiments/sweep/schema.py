@@ -50,7 +50,8 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="bench_schema", node=node)
 
 
-_POSITIVE = ("batch", "heads", "seq_len", "head_dim", "min_run_time", "timeout_s", "accuracy_rows")
+_POSITIVE = ("batch", "heads", "seq_len", "head_dim", "min_run_time", "timeout_s", "accuracy_rows",
+             "grad_check_scores")  # fmt: skip
 _POSITIVE_OR_NONE = ("kv_len", "kv_heads", "v_head_dim", "threads", "tokens", "scale")
 BIASES = (None, "alibi")
 
@@ -115,7 +116,7 @@ def validate(conf: BenchConfig) -> None:
 KERNEL_ONLY = (
     "causal", "cross", "padding", "documents", "kv_len", "kv_heads", "bias", "scale",
     "batch", "tokens", "heads", "head_dim", "v_head_dim", "mode", "min_run_time", "accuracy_rows",
-    "cuda_graph",
+    "grad_check_scores", "cuda_graph",
 )  # fmt: skip
 #: where each kind of job takes what a kernel job's settings say
 _OWN_SETTINGS = {
