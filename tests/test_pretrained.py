@@ -360,6 +360,7 @@ def test_task_model_and_pretrained_jobs_refuse_the_kernel_only_settings_they_wou
     settings += [
         {"v_head_dim": 32},
         {"accuracy_rows": 8},
+        {"grad_check_scores": 1000},
         {"cuda_graph": False},
         {"kv_heads": 2},
         {"documents": 4},
