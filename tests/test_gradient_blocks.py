@@ -199,3 +199,26 @@ def test_rows_whose_pattern_reaches_few_keys_share_a_call():
     glob[0] = True
     assert oracle_calls(n, 16, glob)[:2] == [(0, 16), (16, 80)]
     assert oracle_calls(n, 2048, band) == [(0, n)] and oracle_calls(100, 16)[-1] == (96, 100)
+
+
+def test_a_scorer_of_its_own_gets_every_key():
+    """A third party's ``reference_scores`` may read a key's position from its index (here a bias
+    that varies with it): the oracle hands it every key, so a run of rows over a window gives the
+    whole oracle's output and gradients; left to the reached keys, the index would shift."""
+    from variants.local_window import LocalWindowAttention
+
+    class PositionScored(LocalWindowAttention):
+        def reference_scores(self, q, k, scale=None):
+            s = super().reference_scores(q, k, scale)  # (B, H, R, Nk)
+            return s + torch.sin(0.7 * torch.arange(k.shape[2], dtype=s.dtype))  # not a shift per row
+
+    attn = PositionScored(window=8)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, up = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    kw = {"causal": True}
+    blocked, _ = oracle_gradients(attn, q, k, v, up, kw, block=16)
+    whole, _ = oracle_gradients(attn, q, k, v, up, kw)
+    for which, got, want in zip("qkv", blocked, whole, strict=True):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), which
+    rows = torch.arange(48, 64)
+    assert torch.allclose(oracle(attn, q, k, v, rows=rows, **kw), oracle(attn, q, k, v, **kw)[:, :, rows])

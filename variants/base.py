@@ -734,7 +734,7 @@ class AttentionVariant(nn.Module):
         query rows (all when None) with the graph of their gradients (:attr:`oracle_graph_copies`
         times :meth:`oracle_bytes` less its inputs), and float64 ``q``, ``k``, ``v`` and their
         gradients. The job checks the gradients in one oracle call below a budget of this, else in
-        blocks of the most rows that fit, all rows in turn (``experiments.measure.kernel.
+        blocks of the most rows that fit, all rows in turn (``experiments.measure.grad_budget.
         gradient_block``). ``O(1)``."""
         inputs = self._oracle_input_bytes(w)
         return int(self.oracle_graph_copies * (self.oracle_bytes(w, rows) - inputs)) + 2 * inputs

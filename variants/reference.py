@@ -120,8 +120,9 @@ def oracle(
     sequences can be checked in ``O(rows * Nk)``. A variant that is not a restricted softmax
     (``axial``: rows then columns) defines ``oracle_forward`` built from :func:`reference_attention`;
     one that takes ``rows=`` computes those rows alone (the others' whole output is cut to them).
-    Over its pattern, only the keys some checked row reaches are computed: a window's rows cost
-    ``O(rows * (rows + window))``, not ``O(rows * Nk)``.
+    Over its pattern, only the keys some checked row reaches are computed (unless the variant scores
+    pairs itself, ``reference_scores``): a window's rows cost ``O(rows * (rows + window))``, not
+    ``O(rows * Nk)``.
 
     ``pattern``: ``variant.pattern(Nq, Nk, causal)`` when the caller has it already (a check that
     calls the oracle once per block of rows builds it once: local_window's takes 2 s at N=16384);
@@ -184,13 +185,15 @@ def oracle(
         allowed = allowed & document_mask(documents.to(q.device), nq, rows)  # (B, 1, R, Nk)
     if bias is not None:
         bias = _rows_of(bias.to(q.device), rows, nq)
-    reached = _reached_keys(allowed)
+    own_scorer = type(variant).reference_scores is not AttentionVariant.reference_scores
+    # a scorer of its own might read a key's position from its index: it gets every key
+    reached = None if own_scorer else _reached_keys(allowed)
     if reached is not None:  # the keys no checked row reaches: zero weight, left out
         k, v, allowed = k[:, :, reached], v[:, :, reached], allowed[..., reached]  # (.., Nk', ..)
         if bias is not None and bias.shape[-1] == nk:
             bias = bias[..., reached]  # (B|1, H|1, R, Nk')
     q_rows = q if rows is None else q[:, :, rows]
-    if type(variant).reference_scores is not AttentionVariant.reference_scores:
+    if own_scorer:
         k = repeat_kv(k, q.shape[1])  # (B, H, Nk, D): a scorer of its own reads one key head per query head
     scores = variant.reference_scores(q_rows, k, **({} if scale is None else {"scale": scale}))
     if softcap is not None:

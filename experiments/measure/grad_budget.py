@@ -18,12 +18,12 @@ MIN_GRAD_ROWS = 16
 
 def oracle_scores(variant: AttentionVariant, w: Workload) -> int:
     """Float64 scores a gradient check of ``w`` computes, in score-sized units: ``B * H`` times the
-    pattern's pairs (the oracle computes only the keys each block of rows reaches, :func:`variants.
-    oracle`; a blocked check's slack over that is below 1.5x for a causal mask or a window) times
+    pattern's pairs (the oracle computes only the keys a call's rows reach, :func:`variants.oracle`;
+    a run of rows computes a little more, the keys any of its rows reaches) times
     :meth:`~variants.AttentionVariant.oracle_bytes_per_pair` over 8 (additive's hidden layer per
-    pair). A variant's own formula (``oracle_forward``) costs every row against every key. The time
-    is about linear in it: 1.3e8 took 8.6 s for sdpa (causal, N=4096, H=8) on one core of the
-    project's VM, in blocks of 512 rows. ``O(1)`` where the pattern's pairs are counted analytically."""
+    pair). A variant's own formula (``oracle_forward``) costs every row against every key. sdpa's
+    6.7e7 causal scores at N=4096, H=8 took 6.0 s in 3 calls on one core of this project's VM (2026-11-28).
+    ``O(1)`` where the pattern's pairs are counted analytically."""
     if getattr(variant, "oracle_forward", None) is not None:
         pairs = w.nq * w.nk
     else:
