@@ -132,6 +132,27 @@ def test_the_report_gives_each_thread_count_its_own_ceilings():
     ]
 
 
+def test_a_gpu_s_ceilings_read_in_tera():
+    """An H100's bf16 GEMM at 682-683 TFLOP/s and its copy at 3 TB/s read as such, the range in the
+    median's unit (they printed as "6.82e+05 GFLOP/s" and "3.02e+03 GB/s")."""
+    import pandas as pd
+
+    from experiments.report.report import _ceilings
+
+    row = {
+        "env_host": "h",
+        "roofline_device": "cuda",
+        "roofline_dtype": "bfloat16",
+        "roofline_gemm_n": 8192,
+        "roofline_copy_bytes_per_s": 3.02e12,
+        "roofline_read_bytes_per_s": 3.06e12,
+    }
+    df = pd.DataFrame([{**row, "roofline_gemm_flops_per_s": r} for r in (682e12, 683e12)])
+    assert _ceilings(df) == [
+        "- h cuda bfloat16: GEMM 682 TFLOP/s (n=8192) (sweeps ranged 682-683), copy 3.02 TB/s, read 3.06 TB/s"
+    ]
+
+
 def test_the_report_gives_the_range_of_the_copy_as_of_the_gemm():
     """Two sweeps of one store on a day apart: the copy moved 37.6 -> 18.6 GB/s while the GEMM moved
     16%; the report gave the GEMM's range only, and wrote its size as ``n=1024.0`` where a record

@@ -80,7 +80,7 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
         gemm = pd.to_numeric(sub["roofline_gemm_flops_per_s"], errors="coerce")
         copy = pd.to_numeric(sub.get("roofline_copy_bytes_per_s"), errors="coerce")
         read = pd.to_numeric(sub.get("roofline_read_bytes_per_s", pd.Series(dtype=float)), errors="coerce")
-        read_text = f", read {read.median() / 1e9:.3g} GB/s" if read.notna().any() else ""
+        read_text = f", read {_rate(read, 'B/s')}" if read.notna().any() else ""
         ops = sorted(sub.get("roofline_read_op", pd.Series(dtype=object)).dropna().unique())
         read_text += f" ({', '.join(ops)})" if read_text and ops else ""  # which read was the faster
         n_col = pd.to_numeric(sub.get("roofline_gemm_n", pd.Series(dtype=float)), errors="coerce").dropna()
@@ -90,17 +90,31 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
             n = f"{n}, in {gemm_dtype.iloc[0]}"
         where = f"{host} {device} {dtype}" + ("" if pd.isna(n_threads) else f", {int(n_threads)} thread(s)")
         lines.append(
-            f"- {where}: GEMM {gemm.median() / 1e9:.3g} GFLOP/s (n={n}){_sweeps_range(gemm)}, "
-            f"copy {copy.median() / 1e9:.3g} GB/s{_sweeps_range(copy)}{read_text}"
+            f"- {where}: GEMM {_rate(gemm, 'FLOP/s')} (n={n}){_sweeps_range(gemm)}, "
+            f"copy {_rate(copy, 'B/s')}{_sweeps_range(copy)}{read_text}"
         )
     return lines
 
 
+def _prefix(rates: pd.Series) -> tuple[str, float]:
+    """``("T", 1e12)`` where the median rate is a thousand G or more (a GPU's GEMM, 6.8e+05 GFLOP/s),
+    else ``("G", 1e9)``."""
+    return ("T", 1e12) if rates.median() >= 1e12 else ("G", 1e9)
+
+
+def _rate(rates: pd.Series, unit: str) -> str:
+    """The median of ``rates`` (per second) at three digits: ``92.5 GFLOP/s``, ``682 TFLOP/s``."""
+    prefix, scale = _prefix(rates)
+    return f"{rates.median() / scale:.3g} {prefix}{unit}"
+
+
 def _sweeps_range(rates: pd.Series) -> str:
-    """`` (sweeps ranged 84.8-93.3)`` (in G per second) where the store's sweeps measured a ceiling at
-    more than one value (at three digits), else empty: a memory-bound time of one sweep against
-    another's moves with the copy (this VM's halved between two days, its GEMM by 16%)."""
-    lo, hi = f"{rates.min() / 1e9:.3g}", f"{rates.max() / 1e9:.3g}"
+    """`` (sweeps ranged 84.8-93.3)`` (in the unit :func:`_rate` gives the median) where the store's
+    sweeps measured a ceiling at more than one value (at three digits), else empty: a memory-bound
+    time of one sweep against another's moves with the copy (this VM's halved between two days, its
+    GEMM by 16%)."""
+    scale = _prefix(rates)[1]
+    lo, hi = f"{rates.min() / scale:.3g}", f"{rates.max() / scale:.3g}"
     return f" (sweeps ranged {lo}-{hi})" if lo != hi else ""  # not one value written twice
 
 
