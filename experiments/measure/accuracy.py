@@ -154,7 +154,8 @@ def oracle_gradients(
         return torch.autograd.grad(oracle(variant, q64, k64, v64, **kw), (q64, k64, v64), up), 1
     pattern = None
     if getattr(variant, "oracle_forward", None) is None:
-        pattern = variant.pattern(nq, k.shape[2], bool(kw.get("causal", False)))  # (Nq, Nk)
+        # (Nq, Nk), moved once: the oracle would copy it to a GPU at every call
+        pattern = variant.pattern(nq, k.shape[2], bool(kw.get("causal", False))).to(q.device)
         kw = {**kw, "pattern": pattern}
     calls = oracle_calls(nq, block, pattern)
     for start, stop in calls:
