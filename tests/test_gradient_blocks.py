@@ -149,8 +149,9 @@ def test_a_recurrence_whose_graph_does_not_shrink_with_rows_is_skipped_and_said(
     does not, and the record says so with the fewest rows' count."""
     w = Workload(batch=1, heads=8, kv_heads=8, nq=8192, nk=8192, head_dim=64, v_head_dim=64, causal=True)
     delta = variants.build("deltanet")
-    said = gradient_block(delta, w, 2**40)
-    assert isinstance(said, str) and said.endswith("in blocks of 16 rows, the fewest")
+    for budget in (2**27, 2**40):  # the memory said first: a larger grad_check_scores would not help
+        said = gradient_block(delta, w, budget)
+        assert isinstance(said, str) and said.endswith("in blocks of 16 rows, the fewest"), said
 
 
 def test_the_whole_oracle_runs_at_once_where_it_fits_whatever_its_work():

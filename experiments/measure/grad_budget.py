@@ -46,26 +46,22 @@ def gradient_block(variant: AttentionVariant, w: Workload, max_scores: int) -> i
     """Query rows per oracle call of ``w``'s gradient check, or why there is no check.
 
     All of them (``w.nq``) while the oracle over every row with its graph fits
-    :data:`GRAD_ORACLE_BYTES`, whatever its work, as before there were blocks. Beyond, while its work
-    (:func:`oracle_scores`) is at most ``max_scores`` (the job's ``grad_check_scores``): ``w.nq``
-    halved until :func:`blocked_check_bytes` fits; no check below :data:`MIN_GRAD_ROWS` rows (a
-    recurrence's graph holds a state per key whatever its rows). ``O(log Nq)``."""
+    :data:`GRAD_ORACLE_BYTES`, whatever its work, as before there were blocks. Beyond, ``w.nq`` halved
+    until :func:`blocked_check_bytes` fits, while its work (:func:`oracle_scores`) is at most
+    ``max_scores`` (the job's ``grad_check_scores``). No check below :data:`MIN_GRAD_ROWS` rows (a
+    recurrence's graph holds a state per key whatever its rows), said before the work, which a
+    larger budget would not mend. ``O(log Nq)``."""
     whole = variant.oracle_graph_bytes(w)
     if whole <= GRAD_ORACLE_BYTES:
         return w.nq
+    at_once = f"float64 oracle {whole / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB at once, and"
+    rows = w.nq // 2
+    while rows >= MIN_GRAD_ROWS and blocked_check_bytes(variant, w, rows) > GRAD_ORACLE_BYTES:
+        rows //= 2
+    if rows < MIN_GRAD_ROWS:  # memory first: a larger grad_check_scores would not help
+        fewest = blocked_check_bytes(variant, w, MIN_GRAD_ROWS)
+        return f"{at_once} {fewest / 2**20:.0f} MiB in blocks of {MIN_GRAD_ROWS} rows, the fewest"
     scores = oracle_scores(variant, w)
     if scores > max_scores:
-        return (
-            f"float64 oracle {whole / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB at once, and "
-            f"{scores:.3g} scores in blocks > grad_check_scores={max_scores:.3g}"
-        )
-    rows = w.nq // 2
-    while rows >= MIN_GRAD_ROWS:
-        if blocked_check_bytes(variant, w, rows) <= GRAD_ORACLE_BYTES:
-            return rows
-        rows //= 2
-    fewest = blocked_check_bytes(variant, w, MIN_GRAD_ROWS)
-    return (
-        f"float64 oracle {whole / 2**20:.0f} MiB > {GRAD_ORACLE_BYTES >> 20} MiB at once, and "
-        f"{fewest / 2**20:.0f} MiB in blocks of {MIN_GRAD_ROWS} rows, the fewest"
-    )
+        return f"{at_once} {scores:.3g} scores in blocks > grad_check_scores={max_scores:.3g}"
+    return rows
