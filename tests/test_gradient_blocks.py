@@ -223,3 +223,18 @@ def test_a_scorer_of_its_own_gets_every_key():
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), which
     rows = torch.arange(48, 64)
     assert torch.allclose(oracle(attn, q, k, v, rows=rows, **kw), oracle(attn, q, k, v, **kw)[:, :, rows])
+
+
+def test_a_count_written_before_it_took_rows_counts_every_row():
+    """A third party's ``oracle_graph_bytes(self, w)`` (no ``rows``): the job does not fail on the
+    keyword; it counts every row, so no run of rows fits where the whole does not, and says so."""
+    from variants.sdpa import SDPAAttention
+
+    class OlderCount(SDPAAttention):
+        def oracle_graph_bytes(self, w):
+            return super().oracle_graph_bytes(w)
+
+    w = Workload(batch=1, heads=8, kv_heads=8, nq=4096, nk=4096, head_dim=64, v_head_dim=64, causal=True)
+    said = gradient_block(OlderCount(), w, 2**27)
+    assert isinstance(said, str) and said.endswith("in blocks of 16 rows, the fewest"), said
+    assert isinstance(gradient_block(SDPAAttention(), w, 2**27), int)

@@ -4,6 +4,7 @@ query rows, or not at all (and why)."""
 from __future__ import annotations
 
 from variants import AttentionVariant, Workload
+from variants.base import takes_rows
 
 #: float64 bytes a gradient check may hold at its peak (``oracle_graph_bytes`` of every row at once,
 #: else :func:`blocked_check_bytes` of a block of rows). Until 2026-11-28 it was 256 MiB of a count
@@ -36,10 +37,13 @@ def blocked_check_bytes(variant: AttentionVariant, w: Workload, rows: int) -> in
     oracle with its graph, q, k, v and their summed gradients (``oracle_graph_bytes``), the float64
     upstream gradient and a copy of the keys and values the block reaches. Not the ``(Nq, Nk)``
     pattern the blocks share (one byte a pair: 1 GiB at N=32768): the job's output check has built
-    it already, as every call of the softmax oracle does. ``O(1)``."""
+    it already, as every call of the softmax oracle does. A third party's ``oracle_graph_bytes(w)``
+    written before it took ``rows`` counts every row. ``O(1)``."""
     upstream = 8 * w.batch * w.heads * w.nq * w.v_head_dim
     reached = 8 * w.batch * w.hkv * w.nk * (w.head_dim + w.v_head_dim)
-    return variant.oracle_graph_bytes(w, rows=rows) + upstream + reached
+    count = variant.oracle_graph_bytes
+    graph = count(w, rows=rows) if takes_rows(count) else count(w)
+    return graph + upstream + reached
 
 
 def gradient_block(variant: AttentionVariant, w: Workload, max_scores: int) -> int | str:
