@@ -238,3 +238,24 @@ def test_a_count_written_before_it_took_rows_counts_every_row():
     said = gradient_block(OlderCount(), w, 2**27)
     assert isinstance(said, str) and said.endswith("in blocks of 16 rows, the fewest"), said
     assert isinstance(gradient_block(SDPAAttention(), w, 2**27), int)
+
+
+def test_grad_check_scores_decides_a_job_s_check_and_is_refused_on_a_forward(monkeypatch):
+    """The knob through a job: at a memory budget of a run of 32 rows, the default checks sdpa's
+    gradients in runs, a budget below its 2 * 128 * 129 / 2 causal scores skips them and says so. A
+    forward has no gradients: the knob set there is refused in one line, not ignored."""
+    from experiments.sweep.schema import BenchConfig, validate
+
+    over = dict(SHAPE, causal=True)
+    spec = job_spec(variant="sdpa", **over)
+    w = spec.workload()
+    monkeypatch.setattr(grad_budget, "GRAD_ORACLE_BYTES", blocked_check_bytes(variants.build("sdpa"), w, 32))
+    checked = measure(spec)["figures"]
+    assert checked["grad_check_calls"] > 1 and checked["valid"] is True
+    skipped = measure(job_spec(variant="sdpa", grad_check_scores=2 * 128 * 129 // 2 - 1, **over))["figures"]
+    assert "grad_rel_err" not in skipped
+    assert skipped["grad_check_skipped"].endswith("1.65e+04 scores in blocks > grad_check_scores=1.65e+04")
+    base = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "grad_check_scores": 1000}
+    validate(BenchConfig.from_config({**base, "mode": "fwd_bwd"}))
+    with pytest.raises(ValueError, match=r"grad_check_scores=1000 applies to mode=fwd_bwd only"):
+        validate(BenchConfig.from_config(base))

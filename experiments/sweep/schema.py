@@ -14,7 +14,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from ..measure.spec import JobSpec, Kind
+from ..measure.spec import JobSpec, Kind, Mode
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,11 @@ def validate(conf: BenchConfig) -> None:
         raise ValueError(f"bias must be one of null, alibi; got {conf.bias!r}")
     if conf.kind is not Kind.kernel:
         _refuse_kernel_knobs(conf)
+    elif conf.mode is not Mode.fwd_bwd and conf.grad_check_scores != BenchConfig.grad_check_scores:
+        raise ValueError(
+            f"grad_check_scores={conf.grad_check_scores} applies to mode=fwd_bwd only: a forward has "
+            "no gradients to check (sweep the two modes in two runs to set it on fwd_bwd alone)"
+        )
     if conf.kind is Kind.pretrained:
         _validate_pretrained(conf)
     if conf.kind is Kind.model:
