@@ -28,7 +28,7 @@ ROW_SCALE_FLOOR = 1e-2
 #: key has no output, one that sees a single key no gradient (dS = P (dP - D) = 0 when P = 1). The
 #: variant's rounding there (~1e-8 in float32) is judged against the whole scale: against the floor
 #: it grows with N as the scale falls (sdpa's causal dq, row 0: 4.4e-5 of the floor at N=1024, B=1,
-#: H=8, D=64, 3e-4 at 16384 over the gradient's float32 tolerance of 2e-4, where no check runs yet)
+#: H=8, D=64, 3e-4 at 16384 in a check over 64 rows, over the gradient's float32 tolerance of 2e-4)
 ZERO_ROW = 1e-9
 
 
@@ -110,7 +110,7 @@ def oracle_calls(nq: int, block: int, pattern: torch.Tensor | None = None) -> li
     covering all ``nq``: ``block`` rows each where a call of ``block`` rows against every key is
     what fits; over a ``pattern`` (``(Nq, Nk)``) a run doubles while its rows times the keys they
     reach stay within those ``block * Nk`` pairs. A window's rows reach few keys: at N=16384, w=128,
-    runs of 512 rows against their ~770 keys in place of 32 against all; sparse's global query
+    where a count allows 32 rows against all keys, runs of 512 rows against their ~770; sparse's global query
     block reaches every key and keeps its runs short, its other rows share long ones. Each call also
     passes over the whole inputs' gradients, which at 32 rows a call took most of the check's time.
     ``O(Nq * Nk * log(Nq / block))`` over a pattern."""
