@@ -144,11 +144,16 @@ def test_a_check_over_the_score_budget_is_skipped_and_said():
     assert oracle_scores(window, w) < 2**27 and isinstance(gradient_block(window, w, 2**27), int)
 
 
-def test_a_recurrence_whose_graph_does_not_shrink_with_rows_is_skipped_and_said():
-    """deltanet's oracle graph holds a state per key whatever the rows: no block fits where the whole
-    does not, and the record says so with the fewest rows' count."""
-    w = Workload(batch=1, heads=8, kv_heads=8, nq=8192, nk=8192, head_dim=64, v_head_dim=64, causal=True)
+def test_a_recurrence_is_checked_whole_to_long_n_and_said_where_rows_would_not_help():
+    """deltanet's checkpointed graph keeps a state per segment of sqrt(N) keys: its whole check fits
+    at N=8192 (counted 6.1 GiB with a state per key: skipped until 2026-11-28) and at 32768. At N=65536
+    its float64 inputs and their gradients alone pass the budget and no run of rows shrinks them:
+    the record says so with the fewest rows' count, whatever the work allowed."""
     delta = variants.build("deltanet")
+    for n in (8192, 32768):
+        w = Workload(batch=1, heads=8, kv_heads=8, nq=n, nk=n, head_dim=64, v_head_dim=64, causal=True)
+        assert gradient_block(delta, w, 2**27) == n
+    w = Workload(batch=1, heads=8, kv_heads=8, nq=2**16, nk=2**16, head_dim=64, v_head_dim=64, causal=True)
     for budget in (2**27, 2**40):  # the memory said first: a larger grad_check_scores would not help
         said = gradient_block(delta, w, budget)
         assert isinstance(said, str) and said.endswith("in blocks of 16 rows, the fewest"), said

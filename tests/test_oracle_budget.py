@@ -160,14 +160,15 @@ def _gated_peak(name: str, w: Workload, rows: int | None) -> tuple[int, int]:
 @pytest.mark.parametrize("name", GATED)
 @pytest.mark.parametrize(
     "nq,nk,rows",
-    [(1, 8192, 1), (16, 8192, 16), (2048, 2048, 256), (256, 256, None)],
-    ids=["decode-1", "decode-16", "rows-256", "gradients"],
+    [(1, 8192, 1), (16, 8192, 16), (2048, 2048, 256), (256, 256, None), (1024, 1024, None)],
+    ids=["decode-1", "decode-16", "rows-256", "gradients", "gradients-32-segments"],
 )
 def test_the_gated_oracle_count_holds_its_peak(name, nq, nk, rows):
     """The count was the softmax's (a float64 score per checked row and key): gla's closed form held
     float64 gates for every key per query head and blocks of 256 MiB, 17-26x that count at 1-16 rows
-    (ssd 5-6x, the delta rules 3-4x); the loop's graph keeps a state per key. The count now holds the
-    peak, and is not so high that it skips checks that fit."""
+    (ssd 5-6x, the delta rules 3-4x); the loop's graph kept a state per key, and now one per
+    checkpointed segment. The count now holds the peak, and is not so high that it skips checks that
+    fit."""
     w = Workload(batch=1, heads=8, kv_heads=2, nq=nq, nk=nk, head_dim=64, v_head_dim=64, causal=True)
     peak, count = _gated_peak(name, w, rows)
     assert peak <= count <= 4 * peak, (peak / 2**20, count / 2**20)

@@ -87,4 +87,5 @@ class DeltaNet(GatedRecurrence):
             scale=scale,
             normalize_keys=True,
             rows=rows,
+            params=tuple(self.parameters()),
         )

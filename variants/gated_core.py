@@ -261,11 +261,12 @@ class GatedRecurrence(AttentionVariant):
         return gated_oracle_bytes(*sizes, self.vector_gate, self.delta)
 
     def oracle_graph_bytes(self, w: Workload, rows: int | None = None) -> int:
-        """The graph of the gradients holds a state per key whatever ``rows`` (the recurrence runs
-        over every key before the last checked row): all rows' count
-        (:func:`~variants.gated_reference.gated_graph_bytes`). ``O(1)``."""
+        """The checkpointed recurrence's graph (:func:`~variants.gated_reference.gated_graph_bytes`),
+        counted for every row whatever ``rows`` (it runs over every key before the last checked row;
+        all rows at once cost little more), and float64 ``q``, ``k``, ``v`` with their gradients
+        twice (each segment's, then summed). ``O(1)``."""
         sizes = (w.batch, w.heads, w.nq, w.nk, w.head_dim, w.v_head_dim)
-        return gated_graph_bytes(*sizes, self.vector_gate, self.delta)
+        return gated_graph_bytes(*sizes, self.vector_gate, self.delta) + 3 * self._oracle_input_bytes(w)
 
     def check(self, w: Workload) -> None:
         who = self.name or type(self).__name__

@@ -86,4 +86,5 @@ class GatedDeltaNet(GatedRecurrence):
             scale=scale,
             normalize_keys=True,
             rows=rows,
+            params=tuple(self.parameters()),
         )

@@ -109,5 +109,13 @@ class GatedLinearAttention(GatedRecurrence):
             return vector_decay_reference(keys, self.w1, self.w2, self.b)
 
         return gated_recurrence_reference(
-            q, k, v, log_decay=gates, beta=None, key_padding_mask=key_padding_mask, scale=scale, rows=rows
+            q,
+            k,
+            v,
+            log_decay=gates,
+            beta=None,
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            rows=rows,
+            params=tuple(self.parameters()),
         )

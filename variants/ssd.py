@@ -87,5 +87,13 @@ class StateSpaceDuality(GatedRecurrence):
             return scalar_decay_reference(keys, self.w, self.b, self.a_log)
 
         return gated_recurrence_reference(
-            q, k, v, log_decay=gates, beta=None, key_padding_mask=key_padding_mask, scale=scale, rows=rows
+            q,
+            k,
+            v,
+            log_decay=gates,
+            beta=None,
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            rows=rows,
+            params=tuple(self.parameters()),
         )

@@ -53,7 +53,7 @@ def gradient_block(variant: AttentionVariant, w: Workload, max_scores: int) -> i
     :data:`GRAD_ORACLE_BYTES`, whatever its work, as before there were blocks. Beyond, ``w.nq`` halved
     until :func:`blocked_check_bytes` fits, while its work (:func:`oracle_scores`) is at most
     ``max_scores`` (the job's ``grad_check_scores``). No check below :data:`MIN_GRAD_ROWS` rows (a
-    recurrence's graph holds a state per key whatever its rows), said before the work, which a
+    recurrence counts every row whatever the run), said before the work, which a
     larger budget would not mend. ``O(log Nq)``."""
     whole = variant.oracle_graph_bytes(w)
     if whole <= GRAD_ORACLE_BYTES:
