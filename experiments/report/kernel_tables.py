@@ -39,7 +39,9 @@ from .grouping import (
 
 FLOPS_NOTE = (
     "FLOPs count the useful (query, key) pairs each variant lets interact (2·D + 2·Dv per pair forward, "
-    "backward 2.5x forward; FlashAttention convention), not the work a blocked kernel actually does. "
+    "backward 2.5x forward; FlashAttention convention), not the work a blocked kernel actually does; "
+    "a form without pairs (linear, performer, retention, window_linear's far part, linformer, nystrom, "
+    "the gated recurrences) counts its own algorithm's products, chunked where it runs in chunks. "
     "The percentage beside GFLOP/s divides by the FLOP/s of a large matrix multiply in the same dtype, "
     "measured on the same device in the same sweep (the record's roofline); on a CPU, half-precision "
     "inputs take the faster of their own GEMM and float32's, which CPU kernels compute them in (the "
