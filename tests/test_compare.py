@@ -273,6 +273,14 @@ def test_a_knob_of_a_class_that_cannot_be_imported_is_not_filled():
     assert sec.data["speedup"].isna().all() and "Knobs added since" not in sec.note
 
 
+def test_a_gpu_s_changed_state_reads_in_tera():
+    """The note gave a GPU's GEMM as "6.82e+05 GFLOP/s (this) vs 5e+05 (baseline)"."""
+    base = [with_machine(record(n, 10.0, 0.1, hour=9), 3020.0, gemm_gflops=5.0e5) for n in (256, 512)]
+    cur = [with_machine(record(n, 10.0, 0.1, hour=11), 3020.0, gemm_gflops=6.82e5) for n in (256, 512)]
+    sec = baseline_table(store.to_frame(cur), store.to_frame(base))
+    assert "GEMM 682 TFLOP/s (this) vs 500 (baseline)" in sec.note, sec.note
+
+
 def test_a_ceiling_measured_another_way_on_each_side_is_not_the_machine_changing():
     """The sweep's GEMM ceiling was a 1024 GEMM before it was a 2048 one, which runs at another rate
     on the same machine: the two are not compared; the copy, measured alike, still is."""

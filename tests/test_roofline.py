@@ -128,7 +128,8 @@ def test_the_report_gives_each_thread_count_its_own_ceilings():
     # a GPU's ceilings do not depend on the host's threads: not named
     gpu = df.assign(roofline_device="cuda")
     assert _ceilings(gpu) == [
-        "- h cuda float32: GEMM 111 GFLOP/s (n=2048) (sweeps ranged 107-203), copy 20 GB/s"
+        "- h cuda float32: GEMM 111 GFLOP/s (n=2048) (sweeps ranged 107-203: 1.90x apart, in different "
+        "machine states), copy 20 GB/s"
     ]
 
 
@@ -180,6 +181,13 @@ def test_the_report_gives_the_range_of_the_copy_as_of_the_gemm():
         ]
     )
     assert _ceilings(df) == [
-        "- h cpu float32, 1 thread(s): GEMM 101 GFLOP/s (n=1024) (sweeps ranged 92.5-110), "
-        "copy 28.1 GB/s (sweeps ranged 18.6-37.6)"
+        "- h cpu float32, 1 thread(s): GEMM 101 GFLOP/s (n=1024) (sweeps ranged 92.5-110: 1.19x apart, in "
+        "different machine states), copy 28.1 GB/s (sweeps ranged 18.6-37.6: 2.02x apart, in different "
+        "machine states)"
+    ]
+    # within the canary's 1.15x: a range, not a different state
+    df.loc[1, ["roofline_gemm_flops_per_s", "roofline_copy_bytes_per_s"]] = [100e9, 34e9]
+    assert _ceilings(df) == [
+        "- h cpu float32, 1 thread(s): GEMM 105 GFLOP/s (n=1024) (sweeps ranged 100-110), "
+        "copy 35.8 GB/s (sweeps ranged 34-37.6)"
     ]

@@ -15,14 +15,16 @@ import pandas as pd
 
 from ..measure.canary import SLOW_RATIO, job_canaries, threads_text
 from ..records.rounds import numeric
+from .format import rate_prefix
 
-#: the figures of a machine's state: record column -> (name, unit, scale to the unit, the columns that
-#: say how it was measured: a GEMM of 1024 and one of 2048 run at different rates on one machine)
+#: the figures of a machine's state: record column -> (name, unit: a rate's per second, in G or T as
+#: its size asks, the canary's in ms; the columns that say how it was measured: a GEMM of 1024 and one
+#: of 2048 run at different rates on one machine)
 FIGURES = {
-    "roofline_gemm_flops_per_s": ("GEMM", "GFLOP/s", 1e-9, ("roofline_gemm_n", "roofline_gemm_dtype")),
-    "roofline_copy_bytes_per_s": ("copy", "GB/s", 1e-9, ("roofline_copy_mib",)),
-    "roofline_read_bytes_per_s": ("read", "GB/s", 1e-9, ("roofline_read_op", "roofline_copy_mib")),
-    "job_canary_ms": ("canary", "ms", 1.0, ()),
+    "roofline_gemm_flops_per_s": ("GEMM", "FLOP/s", ("roofline_gemm_n", "roofline_gemm_dtype")),
+    "roofline_copy_bytes_per_s": ("copy", "B/s", ("roofline_copy_mib",)),
+    "roofline_read_bytes_per_s": ("read", "B/s", ("roofline_read_op", "roofline_copy_mib")),
+    "job_canary_ms": ("canary", "ms", ()),
 }
 
 
@@ -40,7 +42,7 @@ def _machine(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             c: df[[m for m in methods if m in df]].astype(str).agg("|".join, axis=1)
             if any(m in df for m in methods)
             else ""
-            for c, (_, _, _, methods) in FIGURES.items()
+            for c, (_, _, methods) in FIGURES.items()
         },
         index=df.index,
     )
@@ -62,9 +64,15 @@ def machine_changes(cur: pd.DataFrame, base: pd.DataFrame) -> dict[tuple[str, st
         ratios = {c: r for c, r in ratios.items() if pd.notna(r)}
         if not any(max(r, 1 / r) > SLOW_RATIO for r in ratios.values()):
             continue
-        out[key] = ", ".join(
-            f"{FIGURES[c][0]} {a.loc[key, c] * FIGURES[c][2]:.3g} {FIGURES[c][1]} (this) "
-            f"vs {b.loc[key, c] * FIGURES[c][2]:.3g} (baseline)"
-            for c in ratios
-        )
+        out[key] = ", ".join(f"{FIGURES[c][0]} {_both(a.loc[key, c], b.loc[key, c], c)}" for c in ratios)
     return out
+
+
+def _both(this: float, baseline: float, column: str) -> str:
+    """``18.6 GB/s (this) vs 37.6 (baseline)``: a rate in this side's G or T (a GPU's GEMM reads
+    ``682 TFLOP/s``, not ``6.82e+05 GFLOP/s``), the canary in ms."""
+    unit = FIGURES[column][1]
+    if unit == "ms":
+        return f"{this:.3g} ms (this) vs {baseline:.3g} (baseline)"
+    prefix, scale = rate_prefix(this)
+    return f"{this / scale:.3g} {prefix}{unit} (this) vs {baseline / scale:.3g} (baseline)"

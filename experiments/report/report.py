@@ -36,7 +36,7 @@ from ..records.records import unwritable_dir
 from . import efficiency_section, frontier_section, pretrained_section, task_section
 from . import kernel_tables as K
 from .compare import baseline_table, nothing_to_compare
-from .format import Section, render
+from .format import Section, rate, rate_prefix, render
 from .grouping import workload_line
 from .model_section import model_table, plot_context
 
@@ -80,7 +80,7 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
         gemm = pd.to_numeric(sub["roofline_gemm_flops_per_s"], errors="coerce")
         copy = pd.to_numeric(sub.get("roofline_copy_bytes_per_s"), errors="coerce")
         read = pd.to_numeric(sub.get("roofline_read_bytes_per_s", pd.Series(dtype=float)), errors="coerce")
-        read_text = f", read {_rate(read, 'B/s')}" if read.notna().any() else ""
+        read_text = f", read {rate(read, 'B/s')}" if read.notna().any() else ""
         ops = sorted(sub.get("roofline_read_op", pd.Series(dtype=object)).dropna().unique())
         read_text += f" ({', '.join(ops)})" if read_text and ops else ""  # which read was the faster
         n_col = pd.to_numeric(sub.get("roofline_gemm_n", pd.Series(dtype=float)), errors="coerce").dropna()
@@ -90,32 +90,27 @@ def _ceilings(df: pd.DataFrame) -> list[str]:
             n = f"{n}, in {gemm_dtype.iloc[0]}"
         where = f"{host} {device} {dtype}" + ("" if pd.isna(n_threads) else f", {int(n_threads)} thread(s)")
         lines.append(
-            f"- {where}: GEMM {_rate(gemm, 'FLOP/s')} (n={n}){_sweeps_range(gemm)}, "
-            f"copy {_rate(copy, 'B/s')}{_sweeps_range(copy)}{read_text}"
+            f"- {where}: GEMM {rate(gemm, 'FLOP/s')} (n={n}){_sweeps_range(gemm)}, "
+            f"copy {rate(copy, 'B/s')}{_sweeps_range(copy)}{read_text}"
         )
     return lines
 
 
-def _prefix(rates: pd.Series) -> tuple[str, float]:
-    """``("T", 1e12)`` where the median rate is a thousand G or more (a GPU's GEMM, 6.8e+05 GFLOP/s),
-    else ``("G", 1e9)``."""
-    return ("T", 1e12) if rates.median() >= 1e12 else ("G", 1e9)
-
-
-def _rate(rates: pd.Series, unit: str) -> str:
-    """The median of ``rates`` (per second) at three digits: ``92.5 GFLOP/s``, ``682 TFLOP/s``."""
-    prefix, scale = _prefix(rates)
-    return f"{rates.median() / scale:.3g} {prefix}{unit}"
-
-
 def _sweeps_range(rates: pd.Series) -> str:
-    """`` (sweeps ranged 84.8-93.3)`` (in the unit :func:`_rate` gives the median) where the store's
-    sweeps measured a ceiling at more than one value (at three digits), else empty: a memory-bound
-    time of one sweep against another's moves with the copy (this VM's halved between two days, its
-    GEMM by 16%)."""
-    scale = _prefix(rates)[1]
+    """`` (sweeps ranged 84.8-93.3)`` (in the unit :func:`~.format.rate` gives the median) where the
+    store's sweeps measured a ceiling at more than one value (at three digits), else empty: a
+    memory-bound time of one sweep against another's moves with the copy (this VM's halved between
+    two days, its GEMM by 16%). Sweeps more than ``SLOW_RATIO`` apart are said to be in different
+    machine states, as ``report --baseline`` says of two runs: their times side by side are not the
+    code's difference."""
+    scale = rate_prefix(rates)[1]
     lo, hi = f"{rates.min() / scale:.3g}", f"{rates.max() / scale:.3g}"
-    return f" (sweeps ranged {lo}-{hi})" if lo != hi else ""  # not one value written twice
+    if lo == hi:  # not one value written twice
+        return ""
+    apart = rates.max() / rates.min()
+    if apart > SLOW_RATIO:
+        return f" (sweeps ranged {lo}-{hi}: {apart:.2f}x apart, in different machine states)"
+    return f" (sweeps ranged {lo}-{hi})"
 
 
 def _canaries(df: pd.DataFrame) -> list[str]:
