@@ -106,11 +106,11 @@ def gated_graph_bytes(
     batch: int, heads: int, nq: int, nk: int, head_dim: int, v_head_dim: int, vector_gate: bool, delta: bool
 ) -> int:
     """Float64 bytes :func:`gated_recurrence_reference` holds beyond its inputs for the gradients of
-        all ``nq`` rows. The closed form keeps every block's decays and products. The loop, checkpointed
-        (:class:`_Segment`), keeps the state at each segment's start, the rows' outputs, and in the
-        backward one segment's graph (a state per key, the delta rule its decayed state too, padding the
-    X
-        B=1, H=8, D=64, 441 MiB at N=32768 where the graph of every key was 24.5 GiB. ``O(1)``."""
+    all ``nq`` rows. The closed form keeps every block's decays and products. The loop, checkpointed
+    (:class:`_Segment`), keeps the state at each segment's start and the rows' outputs with their
+    upstream gradients, and in the backward one segment's graph (a state per key, the delta rule its
+    decayed state too, padding the kept one, and the keys and values per query head): at B=1, H=8,
+    D=64, 441 MiB at N=32768 where the graph of every key was 24.5 GiB. ``O(1)``."""
     if not delta and nq <= DENSE_MAX_QUERIES:
         per_key = 4 * nq * (head_dim if vector_gate else 1) + 2 * (head_dim + v_head_dim)
         return 8 * batch * heads * nk * per_key
