@@ -197,3 +197,15 @@ def test_flops_are_the_matmuls_the_forward_runs(name, nq, nk):
             solves += -(-n // c) * c * c * 2 * d * b * h
     w = variants.Workload(batch=b, heads=h, nq=nq, nk=nk, head_dim=d, v_head_dim=d, causal=True)
     assert 1.0 <= attn.flops(w) / (counter.get_total_flops() + solves) <= 1.08  # + gates, norms, decays
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_the_oracle_refuses_what_a_recurrence_has_no_form_for(name):
+    """One ``oracle_forward`` for the four (their gates apart): a non-causal call or an attn_mask is
+    refused in one line naming the variant, never computed as the causal recurrence."""
+    attn = _build(name)
+    q, k, v = _qkv(dtype=torch.float64)
+    with pytest.raises(variants.Unsupported, match=f"^{name} is a causal recurrence"):
+        attn.oracle_forward(q, k, v, causal=False)
+    with pytest.raises(variants.Unsupported, match=f"^{name} is a causal recurrence"):
+        attn.oracle_forward(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool))

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import Unsupported, Workload
+from .base import Workload
 from .gated_core import GatedRecurrence, init_uniform_
-from .gated_reference import gated_recurrence_reference
+from .gated_reference import Gate
 from .registry import register
 
 
@@ -67,25 +67,8 @@ class DeltaNet(GatedRecurrence):
     def _gate_flops(self, w: Workload) -> int:
         return w.batch * w.heads * w.nk * (2 * w.head_dim + 4)
 
-    def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
-    ) -> torch.Tensor:
-        """The float64 delta rule token by token with this instance's ``beta`` in float64."""
-        if attn_mask is not None or not causal:
-            raise Unsupported("deltanet is a causal recurrence: no attn_mask, no non-causal form")
-
+    def _reference_gates(self) -> tuple[Gate, Gate]:
         def strength(keys: torch.Tensor) -> torch.Tensor:  # a block of keys per query head, float64
             return write_strength_reference(keys, self.w_beta, self.b_beta)
 
-        return gated_recurrence_reference(
-            q,
-            k,
-            v,
-            log_decay=None,
-            beta=strength,
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            normalize_keys=True,
-            rows=rows,
-            params=tuple(self.parameters()),
-        )
+        return None, strength

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as fn
 
 from .base import AttentionVariant, Unsupported, Workload, repeat_kv
-from .gated_reference import gated_graph_bytes, gated_oracle_bytes
+from .gated_reference import Gate, gated_graph_bytes, gated_oracle_bytes, gated_recurrence_reference
 from .linear_core import (
     KernelState,
     chunk_segments,
@@ -285,6 +285,36 @@ class GatedRecurrence(AttentionVariant):
         if heads < 1 or head_dim < 1 or chunk < 1:
             raise ValueError(f"heads, head_dim and chunk must be >= 1; got {heads}, {head_dim}, {chunk}")
         self.heads, self.head_dim, self.chunk = heads, head_dim, chunk
+
+    def oracle_forward(
+        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
+    ) -> torch.Tensor:
+        """The float64 recurrence token by token (:func:`~variants.gated_reference.
+        gated_recurrence_reference`) with this instance's gates in float64 (:meth:`_reference_gates`),
+        keys L2-normalised for a delta rule, ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when
+        None); the parameters get their gradients through it."""
+        if attn_mask is not None or not causal:
+            who = self.name or type(self).__name__
+            raise Unsupported(f"{who} is a causal recurrence: no attn_mask, no non-causal form")
+        log_decay, beta = self._reference_gates()
+        return gated_recurrence_reference(
+            q,
+            k,
+            v,
+            log_decay=log_decay,
+            beta=beta,
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            normalize_keys=self.delta,
+            rows=rows,
+            params=tuple(self.parameters()),
+        )
+
+    def _reference_gates(self) -> tuple[Gate, Gate]:
+        """``(log_decay, beta)`` for the oracle: float64 functions of a block of keys ``(B, H, kb, D)``
+        per query head (:data:`~variants.gated_reference.Gate`), written apart from :meth:`_gates`;
+        None where the variant has none."""
+        raise NotImplementedError
 
     def _gates(self, k: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(g, beta)`` for keys ``k (B, H, N, D)`` in the work dtype: the log decay ``(B, H, N)`` or

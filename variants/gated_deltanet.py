@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import Unsupported, Workload
+from .base import Workload
 from .deltanet import write_strength, write_strength_reference
 from .gated_core import GatedRecurrence, dt_init, init_uniform_
-from .gated_reference import gated_recurrence_reference
+from .gated_reference import Gate
 from .registry import register
 from .ssd import scalar_decay, scalar_decay_reference
 
@@ -63,28 +63,11 @@ class GatedDeltaNet(GatedRecurrence):
     def _gate_flops(self, w: Workload) -> int:
         return w.batch * w.heads * w.nk * (4 * w.head_dim + 10)
 
-    def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
-    ) -> torch.Tensor:
-        """The float64 gated delta rule token by token with this instance's gates in float64."""
-        if attn_mask is not None or not causal:
-            raise Unsupported("gated_deltanet is a causal recurrence: no attn_mask, no non-causal form")
-
+    def _reference_gates(self) -> tuple[Gate, Gate]:
         def gates(keys: torch.Tensor) -> torch.Tensor:  # a block of keys per query head, float64
             return scalar_decay_reference(keys, self.w, self.b, self.a_log)
 
         def strength(keys: torch.Tensor) -> torch.Tensor:
             return write_strength_reference(keys, self.w_beta, self.b_beta)
 
-        return gated_recurrence_reference(
-            q,
-            k,
-            v,
-            log_decay=gates,
-            beta=strength,
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            normalize_keys=True,
-            rows=rows,
-            params=tuple(self.parameters()),
-        )
+        return gates, strength

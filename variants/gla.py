@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as fn
 
-from .base import Unsupported, Workload
+from .base import Workload
 from .gated_core import GatedRecurrence, init_uniform_
-from .gated_reference import gated_recurrence_reference
+from .gated_reference import Gate
 from .registry import register
 
 NORMALISER = 16.0  # the paper's: g = logsigmoid(.) / 16
@@ -98,24 +98,8 @@ class GatedLinearAttention(GatedRecurrence):
         per = 2 * w.head_dim * self.gate_rank * 2 + 5 * w.head_dim  # two products, bias, logsigmoid, clamp
         return w.batch * w.heads * w.nk * per
 
-    def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
-    ) -> torch.Tensor:
-        """The float64 recurrence token by token with this instance's gates in float64."""
-        if attn_mask is not None or not causal:
-            raise Unsupported("gla is a causal recurrence: no attn_mask, no non-causal form")
-
+    def _reference_gates(self) -> tuple[Gate, Gate]:
         def gates(keys: torch.Tensor) -> torch.Tensor:  # a block of keys per query head, float64
             return vector_decay_reference(keys, self.w1, self.w2, self.b)
 
-        return gated_recurrence_reference(
-            q,
-            k,
-            v,
-            log_decay=gates,
-            beta=None,
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            rows=rows,
-            params=tuple(self.parameters()),
-        )
+        return gates, None

@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as fn
 
-from .base import Unsupported, Workload
+from .base import Workload
 from .gated_core import GatedRecurrence, dt_init, init_uniform_
-from .gated_reference import gated_recurrence_reference, softplus_reference
+from .gated_reference import Gate, softplus_reference
 from .registry import register
 
 
@@ -75,25 +75,8 @@ class StateSpaceDuality(GatedRecurrence):
     def _gate_flops(self, w: Workload) -> int:
         return w.batch * w.heads * w.nk * (2 * w.head_dim + 6)  # the projection, softplus, exp, scale
 
-    def oracle_forward(
-        self, q, k, v, *, causal=True, key_padding_mask=None, attn_mask=None, scale=None, rows=None
-    ) -> torch.Tensor:
-        """The float64 recurrence token by token (``gated_recurrence_reference``) with this instance's
-        gates computed in float64, ``(B, H, R, Dv)`` for the query ``rows`` (all ``Nq`` when None)."""
-        if attn_mask is not None or not causal:
-            raise Unsupported("ssd is a causal recurrence: no attn_mask, no non-causal form")
-
+    def _reference_gates(self) -> tuple[Gate, Gate]:
         def gates(keys: torch.Tensor) -> torch.Tensor:  # a block of keys per query head, float64
             return scalar_decay_reference(keys, self.w, self.b, self.a_log)
 
-        return gated_recurrence_reference(
-            q,
-            k,
-            v,
-            log_decay=gates,
-            beta=None,
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            rows=rows,
-            params=tuple(self.parameters()),
-        )
+        return gates, None
