@@ -236,8 +236,7 @@ def gated_loop_reference(
     if graph:
         width = min(width, checkpoint_width(nk))
     starts = range(0, nk, width)
-    per_block = torch.bucketize(steps, torch.tensor([*starts[1:], nk], device=q.device), right=True)
-    counts = torch.bincount(per_block, minlength=len(starts)).tolist()
+    counts = torch.bincount(steps // width, minlength=len(starts)).tolist()  # kept rows per block
     marks = steps.tolist()  # the kept rows' steps, sorted
     # one split per input (a single node in the graph): per-step indexing would give each step's
     # gradient the whole input's size

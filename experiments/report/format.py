@@ -26,17 +26,16 @@ class Section:
     data: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
-def rate_prefix(rates: pd.Series | float) -> tuple[str, float]:
-    """``("T", 1e12)`` where the median rate is a thousand G or more (a GPU's GEMM, 6.8e+05 GFLOP/s),
-    else ``("G", 1e9)``."""
-    median = rates.median() if isinstance(rates, pd.Series) else rates
-    return ("T", 1e12) if median >= 1e12 else ("G", 1e9)
+def rate_prefix(value: float) -> tuple[str, float]:
+    """``("T", 1e12)`` where a rate (per second) is a thousand G or more (a GPU's GEMM, 6.8e+05
+    GFLOP/s), else ``("G", 1e9)``."""
+    return ("T", 1e12) if value >= 1e12 else ("G", 1e9)
 
 
-def rate(rates: pd.Series | float, unit: str) -> str:
+def rate(rates: pd.Series, unit: str) -> str:
     """The median of ``rates`` (per second) at three digits: ``92.5 GFLOP/s``, ``682 TFLOP/s``."""
-    prefix, scale = rate_prefix(rates)
-    median = rates.median() if isinstance(rates, pd.Series) else rates
+    median = rates.median()
+    prefix, scale = rate_prefix(median)
     return f"{median / scale:.3g} {prefix}{unit}"
 
 

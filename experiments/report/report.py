@@ -103,7 +103,7 @@ def _sweeps_range(rates: pd.Series) -> str:
     two days, its GEMM by 16%). Sweeps more than ``SLOW_RATIO`` apart are said to be in different
     machine states, as ``report --baseline`` says of two runs: their times side by side are not the
     code's difference."""
-    scale = rate_prefix(rates)[1]
+    scale = rate_prefix(rates.median())[1]
     lo, hi = f"{rates.min() / scale:.3g}", f"{rates.max() / scale:.3g}"
     if lo == hi:  # not one value written twice
         return ""
