@@ -403,12 +403,13 @@ def plot_memory(df: pd.DataFrame, out_dir: Path) -> Path | None:
 
 
 def plot_gflops(df: pd.DataFrame, out_dir: Path) -> Path | None:
-    """``gflops_vs_n.png``: throughput in useful GFLOP/s against N."""
+    """``gflops_vs_n.png``: throughput in counted GFLOP/s against N (the useful pairs' FLOPs; a form
+    without pairs counts its own algorithm's products, as the tables' FLOPs note says)."""
     return _plot_vs_n(
         _usable_rows(df),
         "gflops",
-        "GFLOP/s (useful pairs)",
-        "Throughput vs length (FLOPs of useful (query, key) pairs; dashed: the device's GEMM rate)",
+        "GFLOP/s (counted)",
+        "Throughput vs length (useful pairs' FLOPs; a pair-free form's own; dashed: the device's GEMM rate)",
         out_dir / "gflops_vs_n.png",
         band=None,
         ceiling="gemm_gflops",
