@@ -355,6 +355,26 @@ def _as_window(
     return None
 
 
+def _check_padding_kept(name: str, module: nn.Module, variant: AttentionVariant, mask: object) -> None:
+    """One-line :class:`Unsupported` when a row of the batch is padded where ``variant``'s pattern
+    moves with padding (:meth:`~variants.base.AttentionVariant.padding_changes_pattern`: sparse's
+    blocks, axial's grid): its real tokens would attend to other keys than the sequence alone does,
+    and the output would be silently other than the unpadded model's. ``O(B)`` on the padding mask."""
+    pad = mask.key_padding_mask if isinstance(mask, MaskSpec) else None  # (B, keys_used), True = real
+    if pad is None:
+        return
+    real = pad.any(-1)  # (B,): a row of pads only has no real tokens to move
+    for left, edge, other in ((True, 0, "right"), (False, -1, "left")):
+        rows = [int(b) for b in (real & ~pad[:, edge]).nonzero().flatten()]
+        why = variant.padding_changes_pattern(left, mask.causal) if rows else None
+        if why:
+            fix = "" if variant.padding_changes_pattern(not left, mask.causal) else f"pad on the {other}, or "
+            raise Unsupported(
+                f"{_where(name, module)}: rows {rows} are {'left' if left else 'right'}-padded, but {why}: "
+                f"{fix}run one sequence per batch"
+            )
+
+
 def _check_sinks_kept(
     name: str, module: nn.Module, variant: AttentionVariant, mask: object, key: torch.Tensor
 ) -> None:
@@ -650,6 +670,9 @@ def _make_attention(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
         except Unsupported as exc:
             where = _where(name, module)
             raise Unsupported(f"{where} cannot run {_describe_call(query, key, kw)}: {exc}") from None
+        # after the call, so that what the variant refuses of the model (a window) is said before what
+        # it refuses of this batch; the output is not returned
+        _check_padding_kept(name, module, variant, attention_mask)
         # (B, H, Nq, Dv) -> (B, Nq, H, Dv); contiguous so that the layer's reshape is a view
         return out.transpose(1, 2).contiguous(), None
 

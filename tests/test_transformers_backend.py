@@ -315,13 +315,26 @@ def test_local_window_matches_eager_sliding_window(case):
 # ---------------------------------------------------------------- pattern and learned variants
 
 
-@pytest.mark.parametrize(
-    "name, knobs", [("local_window", {"window": 3}), ("sparse", {"block": 4}), ("additive", {"hidden": 8})]
-)
+@pytest.mark.parametrize("name, knobs", [("local_window", {"window": 3}), ("additive", {"hidden": 8})])
 def test_pattern_variants_generate(name, knobs):
     model = _attnbench_model(name, knobs, key=f"{name}_{knobs}")
     tokens, _ = run_case(model, "generate")
     assert tokens.shape == (2, GEN) and bool(((tokens >= 0) & (tokens < LLAMA["vocab_size"])).all())
+
+
+@torch.inference_mode()
+def test_sparse_generates_with_the_cache_what_whole_forwards_give():
+    """sparse's blocks move with left padding (refused: tests/test_padding_pattern.py), so an unpadded
+    batch: greedy tokens with the K/V cache are those of a whole forward per step, without a cache."""
+    model = _attnbench_model("sparse", {"block": 4}, key="sparse_{'block': 4}")
+    prompt = _inputs()[0][:, :N]  # (2, N)
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GEN, do_sample=False, pad_token_id=0
+    )
+    seq = prompt
+    for _ in range(GEN):
+        seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)  # (2, N + step)
+    assert torch.equal(out, seq)
 
 
 @pytest.mark.parametrize("name, knobs", [("naive", None), ("local_window", {"window": 3})])
@@ -346,8 +359,9 @@ def test_axial_cannot_decode_with_a_one_line_reason():
     hf.register(["axial"])
     eager, _ = llama_eager()
     model = _model(eager.config, "attnbench_axial", eager.state_dict())
-    with pytest.raises(variants.Unsupported) as info:
-        run_case(model, "generate")
+    ids = _inputs()[0][:, :N]  # unpadded: axial refuses any padding (tests/test_padding_pattern.py)
+    with pytest.raises(variants.Unsupported) as info, torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GEN, pad_token_id=0)
     msg = str(info.value)
     assert "\n" not in msg and info.value.__cause__ is None and info.value.__suppress_context__
     assert msg.startswith("attnbench_axial in LlamaAttention (layer 0) cannot run q (2, 8, 1, 16)")
@@ -713,8 +727,8 @@ def test_sliding_window_models_run_window_variants_and_match_eager(kind):
         copy.deepcopy(cfg), attn_implementation=hf.implementation_for("sparse", {"block": 4})
     )
     model.load_state_dict(eager.state_dict())
-    with pytest.raises(variants.Unsupported, match="takes no sliding window"):
-        outputs(model.eval())
+    with pytest.raises(variants.Unsupported, match="takes no sliding window"), torch.inference_mode():
+        model.eval()(ids[:1])  # unpadded row 0: ModernBERT's full layer 0 would refuse row 1's padding
 
 
 def test_a_layer_map_runs_gemma_style_local_and_global_layers_with_any_pair():

@@ -127,6 +127,13 @@ class AxialAttention(AttentionVariant):
         j = torch.arange(nk)[None, :]  # (1, Nk)
         return i // cols == j // cols, i % cols == j % cols
 
+    def padding_changes_pattern(self, left: bool, causal: bool) -> str | None:
+        """Any padding: the grid is laid over the padded length. ``O(1)``."""
+        return (
+            "axial lays its rows x cols grid over the padded length, so padding changes which real "
+            "tokens share a row or a column"
+        )
+
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:
         """Pairs that interact directly: same row or same column (intersected with causal)."""
         same_row, same_col = self._lines(nq, nk)

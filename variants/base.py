@@ -778,6 +778,16 @@ class AttentionVariant(nn.Module):
         where its keys start refuses it."""
         return 0
 
+    def padding_changes_pattern(self, left: bool, causal: bool) -> str | None:
+        """Why padding a sequence changes which of its real keys its real queries see, or None where it
+        does not. ``left``: pads before the real tokens (a batch prepared for generation), which move a
+        pattern anchored at absolute positions; else pads after them, which change a pattern laid out
+        over the padded length. The pads themselves are masked either way; this is about the real
+        tokens' own pattern, which differs from that of the sequence alone, so a caller that batches
+        sequences of several lengths (a model's batch) refuses such a call. Sinks are
+        :meth:`sink_keys`'. Default None: every pair, or pairs by their distance only. ``O(1)``."""
+        return None
+
     def state_bytes(self, w: Workload) -> int:
         """Bytes one decoding sequence keeps per layer at context length ``w.nk`` (the batch multiplies
         it). Default: the K/V cache, ``Hkv * cache_len(Nk) * (D + Dv)`` elements of ``w.dtype``,
