@@ -23,6 +23,8 @@ import json
 import pytest
 import torch
 
+import variants
+
 transformers = pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
@@ -303,6 +305,26 @@ def test_measure_llama_records_what_each_layer_runs_and_keeps():
         measure_llama("sdpa", {}, **small, rolling_cache=True)
     with pytest.raises(llama_e2e.Unsupported, match="sliding-window cache keeps only the last 5 keys"):
         measure_llama("local_window", {**lw, "sink_tokens": 2}, **small, sliding_window=6)
+
+
+def test_a_fixed_state_variant_reads_the_cache_it_is_handed():
+    """Through transformers a layer hands linear its whole cache (not a state): a step reads every key
+    cached, counted here from the keys each call was handed (the record said the state's 576 bytes)."""
+    small = dict(SHAPE, prefill_len=20, new_tokens=4, batch=1, device="cpu", dtype="float32", seed=0)
+    handed = []
+    linear = variants.get("linear")
+    forward = linear.forward
+
+    def spy(self, q, k, v, *args, **kwargs):
+        handed.append(k.nbytes + v.nbytes)  # (1, HKV, keys, D) each, fp32
+        return forward(self, q, k, v, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear, "forward", spy)
+        r = measure_llama("linear", {}, **small, prefill_runs=1)
+    seen = 20 + 3
+    assert handed[-4:] == [seen * HKV * 2 * D * 4] * 4  # the last step's four layers, before its key
+    assert r["kv_bytes_read_layers"] == handed[-4:]
 
 
 def test_a_mix_job_records_its_figures_and_two_models_stay_two_rows():

@@ -44,8 +44,9 @@ kernel spy sees no fused kernel and reports ``math``, and flex cannot cache bloc
 - **K/V bytes per sequence**, after the last step, per layer and summed: ``kv_bytes_kept``, the bytes
   the cache's tensors hold (their storage: a slice that keeps a larger tensor alive counts whole), and
   ``kv_bytes_read_per_step``, the bytes the layer's variant reads of them in the next step
-  (``state_bytes`` of a one-query workload against the keys the layer holds: all of them for exact
-  attention, ``sink_tokens + window`` for local_window); ``kv_bytes_full``, what a cache of every
+  (the K/V bytes of a one-query workload against the keys the layer holds: all of them for exact
+  attention and for a fixed-state variant, which transformers hands the cache, not a state;
+  ``sink_tokens + window`` for local_window); ``kv_bytes_full``, what a cache of every
   key would hold, for scale. Kept and read differ where the cache keeps keys the variant never
   reads (local_window on a growing ``DynamicCache``).
 
@@ -248,7 +249,8 @@ def kv_figures(
 ) -> dict[str, Any]:
     """K/V bytes per sequence of ``cache`` as it stands (see the module docstring): ``kv_bytes_kept``
     (storage the cache's tensors hold), ``kv_bytes_read_per_step`` (what each layer's variant reads of
-    the keys its layer holds, ``state_bytes``), ``kv_bytes_full`` (a cache of every key seen), each
+    the keys its layer holds: the K/V of its ``cache_len``, a fixed-state variant's included, whose forward
+    through transformers reads the cache), ``kv_bytes_full`` (a cache of every key seen), each
     summed and per layer (``*_layers``), and ``kv_cached_keys_layers`` and ``cache_layers`` (the class
     of each layer's cache)."""
     d = cfg.head_dim
@@ -265,7 +267,10 @@ def kv_figures(
         keys.append(n)
         w = Workload(batch=1, heads=cfg.num_attention_heads, nq=1, nk=max(n, 1), head_dim=d, v_head_dim=d,
                      dtype=dtype, kv_heads=hkv, causal=True)  # fmt: skip
-        read.append(v.state_bytes(w) if n else 0)
+        # the keys it is handed: through transformers a layer hands its variant the cache, never a
+        # state, so a fixed-state variant (linear, the recurrences) reads every cached key, not its
+        # state's size; the K/V formula counts a bounded reach (local_window's cache_len) all the same
+        read.append(AttentionVariant.state_bytes(v, w) if n else 0)
     full = len(per_layer) * hkv * seen * 2 * d * elem
     return {
         "kv_bytes_kept": sum(kept),
