@@ -356,23 +356,20 @@ def _as_window(
 
 
 def _check_padding_kept(name: str, module: nn.Module, variant: AttentionVariant, mask: object) -> None:
-    """One-line :class:`Unsupported` when a row of the batch is padded where ``variant``'s pattern
-    moves with padding (:meth:`~variants.base.AttentionVariant.padding_changes_pattern`: sparse's
-    blocks, axial's grid): its real tokens would attend to other keys than the sequence alone does,
-    and the output would be silently other than the unpadded model's. ``O(B)`` on the padding mask."""
+    """One-line :class:`Unsupported` when a row of the batch begins with padding and ``variant``'s
+    pattern moves with it (:meth:`~variants.base.AttentionVariant.left_padding_moves_pattern`:
+    sparse's blocks, axial's grid): its real tokens would attend to other keys than the sequence alone
+    does, and the output would be silently other than the unpadded model's. ``O(B)``."""
     pad = mask.key_padding_mask if isinstance(mask, MaskSpec) else None  # (B, keys_used), True = real
     if pad is None:
         return
-    real = pad.any(-1)  # (B,): a row of pads only has no real tokens to move
-    for left, edge, other in ((True, 0, "right"), (False, -1, "left")):
-        rows = [int(b) for b in (real & ~pad[:, edge]).nonzero().flatten()]
-        why = variant.padding_changes_pattern(left, mask.causal) if rows else None
-        if why:
-            fix = "" if variant.padding_changes_pattern(not left, mask.causal) else f"pad on the {other}, or "
-            raise Unsupported(
-                f"{_where(name, module)}: rows {rows} are {'left' if left else 'right'}-padded, but {why}: "
-                f"{fix}run one sequence per batch"
-            )
+    rows = [int(b) for b in (pad.any(-1) & ~pad[:, 0]).nonzero().flatten()]  # real tokens after pads
+    why = variant.left_padding_moves_pattern() if rows else None
+    if why:
+        raise Unsupported(
+            f"{_where(name, module)}: rows {rows} are left-padded, but {why}: pad on the right, or run one "
+            "sequence per batch"
+        )
 
 
 def _check_sinks_kept(

@@ -371,6 +371,8 @@ def test_a_mix_job_records_its_figures_and_two_models_stay_two_rows():
         ({"sliding_window": 8, "full_variant": "nope"}, "model.full_variant='nope' is not a variant"),
         ({"sliding_window": 8, "full_variant": "additive"}, "has learned parameters"),
         ({"rolling_cache": "yes"}, "model.rolling_cache must be true or false"),
+        # Hydra's +model.key adds any key: a misspelt window ran a plain Llama
+        ({"sliding_windw": 8}, "model.sliding_windw: not a model setting; known: layers, "),
         # seq_len is 1024 (the default): a record would say N=1024 of a 64-token prefill
         ({"prefill_len": 64}, r"seq_len=1024 but a model job prefills model.prefill_len=64 tokens"),
     ],

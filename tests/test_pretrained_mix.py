@@ -131,6 +131,25 @@ def test_bad_full_layers_are_one_line_errors(full):
         validate(BenchConfig.from_config(cfg))
 
 
+@pytest.mark.parametrize(
+    "settings, msg",
+    [
+        (
+            {"full_layers": 2},
+            r"pretrained.full_layers must be a list of layer indices \(e.g. \[0,5\]\), got 2",
+        ),
+        # the variant would run on no layer, and the record say its name beside cosine 1.0
+        ({"full_layers": list(range(6))}, "names every one of the encoder's 6 layers: no layer would run"),
+        # Hydra's +pretrained.key adds any key: a misspelt full_layers ran the variant on every layer
+        ({"full_layer": [2, 4]}, "pretrained.full_layer: not a pretrained setting; known: name, "),
+    ],
+)
+def test_bad_pretrained_settings_are_one_line_errors(settings, msg):
+    cfg = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "pretrained": {**CFG, **settings}}
+    with pytest.raises(ValueError, match=msg):
+        validate(BenchConfig.from_config(cfg))
+
+
 def _record(i: int, knobs: dict, full: list[int], cosine: float) -> dict:
     """A pretrained record with the fields the report reads."""
     return {

@@ -127,11 +127,11 @@ class AxialAttention(AttentionVariant):
         j = torch.arange(nk)[None, :]  # (1, Nk)
         return i // cols == j // cols, i % cols == j % cols
 
-    def padding_changes_pattern(self, left: bool, causal: bool) -> str | None:
-        """Any padding: the grid is laid over the padded length. ``O(1)``."""
+    def left_padding_moves_pattern(self) -> str | None:
+        """Its grid starts at position 0. ``O(1)``."""
         return (
-            "axial lays its rows x cols grid over the padded length, so padding changes which real "
-            "tokens share a row or a column"
+            "axial lays its rows x cols grid from the first position, so left padding moves every real "
+            "token's row and column"
         )
 
     def pattern(self, nq: int, nk: int, causal: bool = False) -> torch.Tensor:

@@ -778,14 +778,14 @@ class AttentionVariant(nn.Module):
         where its keys start refuses it."""
         return 0
 
-    def padding_changes_pattern(self, left: bool, causal: bool) -> str | None:
-        """Why padding a sequence changes which of its real keys its real queries see, or None where it
-        does not. ``left``: pads before the real tokens (a batch prepared for generation), which move a
-        pattern anchored at absolute positions; else pads after them, which change a pattern laid out
-        over the padded length. The pads themselves are masked either way; this is about the real
-        tokens' own pattern, which differs from that of the sequence alone, so a caller that batches
-        sequences of several lengths (a model's batch) refuses such a call. Sinks are
-        :meth:`sink_keys`'. Default None: every pair, or pairs by their distance only. ``O(1)``."""
+    def left_padding_moves_pattern(self) -> str | None:
+        """Why left padding (pads before a sequence's real tokens: a batch prepared for generation)
+        gives the real tokens other keys than the sequence alone, or None where it does not: a pattern
+        anchored at absolute positions moves with the pads, which are masked but still take positions.
+        A caller that batches sequences of several lengths (a model's batch) refuses such a call. Right
+        padding lays a pattern over the padded length, pads masked (the pretrained job's queries rely on
+        it); sinks are :meth:`sink_keys`'. Default None: every pair, or pairs by their distance only.
+        ``O(1)``."""
         return None
 
     def state_bytes(self, w: Workload) -> int:

@@ -444,21 +444,12 @@ class BlockSparseAttention(AttentionVariant):
             self._tail[key] = tail_excess(b * h, per_head, key_tiles, sms)
         return self._tail[key]
 
-    def padding_changes_pattern(self, left: bool, causal: bool) -> str | None:
-        """Left padding moves the blocks (they start at absolute positions, the global ones at the
-        sequence's first key); right padding changes the random key blocks of a non-causal layout,
-        drawn among all the padded length's blocks (a causal one draws from the past only). ``O(1)``."""
-        if left:
-            return (
-                f"sparse's blocks start at absolute positions (every {self.block} tokens; the global "
-                "ones are the sequence's first keys), so left padding moves them off the real tokens"
-            )
-        if not causal and self.random_blocks:
-            return (
-                "sparse draws its random key blocks among all blocks of the padded length (without "
-                "causality), so right padding changes the real tokens' blocks"
-            )
-        return None
+    def left_padding_moves_pattern(self) -> str | None:
+        """Its blocks start at absolute positions, the global ones at the sequence's first key. ``O(1)``."""
+        return (
+            f"sparse's blocks start at absolute positions (every {self.block} tokens; the global ones are "
+            "the sequence's first keys), so left padding moves them off the real tokens"
+        )
 
     def block_pattern(self, n: int, causal: bool = False) -> torch.Tensor:
         """Boolean ``(nb, nb)``: which key blocks each query block sees (global rows included)."""

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 
 from ..measure.spec import JobSpec, Kind, Mode
 
@@ -145,6 +145,16 @@ def _refuse_kernel_knobs(conf: BenchConfig) -> None:
         )
 
 
+def _refuse_unknown(group: str, given: dict[str, Any], known: dict[str, Any]) -> None:
+    """One line naming a setting of ``group`` that is not one: Hydra's ``+group.key=value`` adds any key,
+    and the job would run without it (a misspelt ``+model.sliding_windw=8`` ran a plain Llama)."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(
+            f"{', '.join(f'{group}.{k}' for k in unknown)}: not a {group} setting; known: {', '.join(known)}"
+        )
+
+
 def _validate_model(conf: BenchConfig) -> None:
     """A model job's layer mix and cache settings (``ModelSettings``): a window of at least one key,
     full layers and their variant only with a window, a registered stateless variant there, a boolean
@@ -156,6 +166,7 @@ def _validate_model(conf: BenchConfig) -> None:
     from ..measure.model_job import ModelSettings
 
     m = {**asdict(ModelSettings()), **dict(conf.model)}
+    _refuse_unknown("model", dict(conf.model), asdict(ModelSettings()))
     # new_tokens >= 2: the first comes out of the prefill, the others are the decode steps timed
     least = {
         "layers": 1,
@@ -231,6 +242,7 @@ def _validate_pretrained(conf: BenchConfig) -> None:
     from ..measure.pretrained.job import DEFAULTS, TOP_K
 
     p = {**DEFAULTS, **dict(conf.pretrained)}
+    _refuse_unknown("pretrained", dict(conf.pretrained), DEFAULTS)
     if not isinstance(p["texts"], int) or p["texts"] < TOP_K:
         raise ValueError(f"pretrained.texts must be an integer >= {TOP_K} (the retrieval task's neighbours)")
     if not isinstance(p["batch"], int) or p["batch"] < 1:
@@ -244,6 +256,10 @@ def _validate_pretrained(conf: BenchConfig) -> None:
             f"pretrained.trained_len must be a positive integer or null (the model card's), got "
             f"{p['trained_len']!r}"
         )
+    if not isinstance(p["full_layers"], list | tuple | ListConfig | None):
+        raise ValueError(
+            f"pretrained.full_layers must be a list of layer indices (e.g. [0,5]), got {p['full_layers']!r}"
+        )
     full = list(p["full_layers"] or [])
     if not all(isinstance(i, int) and i >= 0 for i in full) or len(set(full)) != len(full):
         raise ValueError(
@@ -256,4 +272,9 @@ def _validate_pretrained(conf: BenchConfig) -> None:
     if any(i >= layers for i in full):
         raise ValueError(
             f"pretrained.full_layers={full} names a layer past the encoder's {layers} (0-{layers - 1})"
+        )
+    if len(full) == layers:  # the record would say the variant's name of a run that never called it
+        raise ValueError(
+            f"pretrained.full_layers={full} names every one of the encoder's {layers} layers: no layer would "
+            "run the variant"
         )
