@@ -198,3 +198,28 @@ def test_the_report_pairs_sinks_and_full_layers_with_their_ablations():
     assert ablation_table(df).empty  # no global block in these records
     (_, tab), *_ = fidelity_table(df)
     assert any(label.endswith("+ sdpa on layers 0,5") for label in tab.index) and len(tab) == 4
+
+
+def test_a_variant_that_weighs_every_pair_its_own_way_has_no_mass_inside():
+    """linear, performer and nystrom see every pair and change the weights: the table said they kept
+    100% of the model's attention mass (all of it lies inside their pattern), now n/a; the terminal
+    line says so, and names the layers left on full attention."""
+    from experiments.measure.pretrained.fidelity import reweights
+    from experiments.measure.pretrained.job import pretrained_summary
+
+    # a softmax over the pairs of a pattern (every pair for the exact ones) keeps a share of the mass
+    softmax = {"axial", "chunked", "flex", "local_window", "naive", "sdpa", "sparse", "xformers"}
+    for name in ("linear", "performer", "nystrom", "linformer", "additive", "retention", "window_linear"):
+        assert reweights(variants.get(name)), name
+    assert not any(reweights(variants.get(n)) for n in softmax & set(variants.available()))
+    window = {**_record(0, {"window": 16}, [], 0.9), "variant": {"name": "local_window", "window": 16}}
+    lin = {**_record(1, {}, [], 0.8), "variant": {"name": "linear"}}
+    lin["config"]["variant"] = {"_target_": "variants.linear.LinearAttention"}
+    (_, tab), *_ = fidelity_table(store.to_frame([window, lin]))
+    mass = dict(zip(tab.index.str.split("(").str[0].str.strip(), tab["attn mass inside %"], strict=True))
+    assert mass == {"local_window": "70", "linear": "n/a"}, mass
+    f = {**_record(0, {}, [0, 5], 0.9)["figures"], "cosine_p5": 0.8, "batch_texts": 8, "full_layers": [0, 5]}
+    assert "keeps 30% of pairs (full attention on layers [0, 5]) and 70% of the attention mass" in (
+        pretrained_summary(f, {})
+    )
+    assert "and weighs them its own way" in pretrained_summary({**f, "reweights": True}, {})

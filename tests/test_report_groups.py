@@ -148,3 +148,15 @@ def test_encoder_settings_differing_only_in_batch_are_told_apart():
     ]
     assert tables["cpu · float32 · minilm · batch=32 · N=128"].iloc[0]["ms / batch (IQR)"].startswith("40")
     assert list(dict(fidelity_table(store.to_frame([rec(8, 10.0)])))) == ["cpu · float32 · minilm · N=128"]
+
+
+def test_a_model_only_report_claims_no_kernel_workload_and_no_check():
+    """A store of model jobs said 'Workload in every table: ... head_dim=64, causal=False' (the kernel
+    defaults its records carry, not its causal model's) and that every job passed its check."""
+    from experiments.report.report import build_sections, header
+
+    df = store.to_frame([llama(1024, 7.0, 9)])
+    shown = store.select(df)
+    assert "Workload in every table" not in header(df, shown, [], False)
+    status = build_sections(df, shown, None)[-1]
+    assert status.name == "status" and "a model job has none of its own" in status.note

@@ -33,6 +33,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.path import Path as MarkerPath  # noqa: E402
 
+from ..measure.pretrained.fidelity import reweights  # noqa: E402
 from ..measure.pretrained.job import DEFAULTS as ENCODER_DEFAULTS  # noqa: E402
 from ..measure.spec import Kind  # noqa: E402
 from ..records.store import newest_mask, of_kind  # noqa: E402
@@ -153,9 +154,22 @@ def _time_text(row: pd.Series) -> str:
     return "n/a" if pd.isna(med) else f"{num(med)} ({num(iqr)})"
 
 
+def _mass_text(row: pd.Series) -> str:
+    """The mass inside the pattern, ``n/a`` where the variant weighs every pair its own way
+    (:func:`~..measure.pretrained.fidelity.reweights`; a name not registered shows its figure)."""
+    import variants
+
+    try:
+        if reweights(variants.get(str(row.get("variant_name")))):
+            return "n/a"
+    except variants.UnknownVariant:
+        pass
+    return _pct(row.get("mass_inside_mean"))
+
+
 COLUMNS = {
     "pairs kept %": lambda r: _pct(r.get("kept_pairs")),
-    "attn mass inside %": lambda r: _pct(r.get("mass_inside_mean")),
+    "attn mass inside %": _mass_text,
     "cosine mean": lambda r: _dec(r.get("cosine_mean"), 5),
     "cosine p5": lambda r: _dec(r.get("cosine_p5"), 4),
     "top-1 agree %": lambda r: _pct(r.get("top1_agreement")),

@@ -165,7 +165,7 @@ def header(
     canaries = _canaries(df)
     if canaries:
         lines += ["Machine speed around each CPU job (the canary, a 1024x1024 float32 GEMM):", *canaries, ""]
-    workload = workload_line(shown)
+    workload = workload_line(store.of_kind(shown, Kind.kernel))  # a model job's shapes are its model's
     if workload:
         lines += [f"Workload in every table: {workload}.", ""]
     hidden = len(df) - len(shown)

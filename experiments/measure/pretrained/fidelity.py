@@ -72,6 +72,15 @@ def band(n: int, radius: int, device: torch.device | str = "cpu") -> torch.Tenso
     return (i[:, None] - i[None, :]).abs() <= radius
 
 
+def reweights(cls: type) -> bool:
+    """Whether the variant class sees every pair but weighs them its own way (linear, performer,
+    nystrom: not exact, no pattern of its own): the model's attention mass inside its pattern is then
+    all of it and says nothing of what it keeps. ``O(1)``."""
+    from variants.base import AttentionVariant
+
+    return not cls.exact and cls.pattern is AttentionVariant.pattern
+
+
 def mass_inside(attn: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Attention mass inside a pattern, per batch element: ``attn (B, H, N, N)`` (rows sum to 1,
     the model's own weights), ``keep (N, N)`` bool -> ``(B,)``: the mean over heads and query rows of

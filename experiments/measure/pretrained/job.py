@@ -43,7 +43,7 @@ from ..spec import JobSpec
 from ..timing import summarize
 from . import corpus
 from .encoder import DEFAULT_PACKAGE, encode, load_encoder, padded
-from .fidelity import MassTally, cosine_stats, kept_share, retrieval_agreement
+from .fidelity import MassTally, cosine_stats, kept_share, retrieval_agreement, reweights
 
 
 #: what ``conf/pretrained/<name>.yaml`` holds, with the defaults a partial config gets
@@ -142,6 +142,7 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
             "full_layers": full,
             **mass,
             "mass_inside_mean": float(sum(mass["mass_inside"]) / enc.layers),
+            "reweights": reweights(cls),  # the mass inside its pattern does not apply
             "band": cfg["band"],
             "batch_ms_median": timing.median_s * 1e3,
             "batch_ms_iqr": timing.iqr_s * 1e3,
@@ -172,12 +173,18 @@ def measure_pretrained(spec: JobSpec, result: dict[str, Any]) -> None:
 
 def pretrained_summary(figures: dict[str, Any], config: dict[str, Any]) -> str:
     """A pretrained job's terminal text: output cosine to the exact model, top-1 agreement, the share
-    of pairs and of attention mass it keeps, time per batch, and whether N is beyond training."""
+    of pairs it keeps (and the layers left on full attention) and of attention mass (or that it weighs
+    every pair its own way), time per batch, and whether N is beyond training."""
     f = figures
     flag = f" (beyond the {f['trained_len']} tokens it was trained on)" if f.get("beyond_trained") else ""
+    mass = (
+        "weighs them its own way"
+        if f.get("reweights")
+        else f"{100 * f['mass_inside_mean']:.0f}% of the attention mass"
+    )
+    full = f" (full attention on layers {f['full_layers']})" if f.get("full_layers") else ""
     return (
         f"cosine mean {f['cosine_mean']:.5f} (p5 {f['cosine_p5']:.4f}), top-1 agreement "
-        f"{f['top1_agreement']:.2f}, keeps {100 * f['kept_pairs']:.0f}% of pairs and "
-        f"{100 * f['mass_inside_mean']:.0f}% of the attention mass, {f['batch_ms_median']:.4g} ms per "
-        f"{f['batch_texts']} texts{flag}"
+        f"{f['top1_agreement']:.2f}, keeps {100 * f['kept_pairs']:.0f}% of pairs{full} and {mass}, "
+        f"{f['batch_ms_median']:.4g} ms per {f['batch_texts']} texts{flag}"
     )
