@@ -685,15 +685,26 @@ def register(names: Iterable[str] | None = None, knobs: dict[str, dict[str, Any]
     knob or a wrong type is a one-line ``ValueError``). Stateless variants get one shared instance
     built now; learned ones are built per layer by :func:`attach`. A registered name keeps its knobs:
     registering it again with the same ones does nothing, with others is a ``ValueError`` (models
-    already built on it would change); :func:`register_as` or :func:`implementation_for` give other
+    already built on it would change), and registering every variant again (``names`` None) leaves
+    those given no knobs as they were; :func:`register_as` or :func:`implementation_for` give other
     knobs a name of their own. Returns the implementation names registered.
     """
     knobs = dict(knobs or {})
-    names = list(available()) if names is None else list(names)
+    every = names is None
+    names = list(available()) if every else list(names)
     unknown = set(knobs) - set(names)
     if unknown:
         raise ValueError(f"knobs given for variants not being registered: {', '.join(sorted(unknown))}")
-    return [register_as(name, name, **knobs.get(name, {})) for name in names]
+    for name, given in knobs.items():  # a misspelt knob is said before any clash of another variant
+        check_knobs(get(name), dict(given), name)
+    # every variant, again: one registered before and not given knobs now keeps its own (a second
+    # register(knobs=...) blamed flex, registered with compile=False, for a local_window window)
+    return [
+        implementation(name)
+        if every and name not in knobs and name in _VARIANT and _VARIANT[name] == name
+        else register_as(name, name, **knobs.get(name, {}))
+        for name in names
+    ]
 
 
 def register_as(alias: str, name: str, **knobs: Any) -> str:
@@ -869,8 +880,8 @@ def implementation_for(name: str, knobs: dict[str, Any] | None = None) -> str:
 
 
 def _alias_for(name: str, knobs: dict[str, Any]) -> str:
-    """``<name>@k=v,...``: a registered name for these knobs."""
-    return name + "@" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+    """``<name>@k=v,...``: a registered name for these knobs (``<name>@default`` for none)."""
+    return name + "@" + (",".join(f"{k}={v}" for k, v in sorted(knobs.items())) or "default")
 
 
 def _spelled(name: str, knobs: dict[str, Any]) -> str:

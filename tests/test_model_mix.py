@@ -382,3 +382,10 @@ def test_bad_model_settings_are_one_line_errors(model, msg):
         validate(
             BenchConfig.from_config({"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "model": model})
         )
+
+
+def test_a_prompt_of_no_tokens_is_named_as_typed():
+    """experiment=llama ties seq_len to model.prefill_len: prefill_len=0 said 'seq_len must be > 0'."""
+    cfg = {"variant": {"_target_": "variants.sdpa.SDPAAttention"}, "model": {"prefill_len": 0}, "seq_len": 0}
+    with pytest.raises(ValueError, match="model.prefill_len must be an integer >= 1, got 0"):
+        validate(BenchConfig.from_config(cfg))

@@ -171,6 +171,19 @@ def test_register_adds_attention_and_mask_function():
         hf.register(["sdpa"], {"sparse": {"block": 4}})
 
 
+def test_registering_every_variant_again_keeps_what_was_registered():
+    """docs/models.md's snippet registers every variant with flex's compile=False; a second call with
+    other knobs (or none) re-registered flex with its defaults and failed naming flex, even for a
+    misspelt local_window knob."""
+    names = hf.register(knobs=CPU_KNOBS)
+    assert hf.register() == names  # every variant again: each keeps its knobs
+    assert hf.shared(hf.implementation("flex")).knobs()["compile"] is False
+    with pytest.raises(ValueError, match="unknown knob 'windw' for local_window"):
+        hf.register(knobs={"local_window": {"windw": 64}})
+    with pytest.raises(ValueError, match=r"register_as\('flex@default', 'flex', \.\.\.\)"):
+        hf.register(["flex"])  # naming it with no knobs asks for the defaults: a clash, said with a name
+
+
 def test_mask_function_gives_causal_and_padding_or_a_full_mask():
     pad = torch.ones(2, 10, dtype=torch.bool)
     pad[1, :3] = False

@@ -36,7 +36,7 @@ from matplotlib.path import Path as MarkerPath  # noqa: E402
 from ..measure.pretrained.fidelity import reweights  # noqa: E402
 from ..measure.pretrained.job import DEFAULTS as ENCODER_DEFAULTS  # noqa: E402
 from ..measure.spec import Kind  # noqa: E402
-from ..records.store import newest_mask, of_kind  # noqa: E402
+from ..records.store import is_true, newest_mask, of_kind  # noqa: E402
 from .format import markdown, num, obj  # noqa: E402
 from .grouping import varying_text  # noqa: E402
 from .plots import COINCIDE_SPAN, coinciding_handle, coinciding_styles, palette  # noqa: E402
@@ -53,7 +53,8 @@ _FIGURES = [
     "kept_pairs", "kept_pairs_layers", "mass_inside_mean", "mass_inside", "mass_first_token", "mass_band",
     "band", "cosine_mean",
     "cosine_p5", "cosine_min", "top1_agreement", "top5_agreement", "retrieval_top1", "retrieval_top1_ref",
-    "batch_ms_median", "batch_ms_iqr", "batch_ms_unstable", "batch_texts", "tokens_per_s", "peak_mib",
+    "batch_ms_median", "batch_ms_iqr", "batch_ms_unstable", "batch_ms_runs", "batch_texts", "tokens_per_s",
+    "peak_mib",
     "texts", "texts_available", "subsampled", "beyond_trained", "trained_len", "corpus_sha256",
     "corpus_sentences", "corpus_recipe", "texts_sha256", "python", "threads",
 ]  # fmt: skip
@@ -150,8 +151,14 @@ def _dec(x: object, digits: int) -> str:
 
 
 def _time_text(row: pd.Series) -> str:
+    """``median (IQR)``; ``(IQR n/a)`` from one timed batch (no spread was measured), `` unstable``
+    where the record says its batches never settled, as the kernel tables mark a time."""
     med, iqr = (pd.to_numeric(row.get(k), errors="coerce") for k in ("batch_ms_median", "batch_ms_iqr"))
-    return "n/a" if pd.isna(med) else f"{num(med)} ({num(iqr)})"
+    if pd.isna(med):
+        return "n/a"
+    runs = row.get("batch_ms_runs")
+    spread = "IQR n/a" if isinstance(runs, list | tuple | np.ndarray) and len(runs) < 2 else num(iqr)
+    return f"{num(med)} ({spread})" + (" unstable" if is_true(row.get("batch_ms_unstable")) else "")
 
 
 def _mass_text(row: pd.Series) -> str:

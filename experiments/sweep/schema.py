@@ -58,6 +58,8 @@ BIASES = (None, "alibi")
 
 def validate(conf: BenchConfig) -> None:
     """Raise ``ValueError('<field>: ...')`` for the first out-of-range value."""
+    if conf.kind is Kind.model:  # first: experiment=llama ties seq_len to model.prefill_len, the one typed
+        _validate_model(conf)
     for name in (*_POSITIVE, *_POSITIVE_OR_NONE):
         value = getattr(conf, name)
         if (value is not None or name in _POSITIVE) and not 0 < value < math.inf:  # (NaN fails both)
@@ -108,8 +110,6 @@ def validate(conf: BenchConfig) -> None:
         )
     if conf.kind is Kind.pretrained:
         _validate_pretrained(conf)
-    if conf.kind is Kind.model:
-        _validate_model(conf)
     if conf.kind is Kind.task:
         _validate_task(conf)
     if not isinstance(conf.variant, dict) or "_target_" not in conf.variant:
