@@ -849,6 +849,12 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
             "error: Could not override 'model.hiden'.: Key 'hiden' is not in struct; did you mean "
             "model.hidden?",
         ),
+        # a list value is one value, not sweep syntax: it is checked too (Hydra's five lines before)
+        (
+            ["-m", "experiment=pretrained", "pretrained.full_layer=[2,4]"],
+            "error: Could not override 'pretrained.full_layer'.: Key 'full_layer' is not in struct; did you "
+            "mean pretrained.full_layers?",
+        ),
         # settings a task or model job would ignore, or that would label its record wrongly
         (["+task=recall", "task.steps=0"], "error: task.steps must be an integer >= 1, got 0"),
         (

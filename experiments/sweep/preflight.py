@@ -44,6 +44,7 @@ BOOLEANS = frozenset(f.name for f in dataclasses.fields(BenchConfig) if f.type =
 #: jobs of the command line's own comma lists checked before launch (beyond: each job checks itself)
 MAX_CHECKED = 64
 _PLAIN = re.compile(r"^[^()\[\]{}'\"$]*$")  # a plain value or comma list, no sweep functions
+_LIST = re.compile(r"^\[[^()\[\]{}'\"$]*\]$")  # one list of plain values: [0,5], [] (no sweep inside)
 
 
 def known_variants() -> list[str]:
@@ -272,6 +273,9 @@ def _job_overrides(args: list[str]) -> list[list[str]] | None:
             return None  # options from other config folders: Hydra finds them, this compose would not
         if not eq or (bare.startswith("hydra") and not bare.startswith("hydra/")):
             continue  # Hydra's own settings; a Hydra group's option (hydra/launcher=...) is checked
+        if _LIST.match(value):  # one list value (pretrained.full_layers=[0,5]), not a sweep
+            lists.append([arg])
+            continue
         if not _PLAIN.match(value):
             return None
         lists.append([f"{key}={v}" for v in value.split(",")] if "," in value else [arg])
