@@ -75,23 +75,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from integrations import transformers_backend as hf  # noqa: E402
 
+from .test_transformers_backend import LLAMA  # noqa: E402
+
 KNOBS = {"sparse": {"block": 4}, "axial": {}}
 
 
 def _llama(name: str):
     implementation = hf.implementation_for(name, KNOBS[name])  # registered under its knobs' own name
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-    )
+    config = LlamaConfig(**LLAMA)  # the backend tests' tiny Llama: peaked attention (std 0.1)
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
 
 
