@@ -367,8 +367,8 @@ def _check_padding_kept(name: str, module: nn.Module, variant: AttentionVariant,
     why = variant.left_padding_moves_pattern() if rows else None
     if why:
         raise Unsupported(
-            f"{_where(name, module)}: rows {rows} are left-padded, but {why}: pad on the right, or run one "
-            "sequence per batch"
+            f"{_where(name, module)}: rows {rows} are left-padded, but {why}: run one sequence per batch, "
+            "or pad on the right (the pattern then lies over the padded length, pads masked)"
         )
 
 
