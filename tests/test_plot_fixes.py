@@ -535,6 +535,17 @@ def test_token_mass_lines_that_coincide_take_turns(drawn: list[plt.Figure], tmp_
     _legend_says_lines_coincide(fig)
 
 
+def test_token_mass_layers_count_from_0_as_full_layers_does(drawn: list[plt.Figure], tmp_path: Path) -> None:
+    """The plot counted layers from 1 while pretrained.full_layers and the tables count from 0."""
+    rows = pretrained_section.pretrained_rows(_store("pretrained"))
+    pretrained_section.plot_token_mass(rows, "t", tmp_path / "m.png")
+    for ax in drawn[0].axes[:3]:
+        assert "from 0" in ax.get_xlabel()
+        assert all(
+            list(line.get_xdata()) == list(range(6)) for line in ax.get_lines() if len(line.get_xdata())
+        )
+
+
 def test_pretrained_frontier_points_at_one_place_share_a_circle(
     drawn: list[plt.Figure], tmp_path: Path
 ) -> None:

@@ -556,7 +556,7 @@ def _mass_lines(ax: plt.Axes, lines: list[tuple[str, list[float], object]]) -> l
     of the linear axis); returns the legend's handles: a solid line each, and the dashes' entry where
     some coincide."""
     atol = COINCIDE_SPAN * (_MASS_YLIM[1] - _MASS_YLIM[0])
-    layers = [np.arange(1, len(vals) + 1) for _, vals, _ in lines]
+    layers = [np.arange(len(vals)) for _, vals, _ in lines]  # from 0, as pretrained.full_layers counts
     turns = coinciding_styles([(x, vals) for x, (_, vals, _) in zip(layers, lines, strict=True)], 0.0, atol)
     for x, (label, vals, color), turn in zip(layers, lines, turns, strict=True):
         ax.plot(x, vals, marker="o", color=color, ls=turn, label=label)
@@ -592,7 +592,7 @@ def plot_token_mass(rows: pd.DataFrame, title: str, path: Path) -> Path | None:
     handles = _mass_lines(axes[2], inside)
     axes[2].set_title(f"mass inside each pattern, N={ns[-1]} (full attention: 1)", fontsize=10)
     for ax in axes:
-        ax.set_xlabel("layer")
+        ax.set_xlabel("layer (from 0, as pretrained.full_layers counts)")
         ax.set_ylim(*_MASS_YLIM)
         ax.grid(alpha=0.3)
     axes[0].legend(handles=legends[0], fontsize=7)
