@@ -86,6 +86,44 @@ def test_the_comparison_names_a_change_of_cpu_instruction_set_on_one_cpu_model()
     assert env_diff(frame("AVX2"), frame("AVX2")) == "The two sets report the same environment."
 
 
+def test_the_comparison_names_a_variant_whose_code_changed_under_the_same_commit():
+    """A plugin's new version runs under the same commit of this repository: the comparison said "the
+    same environment" for it. It names the variant whose source hash moved, with the package versions
+    where they differ, and not the one whose code stayed."""
+    from experiments.report.compare import env_diff
+
+    def frame(code: str, package: str | None, other: str = "n1"):
+        recs = [record(256, 10.0, 0.1), sparse_record(256, 10.0, hour=10)]
+        recs[0]["env"] = {"host": "vm", "git_commit": "abc", "variant_code": code, "variant_package": package}
+        recs[1]["env"] = {"host": "vm", "git_commit": "abc", "variant_code": other}
+        recs[1]["variant_name"] = "sparse"
+        return store.to_frame(recs)
+
+    text = env_diff(frame("v2", "dilated-attn 0.2.0"), frame("v1", "dilated-attn 0.1.0"))
+    versions = "dilated-attn 0.2.0 (this) vs dilated-attn 0.1.0 (baseline)"
+    assert text == f"Differences: variant code: naive ({versions})."
+    text = env_diff(frame("v2", None, "n2"), frame("v1", None))  # built in, edited without a commit
+    assert text == "Differences: variant code: naive, sparse."
+    assert env_diff(frame("v1", "p 1"), frame("v1", "p 1")) == "The two sets report the same environment."
+
+
+def test_a_sweep_with_the_default_threads_names_the_threads_it_ran_on():
+    """``threads=null`` (the default: every CPU) left the configured count empty, and the note said "The
+    machine vm (? thread(s))": the machine's state is keyed, as the canary's, by the measured count,
+    so a side run with threads=2 and one with the default on 2 cores are the same machine."""
+    recs = {}
+    for side, threads, copy_gbs, hour in (("base", None, 37.6, 9), ("cur", 2, 18.6, 11)):
+        recs[side] = []
+        for n in (256, 512):
+            rec = with_machine(record(n, 10.0, 0.1, hour=hour), copy_gbs)
+            rec["config"]["threads"] = threads
+            rec["figures"]["threads"] = 2
+            recs[side].append(rec)
+    sec = baseline_table(store.to_frame(recs["cur"]), store.to_frame(recs["base"]))
+    assert "The machine vm (2 thread(s)) was in another state" in sec.note, sec.note
+    assert "?" not in sec.note.split("The machine", 1)[1].split(")")[0]
+
+
 def test_two_sides_measured_on_the_same_machines_are_compared_host_to_host():
     """A code change measured on two hosts each side: each host's cell against its own baseline (the
     newest of each side came from different hosts: 20 ms against 10 ms read as 2x slower)."""

@@ -24,6 +24,7 @@ def _load(
         (tmp_path / f"{mod}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_PROVIDERS", dict(registry._PROVIDERS))
     monkeypatch.setattr(registry, "_entry_points_loaded", False)
     monkeypatch.setattr(
         registry, "entry_points", lambda group: [EntryPoint(n, v, group) for n, v in eps.items()]
@@ -87,3 +88,18 @@ def test_a_class_entry_point_under_a_taken_name_is_left_out_saying_so(monkeypatc
         "attention variant plugin 'naive' (clash:ClashNaive) left out: variant name 'naive' is already "
         "taken by variants.naive.NaiveAttention"
     ]
+
+
+def test_a_variant_names_the_package_that_provided_it(monkeypatch, tmp_path):
+    """A record says which plugin version ran (``provider``): the entry point's distribution, and for
+    a built-in variant nothing (this repository's commit says which code ran)."""
+    assert registry.provider("naive") is None
+    _load(
+        monkeypatch,
+        tmp_path,
+        {"mine_mod": HEADER + '@register("mine")\nclass Mine(Base):\n    pass\n'},
+        {"mine": "mine_mod"},
+    )
+    assert registry.provider("mine") == "entry point mine_mod"  # an entry point without an installed dist
+    registry.unregister("mine")
+    assert registry.provider("mine") is None

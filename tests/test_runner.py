@@ -735,6 +735,8 @@ def test_entry_point_plugin_is_a_variant_choice_with_knobs(tmp_path):
     (rec,) = read_records(tmp_path / "records")
     assert rec["status"] == "ok" and rec["variant_name"] == "myplug_attn"
     assert rec["config"]["variant"]["temperature"] == 2.0
+    # which version of the plugin ran: it shares this repository's commit with the plugin's other versions
+    assert rec["env"]["variant_package"] == "myplug 0.1"
     bad = subprocess.run(
         [sys.executable, "run.py", "variant=myplug_attn", "variant.temprature=2", f"records_dir={tmp_path}"],
         cwd=ROOT,

@@ -183,12 +183,15 @@ def test_fully_masked_rows_are_zero_with_finite_grads(vp, device):
             attn(q, k, v, **kw)
         return
     out = attn(q, k, v, **kw)
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
-    assert torch.isfinite(out).all()
+    empty = f"{name}: a query with no key to attend to (every key padded) must output zeros"
+    assert torch.isfinite(out).all(), f"{empty}, not NaN or inf (a softmax over -inf only)"
+    assert torch.equal(out[0], torch.zeros_like(out[0])), empty
     out.sum().backward()
     for t in (q, k, v):
-        assert torch.isfinite(t.grad).all()
-    assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
+        assert torch.isfinite(t.grad).all(), (
+            f"{name}: a query with no key to attend to gave a NaN or inf gradient"
+        )
+    assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0])), f"{empty}, whose gradient is zero"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -202,8 +205,9 @@ def test_fully_masked_rows_from_attn_mask(vp, device):
     if not flags_allow(attn, workload(case, device=device)):
         pytest.skip(f"{name} declares no arbitrary-mask support (checked in test_forward)")
     out = attn(q, k, v, **kw)
-    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
-    assert torch.isfinite(out).all()
+    empty = f"{name}: a query attn_mask lets see no key must output zeros"
+    assert torch.isfinite(out).all(), f"{empty}, not NaN or inf (a softmax over -inf only)"
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3])), empty
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -221,14 +225,16 @@ def test_causal_does_not_leak_the_future(vp, device):
     k2[:, :, t:] += 3.0
     v2[:, :, t:] -= 5.0
     out2 = attn(q, k2, v2, **kw)
+    leak = f"{name}: causal=True, yet changing keys and values from position {t} on moved earlier rows"
     if device == "cuda":
         # bitwise on the CPU; on an H200 linear's chunked core moved the earlier rows by ~2e-5 relative
         # (cause not found without a GPU at hand), so rounding is allowed there: a leak of this +3/-5
         # change is of order 1
-        assert rel_err(out2[:, :, :t], out[:, :, :t]) <= 1e-4
+        assert rel_err(out2[:, :, :t], out[:, :, :t]) <= 1e-4, leak
     else:
-        assert torch.equal(out[:, :, :t], out2[:, :, :t])
-    assert not torch.equal(out[:, :, t:], out2[:, :, t:])  # the change is visible where it may be
+        assert torch.equal(out[:, :, :t], out2[:, :, :t]), leak
+    # the change is visible where it may be
+    assert not torch.equal(out[:, :, t:], out2[:, :, t:]), f"{name}: the output ignores keys and values"
 
 
 @pytest.mark.parametrize("vp", PARAMS, ids=param_id)
@@ -242,7 +248,10 @@ def test_pattern_and_flops_are_consistent(vp):
             assert not pat.triu(1 + nk - nq).any(), "a causal pattern has no pair past the query's position"
         if nq < nk and type(attn).supports_decode:
             # the queries are the last Nq positions: their rows of the self-attention pattern
-            assert torch.equal(pat, attn.pattern(nk, nk, causal)[nk - nq :])
+            assert torch.equal(pat, attn.pattern(nk, nk, causal)[nk - nq :]), (
+                f"{name}.pattern({nq}, {nk}): a decoding call's queries are the last {nq} positions, so "
+                "its rows are the self-attention pattern's last rows (or set supports_decode = False)"
+            )
         assert attn.num_pairs(nq, nk, causal) == int(pat.sum()) or name == "axial"
     w = workload(CASES[0])
     # the analytic count must agree with the pattern it describes
@@ -497,7 +506,12 @@ def test_cross_attention_is_one_query_against_another_sequence(vp):
         assert "cross" not in str(exc), exc
         pytest.skip(str(exc))
     first = attn(q[:, :, :5], k, v, **kw)  # the first 5 decoder positions alone
-    assert rel_err(first, whole[:, :, :5]) < 1e-5
+    err = rel_err(first, whole[:, :, :5])
+    assert err < 1e-5, (
+        f"{name}: cross=True, and the first 5 queries' outputs moved (rel. error {err:.2g}) when the "
+        "other queries left the call: a query of cross-attention stands at no key position; a variant "
+        "whose pattern places queries on the keys' sequence sets supports_cross = False"
+    )
     with pytest.raises(ValueError, match="cross=True with causal=True"):
         attn(q, k, v, **{**kw, "causal": True})
 

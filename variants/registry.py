@@ -24,6 +24,8 @@ from .base import AttentionVariant
 ENTRY_POINT_GROUP = "attnbench.variants"
 
 _REGISTRY: dict[str, type[AttentionVariant]] = {}
+#: name -> the installed distribution whose entry point registered it, as ``"<name> <version>"``
+_PROVIDERS: dict[str, str] = {}
 #: a variant's name: what ``variant=<name>`` and the tests' ids carry
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _entry_points_loaded = False
@@ -68,6 +70,7 @@ def _owner(cls: type) -> tuple[str, str]:
 def unregister(name: str) -> None:
     """Remove ``name`` (for tests that register a throw-away variant)."""
     _REGISTRY.pop(name, None)
+    _PROVIDERS.pop(name, None)
 
 
 def _load_entry_points() -> None:
@@ -101,6 +104,10 @@ def _load_entry_points() -> None:
                 f"which stays {'.'.join(_owner(before[name]))}",
                 stacklevel=2,
             )
+        dist = getattr(ep, "dist", None)
+        source = f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
+        for name in set(_REGISTRY) - set(before):
+            _PROVIDERS[name] = source
         if obj is not None and not replaced and ep.name not in _REGISTRY:  # a module that registered
             # nothing, or registered under another name
             warnings.warn(
@@ -124,6 +131,15 @@ def builtin(pattern: str = "*") -> list[str]:
     their own repository)."""
     package = __name__.split(".")[0]
     return [n for n in available(pattern) if _REGISTRY[n].__module__.split(".")[0] == package]
+
+
+def provider(name: str) -> str | None:
+    """The installed package (``"dilated-attn 0.2.0"``: distribution and version) whose entry point
+    registered ``name``, or None for a variant registered otherwise (a built-in one, or a class a test
+    registered by hand). A record carries it: two versions of a plugin share this repository's commit,
+    so without it a comparison could not say which version each side ran."""
+    _load_entry_points()
+    return _PROVIDERS.get(name) if name in _REGISTRY else None
 
 
 def get(name: str) -> type[AttentionVariant]:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from ..measure.canary import SLOW_RATIO, threads_text
+from ..measure.canary import SLOW_RATIO, machine_keys
 from ..measure.spec import Kind
 from ..records.rounds import numeric as _col
 from ..records.store import CELL_KEYS, RECORD_IDENTITY, is_false, newest_mask, of_kind
@@ -197,6 +197,7 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
         "variant",
         "env_host",
         "record_id",
+        "machine_threads",
         *QUALITY,
     ]
 
@@ -206,7 +207,8 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
         ident = df[RECORD_IDENTITY].astype(str).agg("|".join, axis=1)
         return df.assign(
             time_s=t["time_s"], q1_s=t["q1_s"], q3_s=t["q3_s"], peak_mib=_col(df, "peak_mib"),
-            record_id=ident, cpu_per_wall=t["cpu_per_wall"], unstable=t["unstable"],
+            record_id=ident, machine_threads=machine_keys(df)[1],
+            cpu_per_wall=t["cpu_per_wall"], unstable=t["unstable"],
             **{c: _col(df, c) for c in QUALITY if c not in ("cpu_per_wall", "unstable")},
         )  # fmt: skip
 
@@ -245,7 +247,7 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     # one host in another state in the two runs (its memory at half the speed): the difference may be
     # the machine's; only host to host, a comparison of two machines is of their states as well
     changes = machine_changes(cur, base) if shared else {}
-    threads = threads_text(_col(m, "threads"))
+    threads = m["machine_threads"].fillna(m["machine_threads_base"])  # the measured count, as the canary's
     m["machine_changed"] = [(str(h), t) in changes for h, t in zip(m["env_host"], threads, strict=True)]
     m["marks"] = m.apply(lambda r: quality_marks(r) if pd.notna(r["speedup"]) else "", axis=1)
     m["verdict"] = m.apply(lambda r: noise_verdict(r) if pd.notna(r["speedup"]) else None, axis=1)
@@ -369,19 +371,45 @@ def verdict_summary(verdicts: pd.Series, named: dict[str, list[str]] | None = No
 
 
 def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
-    """What differs between two sets' environments (host, CPU, GPU, torch, commit), as one sentence."""
+    """What differs between two sets' environments (host, CPU, GPU, torch, commit) and which variants
+    ran other code (:func:`variant_code_diff`), as one sentence."""
     fields = [
         "env_host", "env_cpu_model", "env_cpu_capability", "env_gpu_name", "env_torch", "env_cuda",
         "env_git_commit",
     ]  # fmt: skip
     diffs = []
     for f in fields:
-        a = sorted(cur[f].dropna().astype(str).unique()) if f in cur else []
-        b = sorted(base[f].dropna().astype(str).unique()) if f in base else []
+        a, b = _values(cur, f), _values(base, f)
         if a != b:
             diffs.append(
                 f"{f.removeprefix('env_')}: {', '.join(a) or '?'} (this) vs {', '.join(b) or '?'} (baseline)"
             )
+    if code := variant_code_diff(cur, base):
+        diffs.append(code)
     return (
         ("Differences: " + "; ".join(diffs) + ".") if diffs else "The two sets report the same environment."
     )
+
+
+def variant_code_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
+    """``variant code: dilated (dilated-attn 0.2.0 (this) vs 0.1.0 (baseline)), sparse``: the variants
+    on both sides whose source files' hash (``env_variant_code``) differs, each with its plugin
+    package's versions where they differ too; empty when none does. Why: a plugin's new version runs
+    under the same commit of this repository, which alone would read as "the same environment".
+    O(rows)."""
+    if "variant_name" not in cur or "variant_name" not in base:
+        return ""
+    changed = []
+    for name in sorted(set(cur["variant_name"].dropna()) & set(base["variant_name"].dropna())):
+        a, b = cur[cur["variant_name"] == name], base[base["variant_name"] == name]
+        if _values(a, "env_variant_code") == _values(b, "env_variant_code"):
+            continue
+        pa, pb = _values(a, "env_variant_package"), _values(b, "env_variant_package")
+        versions = f" ({', '.join(pa) or 'built in'} (this) vs {', '.join(pb) or 'built in'} (baseline))"
+        changed.append(str(name).rsplit(".", 1)[-1] + (versions if pa != pb else ""))
+    return f"variant code: {', '.join(changed)}" if changed else ""
+
+
+def _values(df: pd.DataFrame, column: str) -> list[str]:
+    """``column``'s distinct values in ``df`` as sorted text, without the missing ones."""
+    return sorted(df[column].dropna().astype(str).unique()) if column in df else []

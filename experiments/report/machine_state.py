@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..measure.canary import SLOW_RATIO, job_canaries, threads_text
+from ..measure.canary import SLOW_RATIO, job_canaries, machine_keys
 from ..records.rounds import numeric
 from .format import rate_prefix
 
@@ -29,7 +29,8 @@ FIGURES = {
 
 
 def _machine(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per host and thread count (``env_host`` and ``threads``, as text): the median of each of
+    """Per host and thread count (:func:`~..measure.canary.machine_keys`: the job's measured thread
+    count, as the canary groups them; a sweep's ``threads`` is null by default): the median of each of
     :data:`FIGURES` over ``df``'s rows (NaN where no row has it), and how each was measured (its
     method columns' distinct values as one text). O(rows)."""
     figs = pd.DataFrame({c: numeric(df, c) for c in FIGURES if c != "job_canary_ms"}, index=df.index)
@@ -46,8 +47,8 @@ def _machine(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         },
         index=df.index,
     )
-    threads = threads_text(numeric(df, "threads"))
-    keys = [df["env_host"].astype(str).rename("host"), threads.rename("threads")]
+    host, threads = machine_keys(df)
+    keys = [host.rename("host"), threads.rename("threads")]
     return figs.groupby(keys).median(), how.groupby(keys).agg(lambda v: ",".join(sorted(set(v))))
 
 

@@ -19,6 +19,8 @@ from hydra.types import RunMode
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
+from variants.registry import provider
+
 from ..measure.common import job_threads
 from ..measure.kinds import rules
 from ..measure.roofline import implausible
@@ -166,6 +168,7 @@ def run_job(dcfg: DictConfig) -> dict[str, Any] | None:
             return None
     env = environment()
     env["variant_code"] = variant_code_version(cls)
+    env["variant_package"] = provider(name)  # a plugin's distribution and version; None: built in
     env["launcher"] = _launcher_name(hc)
     if conf.isolate:
         set_job_allocator_env()  # what the job's process will start with (isolation.context_for sets it too)
