@@ -254,6 +254,17 @@ def test_one_host_in_another_state_in_the_two_runs_is_not_compared(now, changed)
     assert sec.data["verdict"].tolist() == ["slower"] * 2 and "another state" not in sec.note
 
 
+def test_two_sets_measured_in_alternating_rounds_are_compared_whatever_their_ceilings():
+    """side_by_side takes rounds in turn (baseline, this, this, baseline): one copy bandwidth measured
+    per sweep moved 17% between the sides on this VM within minutes, and the cells were marked `≠`
+    with the advice to measure side by side, which they were. Sets whose times overlap are compared."""
+    base = store.to_frame([with_machine(record(256, 10.0, 0.1, hour=h), 37.6) for h in (9, 12)])
+    cur = store.to_frame([with_machine(record(256, 20.0, 0.1, hour=h), 18.6) for h in (10, 11)])
+    sec = baseline_table(cur, base)
+    assert sec.data["verdict"].tolist() == ["slower"] and "another state" not in sec.note
+    assert "measured in alternating rounds (their times overlap)" in sec.note
+
+
 def test_only_the_host_whose_state_moved_is_not_compared():
     """Two hosts on both sides, one of them with its memory at half speed: the other's cells are
     compared. A comparison of two machines (no host on both sides) compares their states as well."""
@@ -341,3 +352,17 @@ def test_a_ceiling_measured_another_way_on_each_side_is_not_the_machine_changing
     sec = baseline_table(store.to_frame(cur), store.to_frame(base))
     assert sec.data["verdict"].tolist() == ["machine changed"]
     assert "GEMM 100 GFLOP/s (this) vs 80 (baseline), copy" in sec.note
+
+
+def test_the_report_header_names_the_plugin_packages_that_ran():
+    """A plugin's code is not this repository's commit, which the header names: the header names the
+    plugin package and its versions too, and says nothing of plugins where none ran."""
+    from experiments.report.report import header
+
+    recs = [record(256, 10.0, 0.1, hour=9), record(256, 9.0, 0.1, hour=10), record(512, 9.0, 0.1)]
+    for rec, package in zip(recs, ("dilated-attn 0.1.0", "dilated-attn 0.2.0", None), strict=True):
+        rec["env"]["variant_package"] = package
+    df = store.to_frame(recs)
+    line = "Variants from installed packages (not this repository's commit): "
+    assert line + "naive (dilated-attn 0.1.0, dilated-attn 0.2.0)." in header(df, df, [], True)
+    assert line not in header(df.iloc[2:], df.iloc[2:], [], True)

@@ -93,3 +93,66 @@ def test_each_side_runs_its_own_commit_in_alternating_rounds_and_is_compared(tmp
     assert "Against the baseline" in (tmp_path / "report" / "tables.md").read_text()
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
     assert "baseline_checkout" not in worktrees and not (tmp_path / "baseline_checkout").exists()
+
+
+def _git_in(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env["GIT_COMMITTER_EMAIL"] = "t@t"
+    run = subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True)
+    return run.stdout.strip()
+
+
+PLUGIN = (
+    "from variants import register\nfrom variants.naive import NaiveAttention\n\n\n"
+    "@register('sbsplug_attn')\nclass SbsPlug(NaiveAttention):\n    VERSION = {version!r}\n"
+)
+
+
+def test_two_commits_of_a_plugin_run_side_by_side(tmp_path, monkeypatch, capsys):
+    """``--plugin``: the baseline side imports the plugin from a worktree of the given commit of its
+    checkout, this side from the checkout; this repository's code is the same on both. Each side's
+    records carry its own plugin code's hash, and the comparison names the variant whose code changed.
+    A plugin not imported from the checkout is refused in one line."""
+    repo, site = tmp_path / "plugin", tmp_path / "site"
+    repo.mkdir()
+    (repo / "sbsplug.py").write_text(PLUGIN.format(version="old"))
+    _git_in(repo, "init", "-q")
+    _git_in(repo, "add", "sbsplug.py")
+    _git_in(repo, "commit", "-qm", "old")
+    old = _git_in(repo, "rev-parse", "HEAD")
+    (repo / "sbsplug.py").write_text(PLUGIN.format(version="new"))  # this side: uncommitted, as it is
+    dist = site / "sbsplug-0.1.dist-info"  # what `pip install -e` leaves, less its path hook
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sbsplug\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[attnbench.variants]\nsbsplug_attn = sbsplug\n")
+    assert sbs.main([old, "--plugin", str(repo), "variant=sdpa", "--out", str(tmp_path / "x")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: no installed attnbench.variants entry point is imported from {repo}: install the "
+        f"plugin from that checkout with `pip install -e {repo}`"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(repo))
+    monkeypatch.setenv("PYTHONPATH", str(site))  # the sweeps see the installed metadata, not the module
+    overrides = [
+        "variant=sbsplug_attn",
+        "seq_len=64",
+        "mode=fwd",
+        "threads=1",
+        "settle_s=0",
+        "retry_unstable=0",
+    ]
+    out = tmp_path / "out"
+    code = sbs.main(
+        [old, "--plugin", str(repo), *overrides, "roofline=false", "--rounds", "1", "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
+    assert f"round 0: baseline {old[:12]} of {repo}" in printed
+    sides = {side: _records(out / side / "records") for side in ("baseline", "this")}
+    codes = {side: {r["env"]["variant_code"] for r in recs} for side, recs in sides.items()}
+    assert len(codes["baseline"]) == len(codes["this"]) == 1 and codes["baseline"] != codes["this"]
+    this_repo = {side: {r["env"]["git_commit"] for r in recs} for side, recs in sides.items()}
+    assert this_repo["baseline"] == this_repo["this"]  # this repository's code on both sides
+    assert {r["env"]["variant_package"] for recs in sides.values() for r in recs} == {"sbsplug 0.1"}
+    assert "Differences: variant code: sbsplug_attn." in printed
+    assert "baseline_checkout" not in _git_in(repo, "worktree", "list")

@@ -182,6 +182,9 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     # newest per cell could take another machine at one N (a slower host re-run there read as 3x)
     cur, base = of_kind(cur, Kind.kernel), of_kind(base, Kind.kernel)
     cur, base, filled = fill_added_knobs(cur, base)
+    # two sets measured in alternating rounds (side_by_side: their times overlap, over every round)
+    # met the same phases of the machine: their ceilings' difference is each one's noise, not a state
+    alternating = _overlap(cur, base)
     cur = cur[cur["newest"]] if "newest" in cur else cur
     base = base[base["newest"]] if "newest" in base else base
     shared = sorted(set(cur["env_host"].astype(str)) & set(base["env_host"].astype(str)))
@@ -246,7 +249,7 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
     same = m["record_id"] == m["record_id_base"]
     # one host in another state in the two runs (its memory at half the speed): the difference may be
     # the machine's; only host to host, a comparison of two machines is of their states as well
-    changes = machine_changes(cur, base) if shared else {}
+    changes = machine_changes(cur, base) if shared and not alternating else {}
     threads = m["machine_threads"].fillna(m["machine_threads_base"])  # the measured count, as the canary's
     m["machine_changed"] = [(str(h), t) in changes for h, t in zip(m["env_host"], threads, strict=True)]
     m["marks"] = m.apply(lambda r: quality_marks(r) if pd.notna(r["speedup"]) else "", axis=1)
@@ -327,9 +330,28 @@ def baseline_table(cur: pd.DataFrame, base: pd.DataFrame) -> Section:
             "(each side's median); its cells are not compared (`≠`): to compare two commits, measure them "
             "side by side (python -m experiments.sweep.side_by_side)."
         )
+    if alternating:
+        sec.note += (
+            " The two sets were measured in alternating rounds (their times overlap): a change of the "
+            "machine's state fell on both, so their ceilings are not compared."
+        )
     sec.note = f"{verdict_summary(m['verdict'], named)}. " + sec.note
     sec.data = m.drop(columns=["_merge", "started_at"])
     return sec
+
+
+def _overlap(cur: pd.DataFrame, base: pd.DataFrame) -> bool:
+    """Whether the two sets' measuring times overlap (from the first job's start to the last one's
+    end): rounds of the two taken in turn, as side_by_side runs them. False where a side lacks times."""
+    spans = []
+    for df in (cur, base):
+        start = pd.to_datetime(df.get("started_at"), utc=True, errors="coerce")
+        end = pd.to_datetime(df.get("finished_at"), utc=True, errors="coerce")
+        if start is None or end is None or start.isna().all() or end.isna().all():
+            return False
+        spans.append((start.min(), end.max()))
+    (a0, a1), (b0, b1) = spans
+    return bool(a0 < b1 and b0 < a1)
 
 
 def verdict_summary(verdicts: pd.Series, named: dict[str, list[str]] | None = None) -> str:

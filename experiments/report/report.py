@@ -133,6 +133,18 @@ def _canaries(df: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _plugins(df: pd.DataFrame) -> str:
+    """``dilated (dilated-attn 0.2.0)``: each variant a plugin package provided, with the package's
+    versions in the records (records before 2026-11-29 do not say). O(rows)."""
+    if "env_variant_package" not in df:
+        return ""
+    rows = df.dropna(subset=["env_variant_package"])
+    return ", ".join(
+        f"{name} ({', '.join(sorted(sub['env_variant_package'].astype(str).unique()))})"
+        for name, sub in rows.groupby(rows["variant_name"].astype(str))
+    )
+
+
 def _sources(inputs: Sequence[str | Path]) -> str:
     """The inputs in a few words: folders as given, record files counted per folder."""
     files = Counter(str(Path(p).parent) for p in inputs if Path(p).suffix == ".json")
@@ -155,6 +167,8 @@ def header(
         *_machines(df),
         "",
     ]
+    if plugins := _plugins(df):
+        lines += [f"Variants from installed packages (not this repository's commit): {plugins}.", ""]
     skipped = [f"- unreadable: {u}" for u in df.attrs.get("unreadable", [])]
     skipped += [f"- not a record: {u}" for u in df.attrs.get("not_records", [])]
     if skipped:

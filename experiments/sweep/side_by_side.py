@@ -2,7 +2,8 @@
 out in a git worktree for the run) and from this checkout, alternating round by round, then the
 report of this side against the baseline.
 
-    python -m experiments.sweep.side_by_side <commit> [--rounds 3] [--out DIR] [OVERRIDES ...]
+    python -m experiments.sweep.side_by_side <commit> [--rounds 3] [--out DIR] [--plugin CHECKOUT]
+        [OVERRIDES ...]
 
 Why: two runs made apart are compared only while the machine kept its state (``report --baseline``
 marks the cells of a host whose ceilings or canary moved: this VM's memory ran at half the speed two
@@ -19,16 +20,28 @@ variant=local_window,sparse``); ``round``, ``records_dir``, ``resume``, ``report
 comparison to ``DIR/report``. Exit code 0 when
 every sweep and the report ended 0, else 1. A third party's variant must be importable from both
 commits.
+
+``--plugin CHECKOUT``: the two versions are a plugin's, not this repository's: ``commit`` is one of the
+git checkout ``CHECKOUT`` of a package whose ``attnbench.variants`` entry points are installed from it
+(``pip install -e``). The baseline side imports the plugin's modules from a worktree of that commit
+(put first on ``PYTHONPATH``), this side from the checkout as it is; this repository's code is this
+checkout's on both sides. The records then share a commit and a package version, and differ in the
+variant's source hash, which the comparison names.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from importlib.metadata import entry_points
 from pathlib import Path
+
+from variants.registry import ENTRY_POINT_GROUP
 
 #: the checkout this module belongs to: "this" side
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,12 +67,47 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
     return run.stdout.strip()
 
 
-def resolve(commit: str) -> str:
-    """The full hash of ``commit`` (a hash, branch, tag or ``HEAD~3``) in this checkout's repository."""
+def resolve(commit: str, repo: Path = ROOT) -> str:
+    """The full hash of ``commit`` (a hash, branch, tag or ``HEAD~3``) in the repository at ``repo``."""
     try:
-        return _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+        return _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}", cwd=repo)
     except SideBySideError:
-        raise SideBySideError(f"'{commit}' is not a commit of the repository at {ROOT}") from None
+        raise SideBySideError(f"'{commit}' is not a commit of the repository at {repo}") from None
+
+
+def plugin_import_roots(checkout: Path) -> list[Path]:
+    """The folders, relative to ``checkout`` (a plugin's git checkout), that the installed
+    ``attnbench.variants`` entry points' modules are imported from (the checkout itself, or its
+    ``src``). :class:`SideBySideError` when none is imported from under it: the plugin was installed
+    without ``-e`` (from a copy in site-packages) or from another checkout. Imports the modules'
+    parent packages (``find_spec``); O(entry points)."""
+    roots: set[Path] = set()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        module = ep.value.split(":")[0].strip()
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):  # a broken plugin: the registry says so when it loads it
+            continue
+        if spec is None or not spec.origin or not Path(spec.origin).is_file():
+            continue
+        origin = Path(spec.origin).resolve()
+        # dilated_attn.dilated in <root>/dilated_attn/dilated.py; a package's origin is its __init__.py
+        root = origin.parents[module.count(".") + (origin.name == "__init__.py")]
+        if root == checkout or checkout in root.parents:
+            roots.add(root.relative_to(checkout))
+    if not roots:
+        raise SideBySideError(
+            f"no installed attnbench.variants entry point is imported from {checkout}: install the plugin "
+            f"from that checkout with `pip install -e {checkout}`"
+        )
+    return sorted(roots)
+
+
+def _with_path(folders: Sequence[Path]) -> dict[str, str]:
+    """This process's environment with ``folders`` first on ``PYTHONPATH`` (ahead of an editable
+    install's finder, which Python asks after the path)."""
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, folders), *([old] if old else [])])}
 
 
 def check_overrides(overrides: Sequence[str]) -> None:
@@ -97,15 +145,15 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def run_sweep(cmd: list[str], cwd: Path, log: Path) -> tuple[int, str]:
-    """Run one sweep in ``cwd``, its output (stdout and stderr) shown indented as it comes and kept
-    in ``log``; its exit code and last line."""
+def run_sweep(cmd: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run one sweep in ``cwd`` (with the environment ``env``, None: this process's), its output
+    (stdout and stderr) shown indented as it comes and kept in ``log``; its exit code and last line."""
     log.parent.mkdir(parents=True, exist_ok=True)
     last = "(no output)"
     with (
         log.open("w") as keep,
         subprocess.Popen(
-            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         ) as proc,
     ):
         assert proc.stdout is not None  # piped above
@@ -116,39 +164,52 @@ def run_sweep(cmd: list[str], cwd: Path, log: Path) -> tuple[int, str]:
     return proc.returncode, last
 
 
-def run(commit: str, overrides: Sequence[str], rounds: int, out: Path) -> int:
+def run(commit: str, overrides: Sequence[str], rounds: int, out: Path, plugin: Path | None = None) -> int:
     """Measure ``overrides``' sweep ``rounds`` times from ``commit`` and from this checkout (in
     :func:`order`), then write the report of this side against the baseline into ``out/report``.
-    Returns the exit code: 1 when a sweep or the report failed, else 0. Takes the two sweeps' time
-    ``rounds`` times over, plus a worktree checkout."""
+    ``plugin``: ``commit`` is one of that plugin checkout's, whose modules the baseline side imports
+    from a worktree of it (:func:`plugin_import_roots`). Returns the exit code: 1 when a sweep or the
+    report failed, else 0. Takes the two sweeps' time ``rounds`` times over, plus a worktree checkout."""
     if rounds < 1:
         raise SideBySideError(f"--rounds must be at least 1, got {rounds}")
     check_overrides(overrides)
-    sha = resolve(commit)
+    repo = ROOT if plugin is None else plugin
+    roots = [] if plugin is None else plugin_import_roots(plugin)
+    sha = resolve(commit, repo)
     out.mkdir(parents=True, exist_ok=True)
     # in the output folder, not /tmp: a launcher's jobs on other nodes see it where out is shared
     worktree = out / "baseline_checkout"
     if worktree.exists():
         raise SideBySideError(f"{worktree} exists (a stopped run's): remove it or pass another --out")
-    _git("worktree", "add", "--detach", str(worktree), sha)
+    _git("worktree", "add", "--detach", str(worktree), sha, cwd=repo)
     failed = []
     try:
-        checkouts = {"baseline": worktree, "this": ROOT}
-        names = {
-            "baseline": f"baseline {sha[:12]}",
-            "this": f"this checkout ({_git('rev-parse', '--short=12', 'HEAD')})",
-        }
+        head = _git("rev-parse", "--short=12", "HEAD", cwd=repo)
+        if plugin is None:  # each side runs its own checkout of this repository
+            checkouts = {"baseline": worktree, "this": ROOT}
+            envs: dict[str, dict[str, str] | None] = {"baseline": None, "this": None}
+            names = {"baseline": f"baseline {sha[:12]}", "this": f"this checkout ({head})"}
+        else:  # this repository's checkout on both sides, each importing its own checkout of the plugin
+            checkouts = {"baseline": ROOT, "this": ROOT}
+            envs = {
+                side: _with_path([c / r for r in roots])
+                for side, c in (("baseline", worktree), ("this", plugin))
+            }
+            names = {
+                "baseline": f"baseline {sha[:12]} of {plugin}",
+                "this": f"the plugin's checkout {plugin} ({head}, as it is)",
+            }
         plan = order(rounds)
         for i, (r, side) in enumerate(plan, 1):
             print(f"[{i}/{len(plan)}] round {r}: {names[side]}", flush=True)
             cmd = sweep_command(overrides, r, out / side)
-            code, last = run_sweep(cmd, checkouts[side], out / side / f"round{r}.log")
+            code, last = run_sweep(cmd, checkouts[side], out / side / f"round{r}.log", envs[side])
             if code:
                 failed.append(f"{names[side]}, round {r}: exit {code}: {last}")
                 if not (out / side / "records").exists():
                     break  # this side's code cannot run the sweep at all (a refused override): stop
     finally:
-        _git("worktree", "remove", "--force", str(worktree))
+        _git("worktree", "remove", "--force", str(worktree), cwd=repo)
     this, base = out / "this" / "records", out / "baseline" / "records"
     cmd = [sys.executable, "-m", "experiments.report.report", str(this), "--baseline", str(base)]
     report = subprocess.run([*cmd, "--out", str(out / "report")], cwd=ROOT, capture_output=True, text=True)
@@ -174,17 +235,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Measure a sweep from a baseline commit and from this checkout, alternating rounds "
         "(ABBA), and report this side against the baseline.",
     )
-    ap.add_argument("commit", help="the baseline: a commit, branch or tag of this repository")
+    ap.add_argument(
+        "commit",
+        help="the baseline: a commit, branch or tag of this repository (of the plugin's with --plugin)",
+    )
     ap.add_argument("overrides", nargs="*", help="the sweep's overrides, as `python run.py -m` takes them")
     ap.add_argument(
         "--rounds", type=int, default=DEFAULT_ROUNDS, help=f"rounds per side (default {DEFAULT_ROUNDS})"
     )
     ap.add_argument("--out", help="output folder (default outputs/side_by_side/<time>)")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--plugin",
+        metavar="CHECKOUT",
+        help="compare two commits of a plugin's git checkout (installed from it with pip install -e) "
+        "instead of this repository's",
+    )
+    args = ap.parse_intermixed_args(argv)  # options before, between or after the overrides
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) if args.out else Path("outputs/side_by_side") / stamp
     try:
-        return run(args.commit, args.overrides, args.rounds, out.resolve())
+        plugin = Path(args.plugin).resolve() if args.plugin else None
+        if plugin is not None and not plugin.is_dir():
+            raise SideBySideError(f"--plugin {args.plugin}: no such folder")
+        return run(args.commit, args.overrides, args.rounds, out.resolve(), plugin)
     except SideBySideError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
