@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import mmap
+import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.utils.benchmark as tbench
@@ -186,3 +188,31 @@ def test_an_unstable_figure_without_page_faults_is_not_timed_again(clock):
     t = time_backward(lambda: None, backward, "cpu", min_run_time=0.05)
     assert t.retimed == 0
     assert not t.stable
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_a_jobs_own_child_processes_are_its_own_work_not_others():
+    """torch.compile's worker processes compiled beside flex's timed decoding step, and counted as other
+    processes' work, they marked its time `*` (beside other work): a child's CPU time is the job's own.
+    The child burns a fixed amount of CPU time, so the count does not depend on how busy the machine is."""
+    import subprocess
+
+    from experiments.measure.machine_load import _HZ, snapshot
+
+    burn = "import time\nwhile time.process_time() < 0.4: pass\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", burn])  # alive (asleep) at the second snapshot
+    try:
+        start = snapshot()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until /proc says the child has burnt 0.3 s
+            stat = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if (int(stat[11]) + int(stat[12])) / _HZ >= 0.3:
+                break
+            time.sleep(0.05)
+        end = snapshot()
+        alive = child.poll() is None  # its time is still its own, not yet its parent's
+    finally:
+        child.kill()
+        child.wait()
+    assert alive
+    assert (end.own - start.own) / _HZ >= 0.25  # its time since the first snapshot, at a jiffy's rounding

@@ -2,8 +2,9 @@
 
 A timing taken while another sweep, a build or a browser ran on the same cores is slower for reasons
 that have nothing to do with the variant. Linux counts every core's busy time (``/proc/stat``) and
-this process's own (``/proc/self/stat``); the difference over the job's wall time is the number of
-cores the rest of the machine kept busy. Elsewhere the figures are None.
+this process's own and its descendants' (``/proc/<pid>/stat``: a compile's worker processes are the
+job's work); the difference over the job's wall time is the number of cores the rest of the machine
+kept busy. Elsewhere the figures are None.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ LOADED_CORES = 0.5
 class Snapshot:
     wall: float
     busy: int | None  # jiffies every core spent busy (not idle or waiting for I/O), machine-wide
-    own: int | None  # jiffies this process (all its threads) spent on a core
+    own: int | None  # jiffies this process (all its threads) and its descendants spent on a core
 
 
 def _cpu_fields() -> list[int] | None:
@@ -44,14 +45,42 @@ def _machine_busy() -> int | None:
     return sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal: guests are in user
 
 
-def _own() -> int | None:
+def _stat(pid: str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, ...), None when it is
+    gone or unreadable."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             # the command name may hold spaces: fields are counted after its closing parenthesis
-            rest = f.read().rsplit(")", 1)[1].split()
-        return int(rest[11]) + int(rest[12])  # utime + stime
-    except (OSError, ValueError, IndexError):
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+
+
+def _own() -> int | None:
+    """Jiffies this process and its descendants spent on a core: each live one's own time and that of
+    the children it reaped (utime stime cutime cstime), so each process's time counts once. Why the
+    descendants: torch.compile's worker processes compile beside a job (flex recompiles per cache
+    length while its decoding step is timed), and as "other processes" they marked that job's time
+    as measured beside other work, though the work is the variant's own. O(processes on the machine)."""
+    me = str(os.getpid())
+    parents: dict[str, list[str]] = {}
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if pid.isdigit() and pid != me and (fields := _stat(pid)) is not None:
+            parents.setdefault(fields[1], []).append(pid)
+    total, todo = 0, [me]
+    while todo:
+        pid = todo.pop()
+        fields = _stat(pid)
+        if fields is None:
+            if pid == me:
+                return None
+            continue  # ended between the two reads: its time is in its parent's once reaped
+        try:
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        except ValueError:
+            return None
+        todo += parents.get(pid, [])
+    return total
 
 
 def snapshot() -> Snapshot:
