@@ -568,3 +568,40 @@ def test_pretrained_frontier_points_at_one_place_share_a_circle(
         assert len(colours) == len(here)
     labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
     assert any("variants at one point" in lab for lab in labels)
+
+
+def test_the_patterns_plot_draws_what_ran_with_its_knobs_at_its_length():
+    """patterns.png drew every registered variant at its example knobs at N=48 whatever the store held
+    (a sweep of one plugin variant showed twenty others'): it draws each variant that ran, with the
+    knobs it ran with and its causal setting, at the longest length that ran (at most 1024); the whole
+    registry only when nothing ran."""
+    import variants
+    from experiments.records import store
+    from experiments.records.records import config_hash
+    from experiments.report.plots import pattern_panels
+
+    from .test_compare import record
+
+    recs = []
+    for n, causal in ((256, False), (2048, False), (2048, True)):
+        rec = record(n, 10.0, 0.1)
+        rec["config"]["variant"] = {"_target_": "variants.local_window.LocalWindowAttention", "window": 4}
+        rec["config"]["causal"] = causal
+        rec["config_hash"] = config_hash(rec["config"])
+        rec["variant_name"] = "local_window"
+        recs.append(rec)
+    failed = record(512, 10.0, 0.1)  # naive, which did not run: no panel
+    failed["status"] = "oom"
+    n, which, panels = pattern_panels(store.to_frame([*recs, failed]))
+    assert (n, which) == (1024, "the variants that ran, with their knobs; they ran up to N = 2048")
+    assert [(title, causal) for title, _, causal in panels] == [
+        ("local_window(window=4)", False),
+        ("local_window(window=4)", True),
+    ]
+    assert int(panels[0][1].pattern(n, n, False).sum()) == n * 9 - 2 * (1 + 2 + 3 + 4)  # the band, at N
+    n, which, panels = pattern_panels(store.to_frame(recs[:1]))
+    assert (n, which) == (256, "the variants that ran, with their knobs")
+    n, which, panels = pattern_panels(store.to_frame([failed]))
+    assert (
+        n == 48 and which.startswith("every registered variant") and len(panels) == len(variants.available())
+    )

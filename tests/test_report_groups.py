@@ -160,3 +160,32 @@ def test_a_model_only_report_claims_no_kernel_workload_and_no_check():
     assert "Workload in every table" not in header(df, shown, [], False)
     status = build_sections(df, shown, None)[-1]
     assert status.name == "status" and "a model job has none of its own" in status.note
+
+
+def test_model_and_encoder_times_carry_the_machine_marks():
+    """A model's prefill and decoding step, and an encoder's batch time, measured beside other work or
+    while the machine ran slow were shown bare, where the kernel tables mark such a time `*` or `~`."""
+    calm, busy, slow = llama(1024, 7.0, 9), llama(1024, 7.0, 10), llama(1024, 21.0, 11)
+    calm["figures"]["canary_before_ms"] = busy["figures"]["canary_before_ms"] = 10.0
+    busy["figures"]["concurrent_jobs"] = 1
+    slow["figures"]["canary_before_ms"] = 13.0  # 1.3x the store's fastest canary
+    for rec, label in ((busy, "busy"), (slow, "slow")):
+        rec["config"]["model"]["new_tokens"] = {"busy": 16, "slow": 32}[label]
+        rec["config_hash"] = config_hash(rec["config"])
+    sec = model_table(store.select(store.to_frame([calm, busy, slow])))
+    rows = sorted((tab.iloc[0]["prefill ms"], tab.iloc[0]["ms / decoded token"]) for _, tab in sec.parts)
+    assert rows == [("210 ~", "21.0 ~"), ("70.0", "7.00"), ("70.0 *", "7.00 *")]
+
+    def rec(batch: int, others: float) -> dict:
+        enc = {"name": "minilm", "batch": batch}
+        figures = {
+            "cosine_mean": 1.0,
+            "batch_ms_median": 10.0,
+            "batch_ms_iqr": 0.1,
+            "others_cpu_cores": others,
+        }
+        return record("pretrained", "sdpa", {"pretrained": enc, "seq_len": 128}, figures)
+
+    tables = dict(fidelity_table(store.to_frame([rec(8, 0.0), rec(32, 1.5)])))
+    times = {t.split(" · ")[3]: tab.iloc[0]["ms / batch (IQR)"] for t, tab in tables.items()}
+    assert times == {"batch=8": "10.0 (0.1)", "batch=32": "10.0 (0.1) *"}

@@ -220,14 +220,19 @@ def beside_work(row: pd.Series) -> bool:
     return bool(loaded or _off_cores(row))
 
 
+def machine_marks(row: pd.Series) -> str:
+    """`` *`` (:func:`beside_work`) and `` ~`` (:func:`slow_machine`), as a time's cell writes them
+    after it: what the job's load and canary say of every time it measured (a model's prefill and
+    decoding step alike)."""
+    return (" *" if beside_work(row) else "") + (" ~" if slow_machine(row) else "")
+
+
 def marks(row: pd.Series) -> str:
-    """The marks a time carries, as the speed table writes them after it: `` *`` (:func:`beside_work`),
-    `` ~`` (:func:`slow_machine`), `` unstable`` (the row's ``unstable``); from the row's
-    ``cpu_per_wall`` and ``unstable``, which must be those of the figure the time is (:func:`mode_times`,
-    or a decoding step's), and its job's load and canary."""
-    mark = " *" if beside_work(row) else ""
-    if slow_machine(row):
-        mark += " ~"
+    """The marks a time carries, as the speed table writes them after it: :func:`machine_marks` and
+    `` unstable`` (the row's ``unstable``); from the row's ``cpu_per_wall`` and ``unstable``, which must
+    be those of the figure the time is (:func:`mode_times`, or a decoding step's), and its job's load
+    and canary."""
+    mark = machine_marks(row)
     if is_true(row.get("unstable")):
         mark += " unstable"
     return mark

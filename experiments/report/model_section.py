@@ -11,7 +11,7 @@ import pandas as pd
 from ..measure.model_job import MODEL_FIELDS, ModelSettings
 from ..records.store import newest_mask
 from .format import Section, num, obj
-from .grouping import status_cell, varying_text
+from .grouping import machine_marks, status_cell, varying_text
 
 
 def _mix_label(m: dict) -> str:
@@ -73,6 +73,10 @@ def _row_label(row: pd.Series) -> str:
     return f"{row['variant']} · {mix}" if mix else str(row["variant"])
 
 
+#: the model table's time columns: those that carry the machine's marks
+_TIMES = ("prefill_ms", "decode_ms_per_token")
+
+
 def model_table(rows: pd.DataFrame) -> Section:
     """Prefill time, time per decoded token and peak memory per variant, per model, of ``rows``: the
     model jobs' rows of the store (:func:`~experiments.records.store.of_kind`)."""
@@ -86,7 +90,8 @@ def model_table(rows: pd.DataFrame) -> Section:
         "K/V kept: the bytes one sequence's cache holds after decoding (every layer); K/V read: the "
         "bytes of it the layers' variants read in one step (a window reads its window, exact attention "
         "every key). Peak: CUDA allocator peak, or on the CPU the process high-water mark during the run "
-        "(weights, cache and allocator slack included: an upper bound).",
+        "(weights, cache and allocator slack included: an upper bound). A time marked `*` or `~`: "
+        "measured beside other work or while the machine ran slow, as in the speed tables.",
     )
     if rows.empty:
         return sec
@@ -116,8 +121,11 @@ def model_table(rows: pd.DataFrame) -> Section:
         for name, col in cols.items():
             if col.startswith(("kv_", "decode_iqr")) and sub[col].isna().all():
                 continue  # figures a record may lack (K/V bytes came with issue 33): no empty column
+            # a time says what the job's load and canary said of the machine, as the kernel tables do
+            mark = machine_marks if col in _TIMES else lambda r: ""
             tab[name] = [
-                status_cell(r) or num(pd.to_numeric(r.get(col), errors="coerce")) for _, r in sub.iterrows()
+                status_cell(r) or num(pd.to_numeric(r.get(col), errors="coerce")) + mark(r)
+                for _, r in sub.iterrows()
             ]
         sec.parts.append((title, tab))
     keep = ["device", "dtype", "model", "variant", "status", "reason", *cols.values(), "config_hash", "path"]

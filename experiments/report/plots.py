@@ -762,30 +762,49 @@ def _matrix_axes(ax: plt.Axes, title: str, n: int) -> None:
     ax.tick_params(labelsize=7)
 
 
-def plot_patterns(out_dir: Path, n: int = 48) -> Path:
-    """``patterns.png``: which key each query may attend to (dark = allowed), per registered variant."""
-    panels = _example_variants()
+def pattern_panels(df: pd.DataFrame, n_max: int = 1024) -> tuple[int, str, list[tuple[str, object, bool]]]:
+    """What ``patterns.png`` draws: ``(N, which variants in words, [(title, variant or the exception
+    building it, causal)])``: each variant that ran ``ok`` in ``df``, with the knobs it ran with, once per
+    causal setting it ran with, at the longest length that ran (N, or a decoding sweep's Nk; at most
+    ``n_max``); every registered variant with its example knobs at N = 48, two-way, when nothing ran.
+    Packed documents are left out (``pattern`` is the variant's own)."""
+    panels = [(t, v, causal) for t, v, (causal, _) in _swept_variants(df)] if len(df) else []
+    if not panels:
+        return 48, "every registered variant, example knobs", [(t, v, False) for t, v in _example_variants()]
+    ok = df[df["status"] == "ok"]
+    ran = lengths(ok).dropna()  # N, or a decoding sweep's key length
+    n = min(n_max, max(48, int(ran.max()) if len(ran) else 48))
+    which = "the variants that ran, with their knobs"
+    if len(ran) and ran.max() > n:
+        which += f"; they ran up to {'Nk' if length_axis(ok) == 'kv_len' else 'N'} = {int(ran.max())}"
+    return n, which, list(dict.fromkeys(panels))  # two documents settings of one causal setting: one panel
+
+
+def plot_patterns(df: pd.DataFrame, out_dir: Path, n_max: int = 1024) -> Path:
+    """``patterns.png``: which key each query may attend to (dark = allowed), per panel of
+    :func:`pattern_panels` (an ``n_max``-square boolean each at most)."""
+    n, which, panels = pattern_panels(df, n_max)
     fig, axes = _grid(len(panels))
-    for ax, (title, var) in zip(axes.flat, panels, strict=False):  # the grid may have spare cells
+    for ax, (title, var, causal) in zip(axes.flat, panels, strict=False):  # the grid may have spare cells
         try:
             if isinstance(var, Exception):
                 raise var
             # a causal-only variant (a recurrence) has no two-way pattern: its causal one is drawn
             causal_only = not getattr(var, "supports_noncausal", True)
-            pat = var.pattern(n, n, causal_only).numpy()
-            ax.imshow(pat, cmap="Greys", vmin=0, vmax=1.25, interpolation="nearest")
+            pat = var.pattern(n, n, causal or causal_only).numpy()
+            # above the panel's pixels, a band's share of pairs shows as grey, not as aliased stripes
+            smooth = "antialiased" if n > 256 else "nearest"
+            ax.imshow(pat, cmap="Greys", vmin=0, vmax=1.25, interpolation=smooth)
             grid = getattr(var, "grid", None)  # axial: the rows x cols grid it chose for this N
             title += (
                 (f", {'x'.join(map(str, grid(n)))} grid" if callable(grid) else "")
                 + f"\n{pat.mean():.0%} of pairs"
-                + (", causal only" if causal_only else "")
+                + (", causal only" if causal_only else ", causal" if causal else "")
             )
         except Exception as exc:
             _no_matrix(ax, f"no pattern: {exc}", n)
         _matrix_axes(ax, title, n)
-    fig.suptitle(
-        f"Attention patterns at N = {n} (dark: query i may attend to key j; example knobs)", fontsize=11
-    )
+    fig.suptitle(f"Attention patterns at N = {n} (dark: query i may attend to key j; {which})", fontsize=11)
     return _save(fig, out_dir / "patterns.png")
 
 
@@ -921,7 +940,7 @@ def write_all(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     if len(df) and not decode_rows(df).empty:  # decoding sweeps only: no note for the others
         plots += [plot_decode, plot_state]
     jobs = [(fn, (df, out)) for fn in plots]
-    jobs += [(plot_patterns, (out,)), (plot_weights, (df, out))]
+    jobs += [(plot_patterns, (df, out)), (plot_weights, (df, out))]
     for fn, args in jobs:
         name = fn.__name__.removeprefix("plot_")
         try:

@@ -38,7 +38,7 @@ from ..measure.pretrained.job import DEFAULTS as ENCODER_DEFAULTS  # noqa: E402
 from ..measure.spec import Kind  # noqa: E402
 from ..records.store import is_true, newest_mask, of_kind  # noqa: E402
 from .format import markdown, num, obj  # noqa: E402
-from .grouping import varying_text  # noqa: E402
+from .grouping import machine_marks, varying_text  # noqa: E402
 from .plots import COINCIDE_SPAN, coinciding_handle, coinciding_styles, palette  # noqa: E402
 
 DPI = 110
@@ -152,13 +152,16 @@ def _dec(x: object, digits: int) -> str:
 
 def _time_text(row: pd.Series) -> str:
     """``median (IQR)``; ``(IQR n/a)`` from one timed batch (no spread was measured), `` unstable``
-    where the record says its batches never settled, as the kernel tables mark a time."""
+    where the record says its batches never settled, `` *`` and `` ~`` where its job ran beside other
+    work or while the machine ran slow (:func:`~.grouping.machine_marks`), as the kernel tables mark a
+    time."""
     med, iqr = (pd.to_numeric(row.get(k), errors="coerce") for k in ("batch_ms_median", "batch_ms_iqr"))
     if pd.isna(med):
         return "n/a"
     runs = row.get("batch_ms_runs")
     spread = "IQR n/a" if isinstance(runs, list | tuple | np.ndarray) and len(runs) < 2 else num(iqr)
-    return f"{num(med)} ({spread})" + (" unstable" if is_true(row.get("batch_ms_unstable")) else "")
+    unstable = " unstable" if is_true(row.get("batch_ms_unstable")) else ""
+    return f"{num(med)} ({spread})" + machine_marks(row) + unstable
 
 
 def _mass_text(row: pd.Series) -> str:
@@ -622,7 +625,8 @@ NOTE = (
     "is their own; pairs kept: (query, key) pairs the pattern lets interact; attn mass inside: share of "
     "the unmodified model's attention weights (mean over layers, heads, queries, texts) that falls on "
     "those pairs; ms / batch: one forward pass of the whole model over a batch of texts, median (IQR) "
-    "over the batches; peak MiB: allocator peak of one batch above the weights and inputs. A title "
+    "over the batches (`*`, `~`: measured beside other work, or while the machine ran slow, as in the "
+    "speed tables); peak MiB: allocator peak of one batch above the weights and inputs. A title "
     "marked BEYOND is a length longer than the inputs the model was fine-tuned on."
 )
 
