@@ -605,3 +605,16 @@ def test_the_patterns_plot_draws_what_ran_with_its_knobs_at_its_length():
     assert (
         n == 48 and which.startswith("every registered variant") and len(panels) == len(variants.available())
     )
+
+
+@pytest.mark.parametrize(
+    "store, unit",
+    [("scaling", " GFLOP/s"), ("../gpu/h100/gpu_fwd_bf16", " TFLOP/s")],
+)
+def test_the_gemm_line_is_labelled_in_its_unit(store, unit, kept):
+    """An H100's GEMM line read "GEMM, same sweep: 6.79e+05": in the axis' GFLOP/s, without a unit.
+    It says its rate in G or T as its size asks, as the tables do."""
+    plots.plot_gflops(_store(store), Path("unused"))
+    (fig,) = kept
+    gemm = [t for t in _texts(fig) if t.startswith("GEMM, same sweep: ")]
+    assert gemm and all(t.endswith(unit) and "e+" not in t for t in gemm), gemm
