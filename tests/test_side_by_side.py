@@ -110,16 +110,18 @@ PLUGIN = (
 
 def test_two_commits_of_a_plugin_run_side_by_side(tmp_path, monkeypatch, capsys):
     """``--plugin``: the baseline side imports the plugin from a worktree of the given commit of its
-    checkout, this side from the checkout; this repository's code is the same on both. Each side's
+    checkout (here a folder inside a larger repository), this side from the checkout; this
+    repository's code is the same on both. Each side's
     records carry its own plugin code's hash, and the comparison names the variant whose code changed.
     A plugin not imported from the checkout is refused in one line."""
-    repo, site = tmp_path / "plugin", tmp_path / "site"
-    repo.mkdir()
+    top, site = tmp_path / "monorepo", tmp_path / "site"
+    repo = top / "plugins" / "sbs"  # the plugin's folder inside a larger repository
+    repo.mkdir(parents=True)
     (repo / "sbsplug.py").write_text(PLUGIN.format(version="old"))
-    _git_in(repo, "init", "-q")
-    _git_in(repo, "add", "sbsplug.py")
-    _git_in(repo, "commit", "-qm", "old")
-    old = _git_in(repo, "rev-parse", "HEAD")
+    _git_in(top, "init", "-q")
+    _git_in(top, "add", ".")
+    _git_in(top, "commit", "-qm", "old")
+    old = _git_in(top, "rev-parse", "HEAD")
     (repo / "sbsplug.py").write_text(PLUGIN.format(version="new"))  # this side: uncommitted, as it is
     dist = site / "sbsplug-0.1.dist-info"  # what `pip install -e` leaves, less its path hook
     dist.mkdir(parents=True)
@@ -147,7 +149,7 @@ def test_two_commits_of_a_plugin_run_side_by_side(tmp_path, monkeypatch, capsys)
     )
     printed = capsys.readouterr().out
     assert code == 0, printed[-3000:]
-    assert f"round 0: baseline {old[:12]} of {repo}" in printed
+    assert f"round 0: baseline {old[:12]} of {top}" in printed
     sides = {side: _records(out / side / "records") for side in ("baseline", "this")}
     codes = {side: {r["env"]["variant_code"] for r in recs} for side, recs in sides.items()}
     assert len(codes["baseline"]) == len(codes["this"]) == 1 and codes["baseline"] != codes["this"]
@@ -155,4 +157,4 @@ def test_two_commits_of_a_plugin_run_side_by_side(tmp_path, monkeypatch, capsys)
     assert this_repo["baseline"] == this_repo["this"]  # this repository's code on both sides
     assert {r["env"]["variant_package"] for recs in sides.values() for r in recs} == {"sbsplug 0.1"}
     assert "Differences: variant code: sbsplug_attn." in printed
-    assert "baseline_checkout" not in _git_in(repo, "worktree", "list")
+    assert "baseline_checkout" not in _git_in(top, "worktree", "list")

@@ -75,12 +75,12 @@ def resolve(commit: str, repo: Path = ROOT) -> str:
         raise SideBySideError(f"'{commit}' is not a commit of the repository at {repo}") from None
 
 
-def plugin_import_roots(checkout: Path) -> list[Path]:
-    """The folders, relative to ``checkout`` (a plugin's git checkout), that the installed
-    ``attnbench.variants`` entry points' modules are imported from (the checkout itself, or its
-    ``src``). :class:`SideBySideError` when none is imported from under it: the plugin was installed
-    without ``-e`` (from a copy in site-packages) or from another checkout. Imports the modules'
-    parent packages (``find_spec``); O(entry points)."""
+def plugin_import_roots(checkout: Path, top: Path) -> list[Path]:
+    """The folders, relative to ``top`` (the git repository holding ``checkout``, a plugin's folder),
+    that the installed ``attnbench.variants`` entry points' modules under ``checkout`` are imported
+    from (the checkout itself, or its ``src``). :class:`SideBySideError` when none is imported from
+    under it: the plugin was installed without ``-e`` (from a copy in site-packages) or from another
+    checkout. Imports the modules' parent packages (``find_spec``); O(entry points)."""
     roots: set[Path] = set()
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         module = ep.value.split(":")[0].strip()
@@ -94,7 +94,7 @@ def plugin_import_roots(checkout: Path) -> list[Path]:
         # dilated_attn.dilated in <root>/dilated_attn/dilated.py; a package's origin is its __init__.py
         root = origin.parents[module.count(".") + (origin.name == "__init__.py")]
         if root == checkout or checkout in root.parents:
-            roots.add(root.relative_to(checkout))
+            roots.add(root.relative_to(top))
     if not roots:
         raise SideBySideError(
             f"no installed attnbench.variants entry point is imported from {checkout}: install the plugin "
@@ -173,8 +173,9 @@ def run(commit: str, overrides: Sequence[str], rounds: int, out: Path, plugin: P
     if rounds < 1:
         raise SideBySideError(f"--rounds must be at least 1, got {rounds}")
     check_overrides(overrides)
-    repo = ROOT if plugin is None else plugin
-    roots = [] if plugin is None else plugin_import_roots(plugin)
+    # a plugin's repository from its top: the checkout given may be a folder inside it (a monorepo)
+    repo = ROOT if plugin is None else Path(_git("rev-parse", "--show-toplevel", cwd=plugin)).resolve()
+    roots = [] if plugin is None else plugin_import_roots(plugin, repo)
     sha = resolve(commit, repo)
     out.mkdir(parents=True, exist_ok=True)
     # in the output folder, not /tmp: a launcher's jobs on other nodes see it where out is shared
@@ -193,11 +194,11 @@ def run(commit: str, overrides: Sequence[str], rounds: int, out: Path, plugin: P
             checkouts = {"baseline": ROOT, "this": ROOT}
             envs = {
                 side: _with_path([c / r for r in roots])
-                for side, c in (("baseline", worktree), ("this", plugin))
+                for side, c in (("baseline", worktree), ("this", repo))
             }
             names = {
-                "baseline": f"baseline {sha[:12]} of {plugin}",
-                "this": f"the plugin's checkout {plugin} ({head}, as it is)",
+                "baseline": f"baseline {sha[:12]} of {repo}",
+                "this": f"the plugin's checkout {repo} ({head}, as it is)",
             }
         plan = order(rounds)
         for i, (r, side) in enumerate(plan, 1):
