@@ -105,6 +105,9 @@ def test_the_comparison_names_a_variant_whose_code_changed_under_the_same_commit
     text = env_diff(frame("v2", None, "n2"), frame("v1", None))  # built in, edited without a commit
     assert text == "Differences: variant code: naive, sparse."
     assert env_diff(frame("v1", "p 1"), frame("v1", "p 1")) == "The two sets report the same environment."
+    old = frame("v1", None)  # a baseline from before records kept the hash: unknown, not changed
+    old["env_variant_code"] = None
+    assert env_diff(frame("v2", None, "n1"), old) == "The two sets report the same environment."
 
 
 def test_a_sweep_with_the_default_threads_names_the_threads_it_ran_on():

@@ -3,6 +3,7 @@ whatever it is refused is said in one line naming the plugin and the owner of th
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -103,3 +104,9 @@ def test_a_variant_names_the_package_that_provided_it(monkeypatch, tmp_path):
     assert registry.provider("mine") == "entry point mine_mod"  # an entry point without an installed dist
     registry.unregister("mine")
     assert registry.provider("mine") is None
+    # its module imported (and registered) before the entry points were read: still the plugin's
+    source = HEADER + '@register("early")\nclass Early(Base):\n    pass\n'
+    (tmp_path / "early_mod.py").write_text(source)
+    importlib.import_module("early_mod")
+    _load(monkeypatch, tmp_path, {"early_mod": source}, {"early": "early_mod"})
+    assert registry.provider("early") == "entry point early_mod"

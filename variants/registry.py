@@ -106,7 +106,12 @@ def _load_entry_points() -> None:
             )
         dist = getattr(ep, "dist", None)
         source = f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
-        for name in set(_REGISTRY) - set(before):
+        # its new names, and its own name where its module was imported (and registered) before
+        mine = set(_REGISTRY) - set(before)
+        top = ep.value.split(":")[0].strip().split(".")[0]
+        if ep.name in _REGISTRY and _REGISTRY[ep.name].__module__.split(".")[0] == top:
+            mine.add(ep.name)
+        for name in mine:
             _PROVIDERS[name] = source
         if obj is not None and not replaced and ep.name not in _REGISTRY:  # a module that registered
             # nothing, or registered under another name

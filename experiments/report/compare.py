@@ -414,9 +414,10 @@ def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
 
 
 def variant_code_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
-    """``variant code: dilated (dilated-attn 0.2.0 (this) vs 0.1.0 (baseline)), sparse``: the variants
-    on both sides whose source files' hash (``env_variant_code``) differs, each with its plugin
-    package's versions where they differ too; empty when none does. Why: a plugin's new version runs
+    """``variant code: dilated (dilated-attn 0.2.0 (this) vs dilated-attn 0.1.0 (baseline)), sparse``:
+    the variants on both sides whose source files' hash (``env_variant_code``) differs, each with its
+    plugin package's versions where they differ too; empty when none does (a side whose records lack
+    the hash says nothing of it). Why: a plugin's new version runs
     under the same commit of this repository, which alone would read as "the same environment".
     O(rows)."""
     if "variant_name" not in cur or "variant_name" not in base:
@@ -424,7 +425,8 @@ def variant_code_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
     changed = []
     for name in sorted(set(cur["variant_name"].dropna()) & set(base["variant_name"].dropna())):
         a, b = cur[cur["variant_name"] == name], base[base["variant_name"] == name]
-        if _values(a, "env_variant_code") == _values(b, "env_variant_code"):
+        code_a, code_b = _values(a, "env_variant_code"), _values(b, "env_variant_code")
+        if not code_a or not code_b or code_a == code_b:
             continue
         pa, pb = _values(a, "env_variant_package"), _values(b, "env_variant_package")
         versions = f" ({', '.join(pa) or 'built in'} (this) vs {', '.join(pb) or 'built in'} (baseline))"
