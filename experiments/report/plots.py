@@ -28,7 +28,7 @@ from numpy.typing import ArrayLike  # noqa: E402
 
 from ..measure.spec import Kind  # noqa: E402
 from ..records.store import is_false, is_true  # noqa: E402
-from .format import obj, rate_prefix, sci  # noqa: E402
+from .format import obj, rate, sci  # noqa: E402
 from .grouping import (  # noqa: E402
     GROUP_BASE,
     beside_work,
@@ -263,9 +263,9 @@ def _plot_vs_n(
             if ceiling is not None and ceiling in sub and sub[ceiling].notna().any():
                 top = float(sub[ceiling].median())  # GFLOP/s, the axis' unit
                 ax.axhline(top, ls="--", lw=1, color="0.4")
-                prefix, scale = rate_prefix(top * 1e9)  # a GPU's 6.79e+05 GFLOP/s reads 679 TFLOP/s
                 ax.annotate(
-                    f"GEMM, same sweep: {top * 1e9 / scale:.3g} {prefix}FLOP/s",
+                    # in G or T as its size asks: a GPU's 6.79e+05 GFLOP/s reads 679 TFLOP/s
+                    f"GEMM, same sweep: {rate(sub[ceiling] * 1e9, 'FLOP/s')}",
                     (0.02, top),
                     xycoords=("axes fraction", "data"),
                     va="bottom",
