@@ -28,6 +28,7 @@ from experiments.records.environment import variant_code_version
 from experiments.records.records import find_existing, read_records, write_record
 from experiments.sweep.hydra_nodes import register_hydra_pieces
 from experiments.sweep.isolation import context_for, run_isolated
+from experiments.sweep.preflight import preflight
 from experiments.sweep.schema import BenchConfig
 
 from .helpers import sweep_overrides
@@ -875,7 +876,30 @@ def test_a_subclass_of_a_registered_variant_is_labelled_by_its_own_class():
         ),
     ],
 )
-def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, message):
+def test_input_that_can_never_run_is_one_line_before_work(tmp_path, args, message, capsys):
+    # the checks run.py passes its command line through before Hydra launches anything, called here
+    # (a run.py process per case took 13 s each in the suite); test_run_py_checks_its_command_line_first
+    # runs some of them through run.py itself
+    with pytest.raises(SystemExit) as exit_:
+        preflight(["run.py", *args, f"records_dir={tmp_path}", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 1
+    assert len(err.strip().splitlines()) == 1 and err.startswith(message), err
+    assert out == ""
+    assert not list(tmp_path.glob("*.json")) and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["variant=local_window", "variant.windo=3"], "error: unknown knob 'windo' for local_window"),
+        (["-m", "seq_len=64,0"], "error: seq_len must be > 0, got 0"),
+        (["-m", "hydra/launcher=jobilb"], "error: hydra/launcher=jobilb: no such option; available: basic,"),
+    ],
+    ids=["knob", "sweep", "hydra"],
+)
+def test_run_py_checks_its_command_line_first(tmp_path, args, message):
+    # the wiring: one line, exit 1, no banner, no sweep folder, no record
     p = subprocess.run(
         [sys.executable, "run.py", *args, f"records_dir={tmp_path}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
         cwd=ROOT,
@@ -903,7 +927,6 @@ def test_hydra_s_own_options_pass_the_preflight(args):
     """The one-line refusals must not refuse what Hydra takes: its launchers, sweepers and settings
     (a group option from another config folder is Hydra's to find)."""
     from experiments.sweep.hydra_nodes import register_hydra_pieces
-    from experiments.sweep.preflight import preflight
 
     register_hydra_pieces()
     assert preflight(["run.py", *args])[1:] == args
@@ -937,7 +960,6 @@ def test_a_sweep_that_matches_no_job_fails_in_one_line(tmp_path):
     ],
 )  # fmt: skip
 def test_a_variant_glob_that_cannot_mean_what_it_says_is_refused_before_launch(glob, says, capsys):
-    from experiments.sweep.preflight import preflight
 
     argv = ["run.py", "-m", f"variant={glob}", "seq_len=64"]
     if says is None:
@@ -952,7 +974,6 @@ def test_a_variant_glob_that_cannot_mean_what_it_says_is_refused_before_launch(g
 
 def test_a_sweep_over_records_dir_is_refused_before_launch(capsys):
     """The sweep locked and checked ./outputs/records while its jobs wrote unlocked into a and b."""
-    from experiments.sweep.preflight import preflight
 
     with pytest.raises(SystemExit):
         preflight(["run.py", "-m", "records_dir=/tmp/a,/tmp/b", "seq_len=64"])
@@ -981,7 +1002,6 @@ def test_a_sweep_over_records_dir_is_refused_before_launch(capsys):
     ],
 )  # fmt: skip
 def test_command_lines_hydra_answers_with_a_page_get_one_line(argv, says, capsys):
-    from experiments.sweep.preflight import preflight
 
     with pytest.raises(SystemExit):
         preflight(["run.py", *argv])
@@ -989,7 +1009,6 @@ def test_command_lines_hydra_answers_with_a_page_get_one_line(argv, says, capsys
 
 
 def test_booleans_and_tags_as_meant_pass_the_preflight():
-    from experiments.sweep.preflight import preflight
 
     for argv in (
         ["run.py", "causal=True", "+extra.tag=a"],

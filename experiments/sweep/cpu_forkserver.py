@@ -4,11 +4,15 @@ A process that has queried CUDA (even ``torch.cuda.is_available()``) poisons its
 be initialised again in them ("Cannot re-initialize CUDA in forked subprocess"), and some of torch's
 own code paths query the GPU whenever one is visible. So the fork server never sees one: with
 ``CUDA_VISIBLE_DEVICES`` empty before torch is imported, nothing it or a CPU job does can touch CUDA.
-CUDA jobs are spawned instead (see :mod:`experiments.sweep.isolation`).
+CUDA jobs are spawned instead (see :mod:`experiments.sweep.isolation`). The server ends without
+tearing torch down (:mod:`experiments.sweep.fast_exit`).
 """
 
 import os
 
+from experiments.sweep.fast_exit import exit_last
+
+exit_last()  # first, so that torch's own atexit handlers run before the exit that skips the teardown
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported, in this process only
 os.environ["HIP_VISIBLE_DEVICES"] = ""  # the same for ROCm builds of torch
 
