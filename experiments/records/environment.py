@@ -87,6 +87,27 @@ def c_compiler() -> str | None:
     return (out.stdout.strip().splitlines() or [cc])[0]
 
 
+#: environment variables that change how fast a kernel runs and that no other field of a record says:
+#: OpenMP's thread waiting and binding (beside one busy core of this project's 2-core VM, a test file
+#: of small fwd+bwd jobs took 38 s with a sleeping wait and 79 s with the spinning default), MKL's and
+#: oneDNN's instruction-set caps, torch's CPU dispatch, a preloaded allocator, CUDA's synchronous
+#: launches, cuBLAS's and TF32's switches, Inductor's and torch's allocator settings. Names (or
+#: prefixes, ending in ``_``) as the libraries read them.
+SPEED_SETTINGS = (
+    "OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_CPU_CAPABILITY", "LD_PRELOAD",
+    "CUDA_LAUNCH_BLOCKING", "CUBLAS_", "NVIDIA_TF32_OVERRIDE", "TORCHINDUCTOR_", "PYTORCH_CUDA_ALLOC_CONF",
+)  # fmt: skip
+
+
+def speed_settings(environ: dict[str, str] | None = None) -> str | None:
+    """The :data:`SPEED_SETTINGS` set in ``environ`` (this process's environment by default), as
+    ``"NAME=value; ..."`` sorted by name, or None when none is set (what records from before the field
+    mean too, so they still resume). ``O(len(environ))``."""
+    env = os.environ if environ is None else environ
+    found = sorted(f"{k}={v}" for k, v in env.items() if k.startswith(SPEED_SETTINGS) and v)
+    return "; ".join(found) or None
+
+
 def variant_code_version(cls: type) -> str:
     """Hash of the source files that define ``cls`` and its attention base classes (a third-party
     variant's own file included), so resume never reuses a record made by other kernel code."""
@@ -161,6 +182,7 @@ def _static_environment() -> dict[str, object]:
         "git_commit": _git("rev-parse", "--short=12", "HEAD"),
         "git_dirty": None if dirty is None else bool(dirty),
         "code_version": code_version(),
+        "speed_settings": speed_settings(),
     }
 
 

@@ -174,7 +174,7 @@ REUSABLE = frozenset({"ok", "unsupported", "oom"})
 FINGERPRINT = (
     "code_version", "variant_code", "torch", "cuda", "python", "host", "cpu_model", "cpu_capability",
     "gpu_name", "job_threads", "malloc", "c_compiler", "xformers", "triton", "transformers",
-    "pretrained_package_version", "tokenizers",
+    "pretrained_package_version", "tokenizers", "speed_settings",
 )  # fmt: skip
 
 

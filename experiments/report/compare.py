@@ -393,8 +393,9 @@ def verdict_summary(verdicts: pd.Series, named: dict[str, list[str]] | None = No
 
 
 def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
-    """What differs between two sets' environments (host, CPU, GPU, torch, commit) and which variants
-    ran other code (:func:`variant_code_diff`), as one sentence."""
+    """What differs between two sets' environments (host, CPU, GPU, torch, commit, the environment
+    variables that change speed: ``env.speed_settings``) and which variants ran other code
+    (:func:`variant_code_diff`), as one sentence."""
     fields = [
         "env_host", "env_cpu_model", "env_cpu_capability", "env_gpu_name", "env_torch", "env_cuda",
         "env_git_commit",
@@ -406,6 +407,11 @@ def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
             diffs.append(
                 f"{f.removeprefix('env_')}: {', '.join(a) or '?'} (this) vs {', '.join(b) or '?'} (baseline)"
             )
+    # a record without speed settings had none set (or predates the field): "none", not unknown
+    a, b = _values(cur, "env_speed_settings"), _values(base, "env_speed_settings")
+    if a != b:
+        this, baseline = "; ".join(a) or "none", "; ".join(b) or "none"
+        diffs.append(f"speed settings: {this} (this) vs {baseline} (baseline)")
     if code := variant_code_diff(cur, base):
         diffs.append(code)
     return (

@@ -51,8 +51,11 @@ def default_out_dir(inputs: Sequence[str | Path]) -> Path:
 
 def _machines(df: pd.DataFrame) -> list[str]:
     """One line per machine in the store: host, CPU (model and vector instruction set), GPU, torch,
-    commit."""
-    names = ("env_host", "env_cpu_model", "env_cpu_capability", "env_gpu_name", "env_torch", "env_git_commit")
+    commit, and the environment variables set that change speed (``env.speed_settings``)."""
+    names = (
+        "env_host", "env_cpu_model", "env_cpu_capability", "env_gpu_name", "env_torch", "env_git_commit",
+        "env_speed_settings",
+    )  # fmt: skip
     cols = [c for c in names if c in df]
     lines = []
     for vals, sub in df.groupby(cols, dropna=False):

@@ -165,8 +165,9 @@ def _validate_model(conf: BenchConfig) -> None:
     from ..measure.llama_e2e import check_mix
     from ..measure.model_job import ModelSettings
 
-    m = {**asdict(ModelSettings()), **dict(conf.model)}
-    _refuse_unknown("model", dict(conf.model), asdict(ModelSettings()))
+    defaults = asdict(ModelSettings())
+    _refuse_unknown("model", dict(conf.model), defaults)
+    m = {**defaults, **dict(conf.model)}
     # new_tokens >= 2: the first comes out of the prefill, the others are the decode steps timed
     least = {
         "layers": 1,
