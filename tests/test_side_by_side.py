@@ -44,6 +44,43 @@ def test_a_baseline_that_is_not_a_commit_is_refused_in_one_line(capsys):
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
 
 
+# what a commit from before side_by_side's `round` setting printed, as a baseline (2026-11-29, e32927b^)
+OLD_BASELINE = """Could not override 'round'.
+To append to your config use +round=0
+Key 'round' not in 'BenchConfig'
+    full_key: round
+    object_type=BenchConfig
+
+Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
+"""
+
+
+def test_a_baseline_older_than_the_settings_it_is_given_is_one_line_and_no_report(
+    tmp_path, capsys, monkeypatch
+):
+    """A baseline from before the `round` setting failed with "exit 1: Set the environment variable
+    HYDRA_FULL_ERROR=1 ..." and then a report error over records that were never written. It says why
+    in one line, stops at the first round and writes no report."""
+    calls = []
+
+    def old_sweep(cmd, cwd, log, env=None):  # the old commit's run.py, as it answered
+        calls.append(cmd)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(OLD_BASELINE)
+        return 1
+
+    monkeypatch.setattr(sbs, "run_sweep", old_sweep)
+    assert sbs.main(["HEAD", "variant=sdpa", "--out", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert len(calls) == 1 and not (tmp_path / "report").exists() and "report:" not in out
+    assert err.strip().splitlines() == [
+        f"error: baseline {sbs.resolve('HEAD')[:12]}, round 0: exit 1: its config has no setting 'round', "
+        "which side_by_side sets for each sweep: the commit predates it and cannot run side by side; pick "
+        "a later baseline"
+    ]
+    assert sbs.failure_reason("x\nerror: seq_len must be > 0\n\n") == "error: seq_len must be > 0"
+
+
 def _commit_of_head_tree() -> str:
     """A new commit object holding HEAD's tree (no branch, index or working tree touched): a
     baseline whose code is HEAD's but whose hash is its own, so a record's ``git_commit`` says from

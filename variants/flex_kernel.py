@@ -69,7 +69,7 @@ CPU_MIN_TILE = 16
 
 
 def tile_size(block: int, device: str, cuda_tile: int = CUDA_TILE, n: int | None = None) -> int:
-    """The block mask's tile on ``device`` for calls whose shorter side (queries or keys) is ``n``: on
+    """The block mask's tile on ``device`` along a side (queries or keys) of length ``n``: on
     the CPU ``block``, but at least :data:`CPU_MIN_TILE` and at most the largest power of two up to
     ``n`` (where the compiled kernel is right; the mask predicate keeps the pattern whatever the tile);
     on CUDA ``cuda_tile`` when it was asked below :data:`CUDA_TILE`, else :data:`CUDA_TILE` unless
@@ -132,7 +132,9 @@ class FlexKernel:
         self.block = block
         self.compile = compile
         self.cuda_tile = cuda_tile
-        self.tile_ran: int | None = None  # the block mask's tile of the last call (None: no mask)
+        # the block mask's key tile of the last call (None: no mask); its query tile is the same, or
+        # smaller where the queries are fewer (tiles())
+        self.tile_ran: int | None = None
         # compiled (or plain) flex_attention, keyed by whether inductor autotunes it (autotune_for)
         self._fns: dict[bool, Callable[..., torch.Tensor]] = {}
         self._masks: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
@@ -213,13 +215,24 @@ class FlexKernel:
                 ok = ok & p(bi, hi, qi, ki)
             return ok
 
-        tile = tile_size(self.block, q.device.type, self.cuda_tile, min(nq, nk))
-        bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=tile)
+        bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=self.tiles(q, k))
         if cacheable:
             self._masks[key] = (bm, tensors)
         if len(self._masks) > _CACHE_SIZE:
             self._masks.popitem(last=False)
         return bm
+
+    def tiles(self, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+        """The block mask's (query, key) tiles for a call on ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``:
+        :func:`tile_size` of each side's own length. Apart, because a key tile past the keys is what
+        compiled flex gets wrong on the CPU (tiles (32, 128) at Nq = Nk = 40: error 0.55; (128, 32):
+        right), and a decoding call's one query must not shrink its key tile: at Nq = 1, Nk = 65536
+        (32 query heads on 4, D = 128, 2 threads on this project's VM) tiles (16, 16) took 309 ms,
+        (16, 128) 131 ms."""
+        dev = q.device.type
+        return tile_size(self.block, dev, self.cuda_tile, q.shape[2]), tile_size(
+            self.block, dev, self.cuda_tile, k.shape[2]
+        )
 
     def autotune_for(self, device: str) -> bool:
         """Whether the compiled kernel on ``device`` is autotuned: on CUDA with a tile below
@@ -268,8 +281,7 @@ class FlexKernel:
             q, k, v = q.detach(), k.detach(), v.detach()
             bias = None if bias is None else bias.detach()
         bm = self.block_mask(q, k, causal, key_padding_mask, attn_mask, documents)
-        tile = tile_size(self.block, q.device.type, self.cuda_tile, min(q.shape[2], k.shape[2]))
-        self.tile_ran = tile if bm is not None else None
+        self.tile_ran = self.tiles(q, k)[1] if bm is not None else None
         extra: dict[str, Any] = {"scale": scale}
         if k.shape[1] != q.shape[1]:
             extra["enable_gqa"] = True  # query head h reads K/V head h // (H / Hkv)

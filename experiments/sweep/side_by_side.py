@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -140,16 +141,29 @@ def sweep_command(overrides: Sequence[str], round_: int, side_dir: Path) -> list
 
 
 def _last_line(text: str) -> str:
-    """The last line of ``text`` that is not blank, or ``(no output)``."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
+    """The last line of ``text`` that is neither blank nor Hydra's ``HYDRA_FULL_ERROR`` hint, or
+    ``(no output)``."""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
     return lines[-1] if lines else "(no output)"
 
 
-def run_sweep(cmd: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+def failure_reason(output: str) -> str:
+    """What a failed sweep's ``output`` says went wrong, in one line: a setting this command passes
+    that the side's config does not have (a baseline older than the setting; Hydra says ``Key 'round'
+    not in 'BenchConfig'``) as such, else its last line (:func:`_last_line`)."""
+    missing = re.search(r"Key '([\w.]+)' not in '\w+'", output)
+    if missing and missing.group(1) in OWN_SETTINGS:
+        return (
+            f"its config has no setting '{missing.group(1)}', which side_by_side sets for each sweep: the "
+            "commit predates it and cannot run side by side; pick a later baseline"
+        )
+    return _last_line(output)
+
+
+def run_sweep(cmd: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> int:
     """Run one sweep in ``cwd`` (with the environment ``env``, None: this process's), its output
-    (stdout and stderr) shown indented as it comes and kept in ``log``; its exit code and last line."""
+    (stdout and stderr) shown indented as it comes and kept in ``log``; its exit code."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    last = "(no output)"
     with (
         log.open("w") as keep,
         subprocess.Popen(
@@ -160,8 +174,7 @@ def run_sweep(cmd: list[str], cwd: Path, log: Path, env: dict[str, str] | None =
         for line in proc.stdout:
             keep.write(line)
             print(f"  {line}", end="", flush=True)
-            last = line.strip() or last
-    return proc.returncode, last
+    return proc.returncode
 
 
 def run(commit: str, overrides: Sequence[str], rounds: int, out: Path, plugin: Path | None = None) -> int:
@@ -203,15 +216,19 @@ def run(commit: str, overrides: Sequence[str], rounds: int, out: Path, plugin: P
         plan = order(rounds)
         for i, (r, side) in enumerate(plan, 1):
             print(f"[{i}/{len(plan)}] round {r}: {names[side]}", flush=True)
-            cmd = sweep_command(overrides, r, out / side)
-            code, last = run_sweep(cmd, checkouts[side], out / side / f"round{r}.log", envs[side])
+            cmd, log = sweep_command(overrides, r, out / side), out / side / f"round{r}.log"
+            code = run_sweep(cmd, checkouts[side], log, envs[side])
             if code:
-                failed.append(f"{names[side]}, round {r}: exit {code}: {last}")
+                failed.append(f"{names[side]}, round {r}: exit {code}: {failure_reason(log.read_text())}")
                 if not (out / side / "records").exists():
                     break  # this side's code cannot run the sweep at all (a refused override): stop
     finally:
         _git("worktree", "remove", "--force", str(worktree), cwd=repo)
     this, base = out / "this" / "records", out / "baseline" / "records"
+    if failed and not (this.exists() and base.exists()):  # a side could not run: nothing to compare
+        for f in failed:
+            print(f"error: {f}", file=sys.stderr)
+        return 1
     cmd = [sys.executable, "-m", "experiments.report.report", str(this), "--baseline", str(base)]
     report = subprocess.run([*cmd, "--out", str(out / "report")], cwd=ROOT, capture_output=True, text=True)
     tables = out / "report" / "tables.md"
