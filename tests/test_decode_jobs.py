@@ -391,6 +391,23 @@ def _stepped_frame() -> pd.DataFrame:
     return df.assign(causal=True, state_bytes=2**20, threads=2, machine_slowdown=1.0, fwd_iqr_s=1e-5)
 
 
+def test_the_decoding_table_names_the_records_from_before_state_bytes():
+    """The decode store with flex measured again: the decoding table showed flex alone and did not
+    say that the other variants' records, written before `state_bytes`, were left out."""
+    from experiments.report.kernel_tables import decode_table
+
+    df = _stepped_frame()
+    older = df["variant"] == "sdpa"
+    df.loc[older, "state_bytes"] = np.nan  # recorded before the field
+    sec = decode_table(df)
+    shown = {title.split(": ")[0]: tab for title, tab in sec.parts}["cpu · float32 · fwd · seq_len=1"]
+    assert list(shown.index) == ["linear"]
+    n = int((older & (df["seq_len"] < df["kv_len"])).sum())
+    said = f"Not shown: {n} decoding record(s) of sdpa, written before records carried `state_bytes`"
+    assert said in sec.note
+    assert "Not shown" not in decode_table(_stepped_frame()).note
+
+
 def test_decode_and_bandwidth_cells_carry_the_marks_of_the_figure_they_show(monkeypatch, tmp_path):
     """The speed table marked `~`, `*` and `unstable`; the decoding and bandwidth tables showed the same
     records plain, and a step's own flags (its core share, its stability) were never read."""

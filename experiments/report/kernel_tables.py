@@ -356,6 +356,14 @@ def decode_table(df: pd.DataFrame) -> Section:
     dec = decode_rows(df)
     if dec.empty:
         return sec
+    older = _decoding(df)
+    older = older[(older["status"] == "ok") & _col(older, "state_bytes").isna()]
+    if len(older):  # a store that mixes records from before state_bytes: say whose rows are missing
+        sec.note += (
+            f" Not shown: {len(older)} decoding record(s) of {', '.join(sorted(set(older['variant'])))}, "
+            "written before records carried `state_bytes` (their times are in the Speed and Bandwidth "
+            "tables)."
+        )
     per_token = dec["ms_per_token"] / 1e3
     has_graph = dec["graph_ms_per_token"].notna().any()
 
@@ -388,6 +396,13 @@ def decode_table(df: pd.DataFrame) -> Section:
     return sec
 
 
+def _decoding(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of decoding calls: causal, fewer queries than keys, forward (``df`` has ``kv_len``)."""
+    nk, nq = _col(df, "kv_len"), _col(df, "seq_len")
+    causal = df["causal"].map(lambda c: c is True or c == "True")
+    return df[(nk > nq) & (df["mode"] == "fwd") & causal]
+
+
 def decode_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The decoding rows (causal, fewer queries than keys, forward) of records that carry
     ``state_bytes``, with ``ms_per_token`` (the step where it was timed, else the forward over the
@@ -397,9 +412,7 @@ def decode_rows(df: pd.DataFrame) -> pd.DataFrame:
     empty for a sweep without them."""
     if "state_bytes" not in df or "kv_len" not in df:
         return df.iloc[:0]
-    nk, nq = _col(df, "kv_len"), _col(df, "seq_len")
-    causal = df["causal"].map(lambda c: c is True or c == "True")
-    dec = df[(nk > nq) & (df["mode"] == "fwd") & causal]
+    dec = _decoding(df)
     dec = dec[_col(dec, "state_bytes").notna() | (dec["status"] != "ok")]
     call = _col(dec, "fwd_median_s")
     stepped = _col(dec, "step_median_s").notna()
