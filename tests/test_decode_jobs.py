@@ -408,6 +408,29 @@ def test_the_decoding_table_names_the_records_from_before_state_bytes():
     assert "Not shown" not in decode_table(_stepped_frame()).note
 
 
+def test_the_decoding_plots_name_the_records_from_before_state_bytes(monkeypatch, tmp_path):
+    """decode_vs_nk.png and state_vs_nk.png drew flex alone from the decode store and did not say why."""
+    from experiments.report import plots
+
+    titles: list[str] = []
+
+    def keep(fig, path, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        titles.append(fig._suptitle.get_text())
+        return path
+
+    monkeypatch.setattr(plots, "_save", keep)
+    df = _stepped_frame()
+    for plot in (plots.plot_decode, plots.plot_state):
+        plot(df, tmp_path)  # every record carries state_bytes: nothing left out
+    df.loc[df["variant"] == "sdpa", "state_bytes"] = np.nan
+    n = int(((df["variant"] == "sdpa") & (df["seq_len"] < df["kv_len"])).sum())
+    for plot in (plots.plot_decode, plots.plot_state):
+        plot(df, tmp_path)
+    assert ["Not shown" in t for t in titles] == [False, False, True, True]
+    said = f"Not shown: {n} decoding record(s) of sdpa, written before records carried state_bytes"
+    assert all(said in " ".join(t.split()) for t in titles[2:]), titles
+
+
 def test_decode_and_bandwidth_cells_carry_the_marks_of_the_figure_they_show(monkeypatch, tmp_path):
     """The speed table marked `~`, `*` and `unstable`; the decoding and bandwidth tables showed the same
     records plain, and a step's own flags (its core share, its stability) were never read."""

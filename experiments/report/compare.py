@@ -396,22 +396,19 @@ def env_diff(cur: pd.DataFrame, base: pd.DataFrame) -> str:
     """What differs between two sets' environments (host, CPU, GPU, torch, commit, the environment
     variables that change speed: ``env.speed_settings``) and which variants ran other code
     (:func:`variant_code_diff`), as one sentence."""
-    fields = [
-        "env_host", "env_cpu_model", "env_cpu_capability", "env_gpu_name", "env_torch", "env_cuda",
-        "env_git_commit",
-    ]  # fmt: skip
+    # field -> (its name in the sentence, what an absent value reads as): a record without speed
+    # settings had none set (or predates the field), where any other field's absence is unknown
+    fields = {
+        "env_host": ("host", "?"), "env_cpu_model": ("cpu_model", "?"),
+        "env_cpu_capability": ("cpu_capability", "?"), "env_gpu_name": ("gpu_name", "?"),
+        "env_torch": ("torch", "?"), "env_cuda": ("cuda", "?"), "env_git_commit": ("git_commit", "?"),
+        "env_speed_settings": ("speed settings", "none"),
+    }  # fmt: skip
     diffs = []
-    for f in fields:
+    for f, (name, absent) in fields.items():
         a, b = _values(cur, f), _values(base, f)
-        if a != b:
-            diffs.append(
-                f"{f.removeprefix('env_')}: {', '.join(a) or '?'} (this) vs {', '.join(b) or '?'} (baseline)"
-            )
-    # a record without speed settings had none set (or predates the field): "none", not unknown
-    a, b = _values(cur, "env_speed_settings"), _values(base, "env_speed_settings")
-    if a != b:
-        this, baseline = "; ".join(a) or "none", "; ".join(b) or "none"
-        diffs.append(f"speed settings: {this} (this) vs {baseline} (baseline)")
+        if a != b:  # distinct values joined by " | ": a speed settings value is itself "A=1; B=2"
+            diffs.append(f"{name}: {' | '.join(a) or absent} (this) vs {' | '.join(b) or absent} (baseline)")
     if code := variant_code_diff(cur, base):
         diffs.append(code)
     return (

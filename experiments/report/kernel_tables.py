@@ -356,14 +356,8 @@ def decode_table(df: pd.DataFrame) -> Section:
     dec = decode_rows(df)
     if dec.empty:
         return sec
-    older = _decoding(df)
-    older = older[(older["status"] == "ok") & _col(older, "state_bytes").isna()]
-    if len(older):  # a store that mixes records from before state_bytes: say whose rows are missing
-        sec.note += (
-            f" Not shown: {len(older)} decoding record(s) of {', '.join(sorted(set(older['variant'])))}, "
-            "written before records carried `state_bytes` (their times are in the Speed and Bandwidth "
-            "tables)."
-        )
+    if left_out := decode_left_out(df):  # a store that mixes records from before state_bytes
+        sec.note += f" Not shown: {left_out} (their times are in the Speed and Bandwidth tables)."
     per_token = dec["ms_per_token"] / 1e3
     has_graph = dec["graph_ms_per_token"].notna().any()
 
@@ -401,6 +395,20 @@ def _decoding(df: pd.DataFrame) -> pd.DataFrame:
     nk, nq = _col(df, "kv_len"), _col(df, "seq_len")
     causal = df["causal"].map(lambda c: c is True or c == "True")
     return df[(nk > nq) & (df["mode"] == "fwd") & causal]
+
+
+def decode_left_out(df: pd.DataFrame) -> str:
+    """``3 decoding record(s) of naive, sdpa, written before records carried `state_bytes```: the ok
+    decoding records that :func:`decode_rows` leaves out for want of ``state_bytes``, so that a table or
+    plot of a store mixing old and new records says whose rows are missing; empty when none is."""
+    if "kv_len" not in df:
+        return ""
+    older = _decoding(df)
+    older = older[(older["status"] == "ok") & _col(older, "state_bytes").isna()]
+    if older.empty:
+        return ""
+    names = ", ".join(sorted(set(older["variant"])))
+    return f"{len(older)} decoding record(s) of {names}, written before records carried `state_bytes`"
 
 
 def decode_rows(df: pd.DataFrame) -> pd.DataFrame:

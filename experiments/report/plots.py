@@ -43,7 +43,7 @@ from .grouping import (  # noqa: E402
     slow_machine,
     usable,
 )
-from .kernel_tables import decode_rows, scaling_fits  # noqa: E402
+from .kernel_tables import decode_left_out, decode_rows, scaling_fits  # noqa: E402
 
 DPI = 110
 MODE_TITLES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
@@ -369,11 +369,19 @@ def plot_decode(df: pd.DataFrame, out_dir: Path) -> Path | None:
         dec,
         "ms_per_token",
         "ms per token" + (" (CUDA graph replay where timed)" if graphed else ""),
-        "Decoding: time per token vs context (a state variant's step; the others' forward over the cache)",
+        "Decoding: time per token vs context (a state variant's step; the others' forward over the cache)"
+        + _not_shown(df),
         out_dir / "decode_vs_nk.png",
         band=None,
         flag="flagged",
     )
+
+
+def _not_shown(df: pd.DataFrame) -> str:
+    """A decoding plot's second title line naming the decoding records it cannot draw
+    (:func:`decode_left_out`), wrapped; empty when it draws them all."""
+    left_out = decode_left_out(df).replace("`", "")
+    return "\n" + textwrap.fill(f"Not shown: {left_out}", 110) if left_out else ""
 
 
 def plot_state(df: pd.DataFrame, out_dir: Path) -> Path | None:
@@ -383,7 +391,7 @@ def plot_state(df: pd.DataFrame, out_dir: Path) -> Path | None:
         decode_rows(_usable_rows(df)),
         "state_mib",
         "state per sequence and layer (MiB)",
-        "Decoding: what a sequence keeps vs context (K/V cache or fixed-size state)",
+        "Decoding: what a sequence keeps vs context (K/V cache or fixed-size state)" + _not_shown(df),
         out_dir / "state_vs_nk.png",
         band=None,
         coinciding=True,
