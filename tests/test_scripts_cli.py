@@ -1,11 +1,18 @@
 """The evidence scripts (scripts/*.py) refuse bad input in their parser: a one-line error naming the
 option, exit code 2, before any work; never a traceback from deep inside torch, and never exit 0 for a
-run that measured nothing. Each case runs the script as a user would, in a subprocess."""
+run that measured nothing. A refusal runs the script as ``python scripts/X.py`` would, in this process
+(:func:`run_in_process`: starting Python and torch again for each took 3-4 s of CI's time); a run that
+does work runs in a subprocess, as a user would."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import runpy
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -19,6 +26,36 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
     )
+
+
+def run_in_process(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python script *args`` run in this process, for a script's refusals and ``--help``, which end in
+    its parser: its ``sys.argv``, its folder first on ``sys.path``, the repository as the working
+    directory, stdout and stderr captured; the exit code of ``SystemExit``, or 1 and the traceback
+    on stderr for any other exception, as Python would. The process's argv, path, directory and torch
+    thread count are restored after it."""
+    path = ROOT / script
+    out, err = io.StringIO(), io.StringIO()
+    argv, syspath, cwd, threads = sys.argv, list(sys.path), os.getcwd(), torch.get_num_threads()
+    sys.argv, code = [str(path), *args], 0
+    sys.path.insert(0, str(path.parent))
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as e:
+                if isinstance(e.code, str):  # sys.exit("message"): Python prints it and exits 1
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except Exception:  # noqa: BLE001  (what Python itself would print: the test reads it)
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv, sys.path[:] = argv, syspath
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess([sys.executable, script, *args], code, out.getvalue(), err.getvalue())
 
 
 # (arguments, what stderr's last line must name); each has exactly one bad option, the other options
@@ -96,7 +133,7 @@ CASES = [
 
 @pytest.mark.parametrize(("args", "names"), CASES)
 def test_bad_option_is_a_parser_error(args: list[str], names: str, tmp_path: Path) -> None:
-    p = run_script(*(a.replace("{tmp}", str(tmp_path)) for a in args))
+    p = run_in_process(*(a.replace("{tmp}", str(tmp_path)) for a in args))
     last = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
     assert p.returncode == 2, f"exit {p.returncode}; stderr ends: {p.stderr[-600:]}"
     assert "error:" in last and names in last, last
@@ -104,7 +141,7 @@ def test_bad_option_is_a_parser_error(args: list[str], names: str, tmp_path: Pat
 
 
 def test_xformers_gate_check_help_runs_nothing() -> None:
-    p = run_script("scripts/xformers_gate_check.py", "--help")
+    p = run_in_process("scripts/xformers_gate_check.py", "--help")
     assert p.returncode == 0, p.stderr[-600:]
     assert p.stdout.startswith("usage: xformers_gate_check.py")
     assert "CUDA GPU and xformers" in p.stdout

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from experiments.records.environment import cpu_model
-from tests.test_scripts_cli import ROOT, run_script
+from tests.test_scripts_cli import ROOT, run_in_process, run_script
 
 SCRIPTS = sorted(
     p.name for p in (ROOT / "scripts").glob("*.py") if 'if __name__ == "__main__"' in p.read_text()
@@ -44,7 +44,7 @@ def options_without_help(text: str) -> list[str]:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_describes_every_option_and_a_whole_sentence(script: str) -> None:
-    p = run_script(f"scripts/{script}", "--help")
+    p = run_in_process(f"scripts/{script}", "--help")
     assert p.returncode == 0, p.stderr[-600:]
     assert not options_without_help(p.stdout), f"{script}: no help for {options_without_help(p.stdout)}"
     # the description: what comes between the usage lines and the options, whole sentences
