@@ -386,9 +386,11 @@ def test_a_smaller_cuda_tile_fits_the_layout_and_autotunes_its_kernel(monkeypatc
     assert small.autotune_for("cuda") and not small.autotune_for("cpu")
     assert not flex_kernel.FlexKernel(None, 64).autotune_for("cuda")  # 128 tiles: the defaults divide them
     assert flex_kernel.FlexKernel(None, 128, cuda_tile=64).autotune_for("cuda")  # a 128 block in 64 tiles
-    small._flex_fn("cuda")
-    small._flex_fn("cpu")
-    assert [kw["options"] for kw in compiled] == [{"max_autotune": True}, None]
+    small._flex_fn("cuda", on_cache=False)
+    small._flex_fn("cpu", on_cache=False)
+    small._flex_fn("cuda", on_cache=True)  # a decoding call: its own kernel, shapes free to change
+    assert [kw["options"] for kw in compiled] == [{"max_autotune": True}, None, {"max_autotune": True}]
+    assert [kw["dynamic"] for kw in compiled] == [False, False, None]
     with pytest.raises(ValueError, match="sparse cuda_tile must be auto or one of 64, 128; got 32"):
         variants.build("sparse", cuda_tile=32)  # no forward configuration is narrower than 64
     with pytest.raises(ValueError, match="cuda_tile must be one of 64, 128; got 48"):
@@ -528,6 +530,25 @@ def test_a_decoding_call_keeps_its_key_tile():
     assert attn.describe()["tile"] == 128
     assert attn._flex.tiles(q, k) == (16, 128)
     assert rel_err(out, oracle(attn, q, k, v, **kw)) <= 1e-5
+
+
+def test_a_decoding_loop_compiles_twice_not_once_per_token():
+    """A model decoding through compiled flex: every token's call has one key more, and the causal
+    offset its predicate captured was an int, on whose value Dynamo guards, so every step compiled a
+    kernel, and past Dynamo's limit of 8 ran eagerly (198 ms per token in the llama store, against
+    sdpa's 8). The loop now compiles a kernel for its first shape and one for any cache length, and
+    every step's output is the oracle's."""
+    torch._dynamo.reset()  # this test counts the compiled kernels: none from an earlier test
+    attn = variants.build("flex")
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 1, 2, 80, 16, generator=g)
+    for nk in range(64, 74):  # a cache of nk keys, one query: copies, as a model's cache concatenates
+        q = torch.randn(1, 4, 1, 16, generator=g)
+        kc, vc = k[:, :, :nk].clone(), v[:, :, :nk].clone()
+        out = attn(q, kc, vc, causal=True)
+        assert rel_err(out, oracle(attn, q, kc, vc, causal=True)) <= 1e-5, nk
+    code = flex_kernel._flex_on_a_cache.__code__
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) == 2
 
 
 # ---------------------------------------------------------------------------------------- multihead

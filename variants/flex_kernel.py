@@ -14,26 +14,29 @@ Hkv, Nk, Dv)`` -> ``(B, H, Nq, Dv)``. Time ``O(B H P D)`` for ``P`` pairs in vis
 ``O(B H N D)`` compiled, plus the block mask ``O(B H (N / tile)^2)`` (``O(B H Nq Nk)`` while it is
 built, and uncompiled FlexAttention materialises the full score matrix).
 
-Facts, checked on torch 2.13 CPU and torch 2.11 on an H100: compiled kernels refuse float64
-(inductor's CPU template); uncompiled ones also run float64, any tile and odd lengths. There is no
-backward on the CPU (``NotImplementedError`` when an input requires grad). A row that sees no key
-comes out as zeros (the kernel's row sum is 0 and it writes 0), compiled and not, so no fix-up pass
-is needed (the tests check it). ``create_block_mask`` is slow (it evaluates the predicate on every
-pair), so block masks are cached per (shape, causal, mask tensors and their in-place version). The
-compiled function is ``torch.compile(flex_attention, dynamic=False)``: one specialised kernel per
-shape, so a length sweep recompiles (and Dynamo falls back to eager after its recompile limit unless
-the caller resets it). The CUDA (Triton) kernel refuses head sizes below 16 ("NYI: embedding
-dimension of the query, key, and value must be at least 16") and block-mask tiles narrower than its
-own (up to 128, chosen per GPU; 64 is refused on an H100). So on CUDA the block mask uses 128-wide
-tiles unless ``block`` is a multiple of 128: full attention and the band do not depend on the tile,
-and a layout of smaller blocks (``block`` dividing 128) is expressed exactly by its predicate inside
-partly used tiles (fewer tiles are skipped than the layout allows; ``tile_ran`` says which ran).
-Layouts of other block sizes are refused on CUDA (:func:`flex_refusal`). A kernel may ask for a
-smaller CUDA tile (``cuda_tile=64``, so that every tile of a 64-block layout is a whole layout
-block and its predicate is never evaluated): inductor's default Hopper configurations (forward 128 x
-128 or 128 x 64, backward 64 x 128, for head sizes 64 to 128) do not divide such a tile, so that
-kernel is compiled with ``max_autotune``, whose candidate configurations include 64-wide ones (a first
-call of tens of seconds per shape). No forward configuration is narrower than 64.
+Facts, checked on torch 2.13 CPU and torch 2.11 on an H100: compiled kernels refuse float64 (inductor's
+CPU template); uncompiled ones also run float64, any tile and odd lengths. There is no backward on the
+CPU (``NotImplementedError`` when an input requires grad). A row that sees no key comes out as zeros
+(the kernel's row sum is 0 and it writes 0), compiled and not, so no fix-up pass is needed (the tests
+check it). ``create_block_mask`` is slow (it evaluates the predicate on every pair), so block masks are
+cached per (shape, causal, mask tensors and their in-place version). The compiled function is
+``torch.compile(flex_attention, dynamic=False)``: one specialised kernel per shape, so a length sweep
+recompiles (and Dynamo falls back to eager after its recompile limit unless the caller resets it). A
+call with fewer queries than keys (decoding) runs :func:`_flex_on_a_cache` instead, specialised to its
+first shape and generic over the lengths that change after it: a model's decoding loop, one key more
+every token, compiled a kernel per token and ran eagerly past the limit (198 ms per token in the llama
+store on 2026-11-29, against 8 for sdpa). The CUDA (Triton) kernel refuses head sizes below 16 ("NYI:
+embedding dimension of the query, key, and value must be at least 16") and block-mask tiles narrower
+than its own (up to 128, chosen per GPU; 64 is refused on an H100). So on CUDA the block mask uses
+128-wide tiles unless ``block`` is a multiple of 128: full attention and the band do not depend on the
+tile, and a layout of smaller blocks (``block`` dividing 128) is expressed exactly by its predicate
+inside partly used tiles (fewer tiles are skipped than the layout allows; ``tile_ran`` says which ran).
+Layouts of other block sizes are refused on CUDA (:func:`flex_refusal`). A kernel may ask for a smaller
+CUDA tile (``cuda_tile=64``, so that every tile of a 64-block layout is a whole layout block and its
+predicate is never evaluated): inductor's default Hopper configurations (forward 128 x 128 or 128 x 64,
+backward 64 x 128, for head sizes 64 to 128) do not divide such a tile, so that kernel is compiled with
+``max_autotune``, whose candidate configurations include 64-wide ones (a first call of tens of seconds
+per shape). No forward configuration is narrower than 64.
 """
 
 from __future__ import annotations
@@ -113,6 +116,19 @@ def tiles_per_head(bm: Any) -> float:
     return int(tiles) / (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
 
 
+def _flex_on_a_cache(*args: Any, **kwargs: Any) -> Any:
+    """``flex_attention`` for the calls with fewer queries than keys (decoding, a prefill onto a
+    cache), under a code object of its own, compiled with Dynamo's automatic dynamic shapes: its first
+    shape gets a kernel specialised to it, as every other call does (a decode benchmark, one shape,
+    times that kernel), and a second shape one kernel for whatever lengths changed, so a decoding loop
+    compiles twice, not once per token. Its own code object keeps these kernels and their recompile
+    limit apart from the static ones of :class:`FlexKernel`'s other calls, whose shapes stay
+    specialised (a length sweep in one process times each length's own kernel)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
 class FlexKernel:
     """FlexAttention with one fixed pattern, for one variant instance: its compiled function and its
     block masks, cached (a plain object, not a module: it holds no state to save).
@@ -136,7 +152,7 @@ class FlexKernel:
         # smaller where the queries are fewer (tiles())
         self.tile_ran: int | None = None
         # compiled (or plain) flex_attention, keyed by whether inductor autotunes it (autotune_for)
-        self._fns: dict[bool, Callable[..., torch.Tensor]] = {}
+        self._fns: dict[tuple[bool, bool], Callable[..., torch.Tensor]] = {}
         self._masks: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
 
     def block_mask(
@@ -239,18 +255,24 @@ class FlexKernel:
         :data:`CUDA_TILE`, which inductor's default configurations do not divide (module docstring)."""
         return self.compile and device == "cuda" and tile_size(self.block, device, self.cuda_tile) < CUDA_TILE
 
-    def _flex_fn(self, device: str) -> Callable[..., torch.Tensor]:
-        tune = self.autotune_for(device)
-        if tune not in self._fns:
+    def _flex_fn(self, device: str, on_cache: bool) -> Callable[..., torch.Tensor]:
+        """flex_attention as this kernel runs it on ``device``: compiled (unless ``compile=False``),
+        autotuned where :meth:`autotune_for` says, and for a call ``on_cache`` (fewer queries than
+        keys) through :func:`_flex_on_a_cache`, whose shapes may change from call to call."""
+        key = (self.autotune_for(device), on_cache and self.compile)
+        if key not in self._fns:
             from torch.nn.attention.flex_attention import flex_attention
 
             # held once per kernel: compiling per call would recompile every time
             fn = flex_attention
             if self.compile:
-                options = {"max_autotune": True} if tune else None
-                fn = torch.compile(flex_attention, dynamic=False, options=options)
-            self._fns[tune] = fn
-        return self._fns[tune]
+                options = {"max_autotune": True} if key[0] else None
+                if on_cache:
+                    fn = torch.compile(_flex_on_a_cache, dynamic=None, options=options)
+                else:
+                    fn = torch.compile(flex_attention, dynamic=False, options=options)
+            self._fns[key] = fn
+        return self._fns[key]
 
     def __call__(
         self,
@@ -298,7 +320,7 @@ class FlexKernel:
                 return score if bias4 is None else score + bias4[bi, hi, qi, ki]
 
             extra["score_mod"] = score_mod
-        flex = self._flex_fn(q.device.type)
+        flex = self._flex_fn(q.device.type, on_cache=q.shape[2] < k.shape[2])
         with warnings.catch_warnings():
             # uncompiled use is a deliberate choice here (compile=False), not a mistake to warn about
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
