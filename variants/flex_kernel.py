@@ -151,7 +151,8 @@ class FlexKernel:
         # the block mask's key tile of the last call (None: no mask); its query tile is the same, or
         # smaller where the queries are fewer (tiles())
         self.tile_ran: int | None = None
-        # compiled (or plain) flex_attention, keyed by whether inductor autotunes it (autotune_for)
+        # compiled (or plain) flex_attention, keyed by whether inductor autotunes it (autotune_for) and
+        # whether the call has fewer queries than keys (_flex_on_a_cache)
         self._fns: dict[tuple[bool, bool], Callable[..., torch.Tensor]] = {}
         self._masks: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
 
