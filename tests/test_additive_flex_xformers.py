@@ -551,6 +551,20 @@ def test_a_decoding_loop_compiles_twice_not_once_per_token():
     assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) == 2
 
 
+@pytest.mark.parametrize("nq", [1, 72])
+def test_compiled_flex_on_the_cpu_computes_every_pair_right_at_head_size_16(nq):
+    """With no pattern, causality or mask, flex handed FlexAttention no block mask, and compiled on the
+    CPU its own (128-wide tiles) gave an error of 0.37 for one query on 72 keys at head size 16, and
+    NaN for 72 on 72. A mask of whole tiles of the kernel's own size is right; uncompiled calls, and
+    CUDA's, still get None."""
+    attn = FlexAttention()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, nq, 16, generator=g), *torch.randn(2, 1, 2, 72, 16, generator=g)
+    assert rel_err(attn(q, k, v), oracle(attn, q, k, v)) <= 1e-5
+    assert attn._flex.tiles(q, k) == (16 if nq == 1 else 64, 64)
+    assert FlexAttention(compile=False)._flex.block_mask(q, k, False, None, None) is None
+
+
 # ---------------------------------------------------------------------------------------- multihead
 def _torch_mha(mine: MultiHeadAttention) -> nn.MultiheadAttention:
     e, kv = mine.embed_dim, mine.kv_dim

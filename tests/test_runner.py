@@ -1158,12 +1158,17 @@ def test_an_unusable_records_dir_is_one_line_before_any_measurement(tmp_path, ki
         assert "[naive" not in p.stdout  # nothing was measured
 
 
+def spinning_stranger() -> int:
+    """Start a process that keeps a core busy and is not this one's descendant (the shell that starts
+    it exits), and return its pid: a job counts its own process tree as its own work, and a child of
+    the measuring process would be that. The caller kills it."""
+    spin = f"{shlex.quote(sys.executable)} -c 'while True: pass' >/dev/null 2>&1 & echo $!"
+    return int(subprocess.run(["sh", "-c", spin], capture_output=True, text=True, check=True).stdout)
+
+
 def test_jobs_record_how_busy_the_rest_of_the_machine_was():
     threads = torch.get_num_threads()  # measure() pins the job's thread count in this process
-    # a spinning process that is not this one's descendant (the shell that starts it exits): the job
-    # counts its own process tree as its own work, and a child of the measuring process would be that
-    spin = f"{shlex.quote(sys.executable)} -c 'while True: pass' >/dev/null 2>&1 & echo $!"
-    pid = int(subprocess.run(["sh", "-c", spin], capture_output=True, text=True, check=True).stdout)
+    pid = spinning_stranger()
 
     def burnt() -> float:  # the spinning process's CPU seconds so far, from the kernel's count
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -1226,14 +1231,14 @@ def test_settle_waits_out_busy_cores_and_memory_reclaim_and_returns_once_quiet()
 
 def test_settle_reads_the_real_machine():
     # the one reading of the real host: a spinning process keeps a core busy, and whatever else runs
-    # on the machine can only add to what settle sees
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # on the machine can only add to what settle sees. It was this test's child, which settle counts
+    # as the process's own work: the test passed only beside other load (a second pytest worker)
+    pid = spinning_stranger()
     try:
         time.sleep(0.5)
         waited, busy = settle(0.3, others_limit=0.5, window_s=0.25, scans=lambda: 0)
     finally:
-        burner.kill()
-        burner.wait()
+        os.kill(pid, signal.SIGKILL)
     assert busy is not None and "other cores busy" in busy, busy
 
 

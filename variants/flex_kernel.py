@@ -116,6 +116,22 @@ def tiles_per_head(bm: Any) -> float:
     return int(tiles) / (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
 
 
+def _every_pair(nq: int, nk: int, tiles: tuple[int, int], device: torch.device) -> Any:
+    """A ``BlockMask`` of ``(query, key)`` ``tiles`` in which every tile is whole (no predicate to
+    evaluate): every pair of ``Nq`` queries and ``Nk`` keys. Built from its tile counts, ``O((Nq / tq)
+    (Nk / tk))``, not from a predicate on every pair."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nqb, nkb = -(-nq // tiles[0]), -(-nk // tiles[1])
+    whole = torch.full((1, 1, nqb), nkb, dtype=torch.int32, device=device)  # (1, 1, query tiles)
+    # (1, 1, query tiles, key tiles): every key tile, in order, for each query tile
+    order = torch.arange(nkb, dtype=torch.int32, device=device).expand(1, 1, nqb, nkb).contiguous()
+    none = torch.zeros_like(whole)  # no partly masked tile
+    return BlockMask.from_kv_blocks(
+        none, torch.zeros_like(order), whole, order, BLOCK_SIZE=tiles, seq_lengths=(nq, nk)
+    )
+
+
 def _flex_on_a_cache(*args: Any, **kwargs: Any) -> Any:
     """``flex_attention`` for the calls with fewer queries than keys (decoding, a prefill onto a
     cache), under a code object of its own, compiled with Dynamo's automatic dynamic shapes: its first
@@ -166,21 +182,25 @@ class FlexKernel:
         documents: torch.Tensor | None = None,
     ) -> Any:
         """A ``BlockMask`` for a call on ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)`` and these masks (and
-        packed ``documents``, ids ``(B, Nk)``: a query sees its own document's keys only), or None for
-        every pair; cached per mask tensor, so a model that hands every layer the same tensors builds
-        it once. Building one evaluates the predicate on every pair: ``O(B H Nq Nk)`` (``B`` and ``H``
-        only where a mask varies over them)."""
+        packed ``documents``, ids ``(B, Nk)``: a query sees its own document's keys only), or None for every
+        pair (compiled on the CPU, whole tiles of this kernel's own size: :func:`_every_pair`); cached
+        per mask tensor, so a model that hands every layer the same tensors builds it once. Building
+        one evaluates the predicate on every pair: ``O(B H Nq Nk)`` (``B`` and ``H`` only where a mask
+        varies over them)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         b, h, nq, _ = q.shape
         nk = k.shape[2]
-        if (
+        every_pair = (
             self.pattern is None
             and not causal
             and key_padding_mask is None
             and attn_mask is None
             and documents is None
-        ):
+        )
+        # compiled on the CPU, FlexAttention's own mask for every pair (128-wide tiles) gave wrong
+        # outputs at head size 16 (one query on 72 keys: error 0.37; 72 on 72: NaN); ours is right
+        if every_pair and not (self.compile and q.device.type == "cpu"):
             return None
         # the tensors themselves are held in the entry, so their ids cannot be reused while cached;
         # _version changes on any in-place edit, which would make the block list stale
@@ -199,40 +219,45 @@ class FlexKernel:
             self._masks.move_to_end(key)
             return hit[0]
 
-        preds: list[Callable] = []
-        if self.pattern is not None:
-            pattern = self.pattern(nq, nk, causal, q.device)  # causal included
-            preds.append(lambda bi, hi, qi, ki: pattern(qi, ki))
-        elif causal:
-            past = causal_mask_mod(nq, nk)
-            preds.append(lambda bi, hi, qi, ki: past(qi, ki))
-        mb = mh = None  # None = the block mask broadcasts over batch / heads
-        if key_padding_mask is not None:
-            kpm = key_padding_mask.to(q.device)  # (B, Nk), captured by the predicate
-            preds.append(lambda bi, hi, qi, ki: kpm[bi, ki])
-            mb = b
-        if attn_mask is not None:
-            am = attn_mask.to(q.device)
-            while am.dim() < 4:
-                am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
-            am = am.expand(b, h, nq, nk)  # a view: the predicate indexes it directly
-            preds.append(lambda bi, hi, qi, ki: am[bi, hi, qi, ki])
-            if attn_mask.dim() == 4 and attn_mask.shape[0] > 1:
+        if every_pair:  # compiled on the CPU (above)
+            bm = _every_pair(nq, nk, self.tiles(q, k), q.device)
+        else:
+            preds: list[Callable] = []
+            if self.pattern is not None:
+                pattern = self.pattern(nq, nk, causal, q.device)  # causal included
+                preds.append(lambda bi, hi, qi, ki: pattern(qi, ki))
+            elif causal:
+                past = causal_mask_mod(nq, nk)
+                preds.append(lambda bi, hi, qi, ki: past(qi, ki))
+            mb = mh = None  # None = the block mask broadcasts over batch / heads
+            if key_padding_mask is not None:
+                kpm = key_padding_mask.to(q.device)  # (B, Nk), captured by the predicate
+                preds.append(lambda bi, hi, qi, ki: kpm[bi, ki])
                 mb = b
-            if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1:
-                mh = h
-        if documents is not None:
-            ids, off = documents.to(q.device), nk - nq  # (B, Nk); the queries are the last Nq positions
-            preds.append(lambda bi, hi, qi, ki: ids[bi, qi + off] == ids[bi, ki])
-            mb = b
+            if attn_mask is not None:
+                am = attn_mask.to(q.device)
+                while am.dim() < 4:
+                    am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
+                am = am.expand(b, h, nq, nk)  # a view: the predicate indexes it directly
+                preds.append(lambda bi, hi, qi, ki: am[bi, hi, qi, ki])
+                if attn_mask.dim() == 4 and attn_mask.shape[0] > 1:
+                    mb = b
+                if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1:
+                    mh = h
+            if documents is not None:
+                ids, off = documents.to(q.device), nk - nq  # (B, Nk); the queries are the last Nq positions
+                preds.append(lambda bi, hi, qi, ki: ids[bi, qi + off] == ids[bi, ki])
+                mb = b
 
-        def mask_mod(bi: torch.Tensor, hi: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-            ok = preds[0](bi, hi, qi, ki)
-            for p in preds[1:]:
-                ok = ok & p(bi, hi, qi, ki)
-            return ok
+            def mask_mod(
+                bi: torch.Tensor, hi: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+            ) -> torch.Tensor:
+                ok = preds[0](bi, hi, qi, ki)
+                for p in preds[1:]:
+                    ok = ok & p(bi, hi, qi, ki)
+                return ok
 
-        bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=self.tiles(q, k))
+            bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=self.tiles(q, k))
         if cacheable:
             self._masks[key] = (bm, tensors)
         if len(self._masks) > _CACHE_SIZE:
