@@ -533,11 +533,10 @@ def test_a_decoding_call_keeps_its_key_tile():
 
 
 def test_a_decoding_loop_compiles_twice_not_once_per_token():
-    """A model decoding through compiled flex: every token's call has one key more, and the causal
-    offset its predicate captured was an int, on whose value Dynamo guards, so every step compiled a
-    kernel, and past Dynamo's limit of 8 ran eagerly (198 ms per token in the llama store, against
-    sdpa's 8). The loop now compiles a kernel for its first shape and one for any cache length, and
-    every step's output is the oracle's."""
+    """A model decoding through compiled flex: every token's call has one key more, and flex was
+    compiled with static shapes, so every step compiled a kernel, and past Dynamo's limit of 8 ran
+    eagerly (198 ms per token in the llama store, against sdpa's 8). The loop now compiles a kernel
+    for its first shape and one for any cache length, and every step's output is the oracle's."""
     torch._dynamo.reset()  # this test counts the compiled kernels: none from an earlier test
     attn = variants.build("flex")
     g = torch.Generator().manual_seed(0)
