@@ -41,6 +41,8 @@ per shape). No forward configuration is narrower than 64.
 
 from __future__ import annotations
 
+import copy
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -116,20 +118,36 @@ def tiles_per_head(bm: Any) -> float:
     return int(tiles) / (bm.kv_num_blocks.shape[0] * bm.kv_num_blocks.shape[1])
 
 
-def _every_pair(nq: int, nk: int, tiles: tuple[int, int], device: torch.device) -> Any:
-    """A ``BlockMask`` of ``(query, key)`` ``tiles`` in which every tile is whole (no predicate to
-    evaluate): every pair of ``Nq`` queries and ``Nk`` keys. Built from its tile counts, ``O((Nq / tq)
-    (Nk / tk))``, not from a predicate on every pair."""
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _whole_tiles(nqb: int, nkb: int, tiles: tuple[int, int], device: torch.device) -> Any:
+    """A ``BlockMask`` of ``nqb x nkb`` whole ``(query, key)`` ``tiles`` (no predicate to evaluate),
+    for sequences that fill them. Built from the tile counts, ``O(nqb nkb)``, but 1.6 ms on this
+    project's VM (``BlockMask.from_kv_blocks`` derives the query-side lists with a handful of small
+    ops), so it is kept: a decoding loop, one key more per token, meets the same counts for a tile's
+    worth of tokens. Its tensors are never written to."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    nqb, nkb = -(-nq // tiles[0]), -(-nk // tiles[1])
     whole = torch.full((1, 1, nqb), nkb, dtype=torch.int32, device=device)  # (1, 1, query tiles)
     # (1, 1, query tiles, key tiles): every key tile, in order, for each query tile
     order = torch.arange(nkb, dtype=torch.int32, device=device).expand(1, 1, nqb, nkb).contiguous()
     none = torch.zeros_like(whole)  # no partly masked tile
     return BlockMask.from_kv_blocks(
-        none, torch.zeros_like(order), whole, order, BLOCK_SIZE=tiles, seq_lengths=(nq, nk)
+        none,
+        torch.zeros_like(order),
+        whole,
+        order,
+        BLOCK_SIZE=tiles,
+        seq_lengths=(nqb * tiles[0], nkb * tiles[1]),
     )
+
+
+def _every_pair(nq: int, nk: int, tiles: tuple[int, int], device: torch.device) -> Any:
+    """A ``BlockMask`` of ``(query, key)`` ``tiles`` in which every tile is whole: every pair of
+    ``Nq`` queries and ``Nk`` keys (the kernel stops at the sequences' lengths inside the last
+    tiles). :func:`_whole_tiles`' mask, shallow-copied to these lengths: ``O(1)`` once built."""
+    bm = copy.copy(_whole_tiles(-(-nq // tiles[0]), -(-nk // tiles[1]), tiles, device))
+    bm.seq_lengths = (nq, nk)
+    return bm
 
 
 def _flex_on_a_cache(*args: Any, **kwargs: Any) -> Any:
@@ -182,18 +200,21 @@ class FlexKernel:
         documents: torch.Tensor | None = None,
     ) -> Any:
         """A ``BlockMask`` for a call on ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)`` and these masks (and
-        packed ``documents``, ids ``(B, Nk)``: a query sees its own document's keys only), or None for every
-        pair (compiled on the CPU, whole tiles of this kernel's own size: :func:`_every_pair`); cached
-        per mask tensor, so a model that hands every layer the same tensors builds it once. Building
-        one evaluates the predicate on every pair: ``O(B H Nq Nk)`` (``B`` and ``H`` only where a mask
-        varies over them)."""
+        packed ``documents``, ids ``(B, Nk)``: a query sees its own document's keys only), or None where
+        every pair is visible (no pattern or mask, and not causal or one query: a decoding step;
+        compiled on the CPU, whole tiles of this kernel's own size instead, :func:`_every_pair`, built
+        from tile counts in ``O(Nk / tile)``); cached per mask tensor, so a model that hands every layer
+        the same tensors builds it once. Building any other evaluates the predicate on every pair:
+        ``O(B H Nq Nk)`` (``B`` and ``H`` only where a mask varies over them)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         b, h, nq, _ = q.shape
         nk = k.shape[2]
+        # every pair is visible: no pattern or mask, and not causal or a single query (a decoding
+        # step's one query is the last position, so causality hides none of its keys)
         every_pair = (
             self.pattern is None
-            and not causal
+            and (not causal or nq == 1)
             and key_padding_mask is None
             and attn_mask is None
             and documents is None
@@ -285,7 +306,7 @@ class FlexKernel:
         """flex_attention as this kernel runs it on ``device``: compiled (unless ``compile=False``),
         autotuned where :meth:`autotune_for` says, and for a call ``on_cache`` (fewer queries than
         keys) through :func:`_flex_on_a_cache`, whose shapes may change from call to call."""
-        key = (self.autotune_for(device), on_cache and self.compile)
+        key = (self.autotune_for(device), on_cache)
         if key not in self._fns:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -293,7 +314,7 @@ class FlexKernel:
             fn = flex_attention
             if self.compile:
                 options = {"max_autotune": True} if key[0] else None
-                if on_cache:
+                if on_cache:  # dynamic=None: Dynamo's automatic dynamic shapes
                     fn = torch.compile(_flex_on_a_cache, dynamic=None, options=options)
                 else:
                     fn = torch.compile(flex_attention, dynamic=False, options=options)
