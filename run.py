@@ -6,7 +6,7 @@ Thin glue: Hydra composes the config, :func:`experiments.sweep.runner.run_job` m
 import difflib
 import sys
 
-from experiments.sweep.cpu_server import start_early
+from experiments.sweep.cpu_server import start_early, stop_early
 from experiments.sweep.fast_exit import exit_now, exit_status
 
 if __name__ == "__main__":  # (a job forked from the server runs this file again, as __mp_main__)
@@ -46,7 +46,11 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     try:
-        sys.argv = preflight(sys.argv)  # one-line errors for bad values before Hydra composes anything
+        try:
+            sys.argv = preflight(sys.argv)  # one-line errors for bad values before Hydra composes anything
+        except SystemExit:
+            stop_early()  # no job will run: the fork server need not finish importing torch
+            raise
         main()
     except SystemExit as exc:
         if (status := exit_status(exc)) is None:

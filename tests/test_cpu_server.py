@@ -54,3 +54,20 @@ assert parent == server == forkserver._forkserver._forkserver_pid, (parent, serv
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_stop_early_kills_the_server_it_started():
+    code = """
+import os
+from multiprocessing import forkserver
+from experiments.sweep.cpu_server import start_early, stop_early
+assert start_early([])
+pid = forkserver._forkserver._forkserver_pid
+assert stop_early() and not stop_early()  # killed and reaped; nothing left to kill
+try:
+    os.kill(pid, 0)
+except ProcessLookupError:
+    print("gone")
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "gone", p.stderr[-2000:]

@@ -81,6 +81,42 @@ def test_a_baseline_older_than_the_settings_it_is_given_is_one_line_and_no_repor
     assert sbs.failure_reason("x\nerror: seq_len must be > 0\n\n") == "error: seq_len must be > 0"
 
 
+def test_a_sweep_of_model_jobs_stops_after_its_first_sweep(tmp_path, capsys, monkeypatch):
+    """`experiment=llama` (model jobs) ran every round, then the report refused: it compares kernel
+    jobs' times. The first sweep's records say their kind, and the command stops there, in one line."""
+    calls = []
+
+    def model_sweep(cmd, cwd, log, env=None):  # a model job's record, as run.py writes it
+        calls.append(cmd)
+        records = Path(next(a for a in cmd if a.startswith("records_dir=")).split("=", 1)[1])
+        records.mkdir(parents=True)
+        (records / "r.json").write_text(json.dumps({"kind": "model", "status": "ok"}))
+        return 0
+
+    monkeypatch.setattr(sbs, "run_sweep", model_sweep)
+    assert sbs.main(["HEAD", "experiment=llama", "--out", str(tmp_path)]) == 1
+    assert len(calls) == 1 and not (tmp_path / "report").exists()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: the sweep's jobs are model jobs; side_by_side compares kernel jobs' times (the report's "
+        "comparison), so it stopped after the first sweep"
+    ]
+    assert not (tmp_path / "baseline_checkout").exists()
+
+
+def test_an_out_folder_holding_an_earlier_comparison_is_refused_before_any_sweep(tmp_path, capsys):
+    """Records left by an earlier comparison in the same --out were read beside the new ones: the
+    report compared both runs' records together (and stale ones failed to pair)."""
+    (tmp_path / "this" / "records").mkdir(parents=True)
+    (tmp_path / "this" / "records" / "old.json").write_text("{}")
+    assert sbs.main(["HEAD", "variant=sdpa", "--out", str(tmp_path)]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"error: --out {tmp_path} holds an earlier comparison's records ({tmp_path / 'this' / 'records'}), "
+        "which would be compared with this one's: pass another --out or remove it"
+    )
+    assert not (tmp_path / "baseline_checkout").exists() and not (tmp_path / "baseline").exists()
+
+
 def _commit_of_head_tree() -> str:
     """A new commit object holding HEAD's tree (no branch, index or working tree touched): a
     baseline whose code is HEAD's but whose hash is its own, so a record's ``git_commit`` says from

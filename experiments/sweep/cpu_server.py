@@ -11,6 +11,8 @@ start comes first.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,4 +64,26 @@ def start_early(argv: Sequence[str]) -> bool:
     from multiprocessing import forkserver
 
     forkserver.ensure_running()
+    return True
+
+
+def stop_early() -> bool:
+    """Kill the fork server :func:`start_early` started, where the command ends before any job (a
+    refused command line): left alone, it would finish importing torch and the suite after this
+    process exited (a refused command line saved about 2 s of the 11 s of CPU it took on this
+    project's 2-core VM). True if one was killed.
+    Reads ``multiprocessing.forkserver``'s private ``_forkserver_pid`` (there is no public handle);
+    without it, nothing is killed."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if not pid:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    server._forkserver_pid = None  # so nothing here forks from it again
     return True

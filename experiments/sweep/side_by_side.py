@@ -17,8 +17,10 @@ variant=local_window,sparse``); ``round``, ``records_dir``, ``resume``, ``report
 ``git_dirty``), each sweep's output to ``DIR/<side>/round<r>.log`` and its folder to
 ``DIR/<side>/sweeps/round<r>``, the baseline's checkout to ``DIR/baseline_checkout`` while it runs
 (in the output folder: a launcher's jobs on other nodes see it where the folder is shared), the
-comparison to ``DIR/report``. Exit code 0 when
-every sweep and the report ended 0, else 1. A third party's variant must be importable from both
+comparison to ``DIR/report``. ``DIR`` must not hold an earlier comparison's records (they would be
+compared with the new ones). The comparison is of kernel jobs' times: a sweep of other jobs (model,
+task, pretrained) is stopped after its first sweep, in one line. Exit code 0 when every sweep and the
+report ended 0, else 1. A third party's variant must be importable from both
 commits.
 
 ``--plugin CHECKOUT``: the two versions are a plugin's, not this repository's: ``commit`` is one of the
@@ -42,6 +44,8 @@ from datetime import datetime, timezone
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from experiments.measure.spec import Kind
+from experiments.records.records import read_json
 from variants.registry import ENTRY_POINT_GROUP
 
 #: the checkout this module belongs to: "this" side
@@ -177,6 +181,14 @@ def run_sweep(cmd: list[str], cwd: Path, log: Path, env: dict[str, str] | None =
     return proc.returncode
 
 
+def not_kernel_jobs(records: Path) -> str:
+    """The kinds other than ``kernel`` among the records in ``records`` (``model``, ``task``, ...),
+    joined, or an empty string: the comparison is of kernel jobs' times, so a sweep of other jobs is
+    stopped after its first round rather than after all of them. ``O(records)`` file reads."""
+    kinds = {(read_json(p) or {}).get("kind", Kind.kernel.value) for p in records.glob("*.json")}
+    return ", ".join(sorted(kinds - {Kind.kernel.value}))
+
+
 def run(commit: str, overrides: Sequence[str], rounds: int, out: Path, plugin: Path | None = None) -> int:
     """Measure ``overrides``' sweep ``rounds`` times from ``commit`` and from this checkout (in
     :func:`order`), then write the report of this side against the baseline into ``out/report``.
@@ -190,6 +202,12 @@ def run(commit: str, overrides: Sequence[str], rounds: int, out: Path, plugin: P
     repo = ROOT if plugin is None else Path(_git("rev-parse", "--show-toplevel", cwd=plugin)).resolve()
     roots = [] if plugin is None else plugin_import_roots(plugin, repo)
     sha = resolve(commit, repo)
+    for side in ("baseline", "this"):  # an earlier comparison's records would join this one's
+        if any((out / side / "records").glob("*.json")):
+            raise SideBySideError(
+                f"--out {out} holds an earlier comparison's records ({out / side / 'records'}), which "
+                "would be compared with this one's: pass another --out or remove it"
+            )
     out.mkdir(parents=True, exist_ok=True)
     # in the output folder, not /tmp: a launcher's jobs on other nodes see it where out is shared
     worktree = out / "baseline_checkout"
@@ -222,6 +240,11 @@ def run(commit: str, overrides: Sequence[str], rounds: int, out: Path, plugin: P
                 failed.append(f"{names[side]}, round {r}: exit {code}: {failure_reason(log.read_text())}")
                 if not (out / side / "records").exists():
                     break  # this side's code cannot run the sweep at all (a refused override): stop
+            if i == 1 and (other := not_kernel_jobs(out / side / "records")):
+                raise SideBySideError(
+                    f"the sweep's jobs are {other} jobs; side_by_side compares kernel jobs' times (the "
+                    "report's comparison), so it stopped after the first sweep"
+                )
     finally:
         _git("worktree", "remove", "--force", str(worktree), cwd=repo)
     this, base = out / "this" / "records", out / "baseline" / "records"
