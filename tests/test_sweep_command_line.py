@@ -262,11 +262,13 @@ def test_hydra_s_own_options_pass_the_preflight(args):
     assert preflight(["run.py", *args])[1:] == args
 
 
-def test_a_sweep_that_matches_no_job_fails_in_one_line(tmp_path):
-    p = run_sweep(tmp_path, "variant=glob(zzz*)")  # checked before Hydra launches anything
-    assert p.returncode == 1 and p.stdout == ""
-    assert p.stderr.startswith("error: 'variant=glob(zzz*)' matches no variant; known variants: additive")
-    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "sweep").exists()
+def test_a_sweep_that_matches_no_job_fails_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:  # checked before Hydra launches anything
+        preflight(["run.py", "-m", "variant=glob(zzz*)", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 1 and out == ""
+    assert err.startswith("error: 'variant=glob(zzz*)' matches no variant; known variants: additive")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "sweep").exists()
     # a glob with an exclude list is Hydra's to expand: the sweep's end says it launched nothing
     p = run_sweep(tmp_path, "variant=glob(*,exclude=*)")
     assert p.returncode == 1
@@ -382,26 +384,28 @@ def test_a_second_sweep_into_a_busy_records_dir_is_refused_before_work(tmp_path)
     assert records_lock.LOCK_NAME not in [p.name for p in records.glob("*.json")]
 
 
-@pytest.mark.parametrize("kind", ["a file", "under a file"])
-def test_an_unusable_records_dir_is_one_line_before_any_measurement(tmp_path, kind):
+@pytest.mark.parametrize(
+    "kind, args",
+    [("a file", ["-m", "variant=naive,sdpa"]), ("under a file", ["variant=naive"])],
+    ids=["a file, a sweep", "under a file, a single run"],
+)
+def test_an_unusable_records_dir_is_one_line_before_any_measurement(tmp_path, kind, args):
+    """A sweep checks its records_dir when it starts, a single run in its job: each path once, each
+    with one of the two ways a folder is unusable (the check is one function, records_lock's)."""
     blocker = tmp_path / "blocker"
     blocker.write_text("not a folder")
     target = blocker if kind == "a file" else blocker / "records"
-    for args in (["-m", "variant=naive,sdpa"], ["variant=naive"]):  # a sweep and a single run
-        cmd = [sys.executable, "run.py", *args, *[f"{k}={v}" for k, v in SMALL.items()]]
-        cmd += [
-            f"records_dir={target}",
-            f"hydra.sweep.dir={tmp_path / 'sweep'}",
-            f"hydra.run.dir={tmp_path}/run",
-        ]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 1
-        (line,) = p.stderr.strip().splitlines()
-        assert line.startswith(f"error: records_dir {target} ")
-        assert "[naive" not in p.stdout  # nothing was measured
+    cmd = [sys.executable, "run.py", *args, *[f"{k}={v}" for k, v in SMALL.items()]]
+    cmd += [f"records_dir={target}", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"hydra.run.dir={tmp_path}/run"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith(f"error: records_dir {target} ")
+    assert "[naive" not in p.stdout  # nothing was measured
 
 
-def test_a_hydra_output_folder_that_cannot_be_made_is_one_line_before_work(tmp_path):
+def test_a_hydra_output_folder_that_cannot_be_made_is_one_line_before_work(tmp_path, capsys):
+    """Checked by run.py's preflight: the three cases in this process, the first also through run.py."""
     blocker = tmp_path / "blocker"
     blocker.write_text("not a folder")
     small = [f"{k}={v}" for k, v in SMALL.items()]
@@ -410,19 +414,18 @@ def test_a_hydra_output_folder_that_cannot_be_made_is_one_line_before_work(tmp_p
         (["variant=naive"], "hydra.run.dir", blocker / "run", "Not a directory"),
         (["-m", "variant=naive"], "hydra.sweep.dir", blocker, "it is a file, not a folder"),
     ]
-    for args, setting, target, why in cases:
-        cmd = [
-            sys.executable,
-            "run.py",
-            *args,
-            *small,
-            f"records_dir={tmp_path / 'records'}",
-            f"{setting}={target}",
-        ]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 1, p.stderr[-2000:]
-        assert p.stderr.strip() == f"error: {setting} {target} cannot be created: {why}"
-        assert "[naive" not in p.stdout  # nothing was measured
+    for i, (args, setting, target, why) in enumerate(cases):
+        argv = ["run.py", *args, *small, f"records_dir={tmp_path / 'records'}", f"{setting}={target}"]
+        with pytest.raises(SystemExit) as exit_:
+            preflight(argv)
+        assert exit_.value.code == 1 and capsys.readouterr().err.strip() == (
+            f"error: {setting} {target} cannot be created: {why}"
+        )
+        if i == 0:
+            p = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert p.returncode == 1, p.stderr[-2000:]
+            assert p.stderr.strip() == f"error: {setting} {target} cannot be created: {why}"
+            assert "[naive" not in p.stdout  # nothing was measured
     # a folder that can be made is left for Hydra to make, as it was
     from experiments.sweep.preflight import check_output_dir
 
