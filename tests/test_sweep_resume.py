@@ -16,7 +16,7 @@ import torch
 
 import variants
 from experiments.measure.kernel import measure
-from experiments.records.environment import variant_code_version
+from experiments.records.environment import variant_code_files, variant_code_version
 from experiments.records.records import find_existing, read_records, write_record
 
 from .helpers import sweep_overrides
@@ -277,6 +277,37 @@ def test_a_changed_plugin_kernel_is_a_new_variant_code_version(tmp_path, monkeyp
     importlib.reload(sys.modules["myplugin"])
     assert variant_code_version(sys.modules["myplugin"].Mine) != first
     assert variant_code_version(variants.get("naive")) != first
+
+
+def test_a_variant_s_code_version_covers_the_modules_and_c_sources_it_uses(tmp_path, monkeypatch):
+    """The hash read the files of the class and its bases only: a change in variants/flex_kernel.py
+    (flex, local_window and sparse run it) left their versions as they were, so a comparison did not
+    name them. The modules a variant's modules use, and C sources beside them, are hashed too."""
+    import importlib
+
+    names = {
+        n: {p.name for p in variant_code_files(variants.get(n))} for n in ("flex", "local_window", "naive")
+    }
+    assert {"flex.py", "flex_kernel.py", "base.py"} <= names["flex"]
+    assert {"flex_kernel.py", "sparse_kernel.py", "sparse_kernel.c"} <= names["local_window"]
+    assert "flex_kernel.py" not in names["naive"] and "naive.py" in names["naive"]
+    # a plugin package: its variant's module uses a helper module, which has a C source beside it
+    pkg = tmp_path / "myplug"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("def scale(x):\n    return x\n")
+    (pkg / "helper.c").write_text("int f(void) { return 0; }\n")
+    (pkg / "attn.py").write_text(
+        "from variants.naive import NaiveAttention\nfrom .helper import scale\n"
+        "class Mine(NaiveAttention):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mine = importlib.import_module("myplug.attn").Mine
+    first = variant_code_version(mine)
+    (pkg / "helper.c").write_text("int f(void) { return 1; }\n")
+    second = variant_code_version(mine)
+    (pkg / "helper.py").write_text("def scale(x):\n    return 2 * x\n")
+    assert len({first, second, variant_code_version(mine)}) == 3
 
 
 def _local_window_note(monkeypatch, cache: Path, dtype: torch.dtype) -> dict:

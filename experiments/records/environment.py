@@ -8,6 +8,7 @@ import os
 import platform
 import socket
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -108,21 +109,51 @@ def speed_settings(environ: dict[str, str] | None = None) -> str | None:
     return "; ".join(found) or None
 
 
-def variant_code_version(cls: type) -> str:
-    """Hash of the source files that define ``cls`` and its attention base classes (a third-party
-    variant's own file included), so resume never reuses a record made by other kernel code."""
+def variant_code_files(cls: type) -> list[Path]:
+    """The source files whose code ``cls`` runs: the modules of ``cls`` and its attention base classes
+    (torch's and builtins' left out), every module of their packages those modules reach through
+    their globals (a name imported from it, or the module itself), transitively, and beside each such
+    module the files of its name with another suffix (``sparse_kernel.py``'s ``sparse_kernel.c``).
+    ``flex`` reaches ``variants/flex_kernel.py``, ``naive`` does not. Sorted by module name;
+    ``O(modules x globals)``, a handful of modules for a built-in variant."""
     import inspect
+    import types
 
-    h = hashlib.sha256()
-    for c in cls.__mro__:
-        if c.__module__.split(".")[0] in ("torch", "builtins"):
-            continue
+    start = {c.__module__ for c in cls.__mro__ if c.__module__.split(".")[0] not in ("torch", "builtins")}
+    packages = {m.split(".")[0] for m in start}
+    seen, todo = set(start), list(start)
+    while todo:
+        module = sys.modules.get(todo.pop())
+        for value in vars(module).values() if module is not None else ():
+            name = (
+                value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            )
+            if isinstance(name, str) and name.split(".")[0] in packages and name not in seen:
+                seen.add(name)
+                todo.append(name)
+    files: list[Path] = []
+    for name in sorted(seen):
         try:
-            src = inspect.getsourcefile(c)
-        except TypeError:
+            src = inspect.getsourcefile(sys.modules[name])
+        except (KeyError, TypeError):
             continue
         if src:
-            h.update(Path(src).read_bytes())
+            path = Path(src)
+            files += [
+                path,
+                *sorted(f for f in path.parent.glob(f"{path.stem}.*") if f.suffix not in (".py", ".pyc")),
+            ]
+    return files
+
+
+def variant_code_version(cls: type) -> str:
+    """Hash of the source files ``cls`` runs (:func:`variant_code_files`: its own, its attention base
+    classes', the modules of their packages they use, and C sources beside them; a third-party
+    variant's own files included), so resume never reuses a record made by other kernel code, and a
+    comparison names the variants whose code changed."""
+    h = hashlib.sha256()
+    for path in variant_code_files(cls):
+        h.update(path.read_bytes())
     return h.hexdigest()[:12]
 
 
