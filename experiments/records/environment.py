@@ -109,11 +109,16 @@ def speed_settings(environ: dict[str, str] | None = None) -> str | None:
     return "; ".join(found) or None
 
 
+#: the suffixes of the native sources a module may build and load from beside itself (a data file of
+#: the module's name, weights say, is not hashed: it may be large, and it is not code)
+_NATIVE_SOURCES = (".c", ".cc", ".cpp", ".cu", ".h", ".hpp")
+
+
 def variant_code_files(cls: type) -> list[Path]:
     """The source files whose code ``cls`` runs: the modules of ``cls`` and its attention base classes
     (torch's and builtins' left out), every module of their packages those modules reach through
     their globals (a name imported from it, or the module itself), transitively, and beside each such
-    module the files of its name with another suffix (``sparse_kernel.py``'s ``sparse_kernel.c``).
+    module the native sources of its name (``sparse_kernel.py``'s ``sparse_kernel.c``).
     ``flex`` reaches ``variants/flex_kernel.py``, ``naive`` does not. Sorted by module name;
     ``O(modules x globals)``, a handful of modules for a built-in variant."""
     import inspect
@@ -141,7 +146,7 @@ def variant_code_files(cls: type) -> list[Path]:
             path = Path(src)
             files += [
                 path,
-                *sorted(f for f in path.parent.glob(f"{path.stem}.*") if f.suffix not in (".py", ".pyc")),
+                *sorted(f for f in path.parent.glob(f"{path.stem}.*") if f.suffix in _NATIVE_SOURCES),
             ]
     return files
 
