@@ -219,10 +219,14 @@ class FlexKernel:
             and attn_mask is None
             and documents is None
         )
-        # compiled on the CPU, FlexAttention's own mask for every pair (128-wide tiles) gave wrong
-        # outputs at head size 16 (one query on 72 keys: error 0.37; 72 on 72: NaN); ours is right
-        if every_pair and not (self.compile and q.device.type == "cpu"):
-            return None
+        if every_pair:
+            # compiled on the CPU, FlexAttention's own mask for every pair (128-wide tiles) gave wrong
+            # outputs at head size 16 (one query on 72 keys: error 0.37; 72 on 72: NaN); ours is right.
+            # Not kept below: _every_pair is O(1) from its own cache, and a decoding loop's new length
+            # every step would push the masks that are costly to build out of this kernel's cache
+            if not (self.compile and q.device.type == "cpu"):
+                return None
+            return _every_pair(nq, nk, self.tiles(q, k), q.device)
         # the tensors themselves are held in the entry, so their ids cannot be reused while cached;
         # _version changes on any in-place edit, which would make the block list stale
         slots = (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask), ("documents", documents))
@@ -240,45 +244,40 @@ class FlexKernel:
             self._masks.move_to_end(key)
             return hit[0]
 
-        if every_pair:  # compiled on the CPU (above)
-            bm = _every_pair(nq, nk, self.tiles(q, k), q.device)
-        else:
-            preds: list[Callable] = []
-            if self.pattern is not None:
-                pattern = self.pattern(nq, nk, causal, q.device)  # causal included
-                preds.append(lambda bi, hi, qi, ki: pattern(qi, ki))
-            elif causal:
-                past = causal_mask_mod(nq, nk)
-                preds.append(lambda bi, hi, qi, ki: past(qi, ki))
-            mb = mh = None  # None = the block mask broadcasts over batch / heads
-            if key_padding_mask is not None:
-                kpm = key_padding_mask.to(q.device)  # (B, Nk), captured by the predicate
-                preds.append(lambda bi, hi, qi, ki: kpm[bi, ki])
+        preds: list[Callable] = []
+        if self.pattern is not None:
+            pattern = self.pattern(nq, nk, causal, q.device)  # causal included
+            preds.append(lambda bi, hi, qi, ki: pattern(qi, ki))
+        elif causal:
+            past = causal_mask_mod(nq, nk)
+            preds.append(lambda bi, hi, qi, ki: past(qi, ki))
+        mb = mh = None  # None = the block mask broadcasts over batch / heads
+        if key_padding_mask is not None:
+            kpm = key_padding_mask.to(q.device)  # (B, Nk), captured by the predicate
+            preds.append(lambda bi, hi, qi, ki: kpm[bi, ki])
+            mb = b
+        if attn_mask is not None:
+            am = attn_mask.to(q.device)
+            while am.dim() < 4:
+                am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
+            am = am.expand(b, h, nq, nk)  # a view: the predicate indexes it directly
+            preds.append(lambda bi, hi, qi, ki: am[bi, hi, qi, ki])
+            if attn_mask.dim() == 4 and attn_mask.shape[0] > 1:
                 mb = b
-            if attn_mask is not None:
-                am = attn_mask.to(q.device)
-                while am.dim() < 4:
-                    am = am.unsqueeze(0)  # (B|1, H|1, Nq|1, Nk)
-                am = am.expand(b, h, nq, nk)  # a view: the predicate indexes it directly
-                preds.append(lambda bi, hi, qi, ki: am[bi, hi, qi, ki])
-                if attn_mask.dim() == 4 and attn_mask.shape[0] > 1:
-                    mb = b
-                if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1:
-                    mh = h
-            if documents is not None:
-                ids, off = documents.to(q.device), nk - nq  # (B, Nk); the queries are the last Nq positions
-                preds.append(lambda bi, hi, qi, ki: ids[bi, qi + off] == ids[bi, ki])
-                mb = b
+            if attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1:
+                mh = h
+        if documents is not None:
+            ids, off = documents.to(q.device), nk - nq  # (B, Nk); the queries are the last Nq positions
+            preds.append(lambda bi, hi, qi, ki: ids[bi, qi + off] == ids[bi, ki])
+            mb = b
 
-            def mask_mod(
-                bi: torch.Tensor, hi: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
-            ) -> torch.Tensor:
-                ok = preds[0](bi, hi, qi, ki)
-                for p in preds[1:]:
-                    ok = ok & p(bi, hi, qi, ki)
-                return ok
+        def mask_mod(bi: torch.Tensor, hi: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+            ok = preds[0](bi, hi, qi, ki)
+            for p in preds[1:]:
+                ok = ok & p(bi, hi, qi, ki)
+            return ok
 
-            bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=self.tiles(q, k))
+        bm = create_block_mask(mask_mod, mb, mh, nq, nk, device=q.device, BLOCK_SIZE=self.tiles(q, k))
         if cacheable:
             self._masks[key] = (bm, tensors)
         if len(self._masks) > _CACHE_SIZE:

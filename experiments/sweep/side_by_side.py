@@ -45,7 +45,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from experiments.measure.spec import Kind
-from experiments.records.records import read_json
+from experiments.records.records import read_records
 from variants.registry import ENTRY_POINT_GROUP
 
 #: the checkout this module belongs to: "this" side
@@ -185,7 +185,7 @@ def not_kernel_jobs(records: Path) -> str:
     """The kinds other than ``kernel`` among the records in ``records`` (``model``, ``task``, ...),
     joined, or an empty string: the comparison is of kernel jobs' times, so a sweep of other jobs is
     stopped after its first round rather than after all of them. ``O(records)`` file reads."""
-    kinds = {(read_json(p) or {}).get("kind", Kind.kernel.value) for p in records.glob("*.json")}
+    kinds = {r.get("kind", Kind.kernel.value) for r in read_records(records)}
     return ", ".join(sorted(kinds - {Kind.kernel.value}))
 
 
